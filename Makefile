@@ -1,0 +1,26 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: run test install clean
+
+# Re-install when pyproject.toml changes.
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	scripts/bootstrap.sh $(VENV)
+	touch $@
+
+install: $(STAMP)
+
+## make run: Redis (unless REDIS_URL is set), a worker with the default model and the api on :8000
+run: $(STAMP)
+	@if [ -z "$$REDIS_URL" ]; then scripts/ensure-redis.sh; fi
+	$(VENV)/bin/streamq serve --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
+
+## make test: the whole test suite (starts its own redis-server on a free port)
+test: $(STAMP)
+	@scripts/ensure-redis.sh
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,14 @@
+"""Entry point of one api replica."""
+from __future__ import annotations
+
+import uvicorn
+
+from api.app import create_app
+from shared.settings import ApiSettings
+
+
+def main(settings: ApiSettings | None = None) -> None:
+    settings = settings or ApiSettings()
+    # One event loop, no reload: a replica is one process; run more of them to scale.
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                timeout_graceful_shutdown=5)

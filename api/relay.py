@@ -1,0 +1,79 @@
+"""A request's events, each exactly once and in order: first from its token log, then live.
+
+It subscribes to the request's channel BEFORE reading the log, and drops every token whose
+index it has already passed, so a client resuming from any index on any replica gets
+exactly the events after it. A gap in the live messages (a dropped pub/sub connection) is
+filled from the log.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from api.hub import PubSubHub
+from shared import keys
+from shared.messages import FinalEvent, StatusEvent, TokenEvent, decode_event
+from shared.store import RequestStore
+
+Event = TokenEvent | StatusEvent | FinalEvent
+
+
+class Relay:
+    def __init__(self, store: RequestStore, hub: PubSubHub, keepalive_s: float):
+        self.store = store
+        self.hub = hub
+        self.keepalive_s = keepalive_s
+
+    async def events(self, request_id: str, after: int = -1) -> AsyncIterator[Event | None]:
+        """Events after token index `after`, ending with the final one; None means "still alive"."""
+        channel = keys.request_channel(self.store.prefix, request_id)
+        async with self.hub.subscribe(channel) as queue:
+            cursor = _Cursor(self.store, request_id, after)
+            for event in await cursor.catch_up():
+                yield event
+                if isinstance(event, FinalEvent):
+                    return
+            while True:
+                try:
+                    data = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                for event in await cursor.accept(decode_event(data)):
+                    yield event
+                    if isinstance(event, FinalEvent):
+                        return
+
+
+class _Cursor:
+    """Tracks the last token index delivered and the last log entry read."""
+
+    def __init__(self, store: RequestStore, request_id: str, after: int):
+        self.store = store
+        self.request_id = request_id
+        self.last = after
+        self.entry = "-"
+
+    async def catch_up(self) -> list[Event]:
+        out: list[Event] = []
+        for entry_id, data in await self.store.events(self.request_id, self.entry):
+            self.entry = entry_id
+            out += self._fresh(decode_event(data))
+        return out
+
+    async def accept(self, event: Event) -> list[Event]:
+        missed = (isinstance(event, TokenEvent) and event.index > self.last + 1) or (
+            isinstance(event, FinalEvent) and event.usage.completion_tokens - 1 > self.last)
+        if missed:
+            out = await self.catch_up()
+            if any(isinstance(e, FinalEvent) for e in out):
+                return out
+            return out + self._fresh(event)
+        return self._fresh(event)
+
+    def _fresh(self, event: Event) -> list[Event]:
+        if isinstance(event, TokenEvent):
+            if event.index <= self.last:
+                return []
+            self.last = event.index
+        return [event]

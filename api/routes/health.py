@@ -1,0 +1,40 @@
+"""Liveness and readiness."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.deps import ModelNameDep, StoreDep
+from shared import keys
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz():
+    """The process is up."""
+    return {"status": "ok"}
+
+
+async def live_workers(store: StoreDep) -> list[dict]:
+    workers = []
+    async for key in store.redis.scan_iter(match=keys.worker_heartbeat_pattern(store.prefix), count=100):
+        if (beat := await store.redis.get(key)) is not None:
+            workers.append(json.loads(beat))
+    return workers
+
+
+@router.get("/readyz")
+async def readyz(store: StoreDep, model_name: ModelNameDep):
+    """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
+    try:
+        await store.redis.ping()
+        workers = [w for w in await live_workers(store) if w.get("model") == model_name]
+    except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
+        return JSONResponse(status_code=503, content={"status": "unavailable", "reason": f"redis: {exc}"})
+    if not workers:
+        return JSONResponse(status_code=503, content={"status": "unavailable",
+                                                      "reason": f"no live worker serves {model_name}"})
+    return {"status": "ready", "model": model_name, "workers": workers}

@@ -1,0 +1,181 @@
+"""The native api: submit, poll (with long-poll), stream (SSE, resumable) and cancel."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import HubDep, ModelNameDep, RelayDep, SettingsDep, StoreDep, TokenizerDep
+from api.relay import Event, Relay
+from api.schemas import SubmitRequest
+from api.sse import EventStreamResponse, sse_event
+from shared import keys
+from shared.messages import FinalEvent, RequestPayload, RequestStatus, StatusEvent, TokenEvent, decode_event
+from shared.store import RequestStore
+from shared.tokenizer import ChatTemplateError, Tokenizer
+
+router = APIRouter(prefix="/v1/requests", tags=["requests"])
+
+
+def _links(request_id: str) -> dict[str, str]:
+    base = f"/v1/requests/{request_id}"
+    return {"self": base, "events": f"{base}/events", "cancel": base}
+
+
+async def prepare(body: SubmitRequest, tokenizer: Tokenizer, model_name: str, default_max_tokens: int) -> RequestPayload:
+    """Check the request against the model and build what the worker runs. Raises 4xx."""
+    if body.model is not None and body.model != model_name:
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"model {body.model!r} is not served here; served models: [{model_name!r}]")
+    try:
+        if body.messages is not None:
+            messages = [m.model_dump() for m in body.messages]
+            prompt_ids = await run_in_threadpool(tokenizer.encode_chat, messages)
+        else:
+            prompt_ids = await run_in_threadpool(tokenizer.encode, body.prompt)
+    except ChatTemplateError as exc:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
+    context, n = tokenizer.context_length, len(prompt_ids)
+    if n == 0:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the prompt encodes to no tokens")
+    if n >= context:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                            f"the prompt has {n} tokens; the model's context is {context} tokens, "
+                            "which must also hold at least one generated token")
+    params = body.sampling()
+    if params.max_tokens is None:
+        params.max_tokens = min(default_max_tokens, context - n)
+    elif n + params.max_tokens > context:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                            f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
+                            f"{n + params.max_tokens}, more than the model's context of {context} tokens")
+    return RequestPayload(id=str(uuid.uuid4()), model=model_name, prompt_token_ids=prompt_ids, params=params)
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED)
+async def submit(body: SubmitRequest, settings: SettingsDep, store: StoreDep, relay: RelayDep,
+                 tokenizer: TokenizerDep, model_name: ModelNameDep):
+    """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
+    payload = await prepare(body, tokenizer, model_name, settings.default_max_tokens)
+    await store.submit(payload)
+    if body.stream:
+        async def cancel() -> None:
+            await store.cancel(payload.id, len(payload.prompt_token_ids))
+        return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=cancel,
+                                   headers={"X-Request-Id": payload.id})
+    return JSONResponse(
+        status_code=status.HTTP_202_ACCEPTED,
+        headers={"Location": f"/v1/requests/{payload.id}"},
+        content={"id": payload.id, "status": RequestStatus.QUEUED.value, "model": model_name,
+                 "prompt_tokens": len(payload.prompt_token_ids), "max_tokens": payload.params.max_tokens,
+                 "links": _links(payload.id)},
+    )
+
+
+def _valid_id(request_id: str) -> str:
+    try:
+        return str(uuid.UUID(request_id, version=4))
+    except ValueError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}") from None
+
+
+async def _record(store: RequestStore, request_id: str) -> dict[str, str]:
+    record = await store.record(_valid_id(request_id))
+    if not record:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
+    return record
+
+
+def _float(record: dict[str, str], name: str) -> float | None:
+    value = record.get(name)
+    return float(value) if value else None
+
+
+async def snapshot(store: RequestStore, request_id: str, record: dict[str, str]) -> dict[str, Any]:
+    tokens = [e for _, d in await store.events(request_id) if isinstance(e := decode_event(d), TokenEvent)]
+    created, started = _float(record, "created_at"), _float(record, "started_at")
+    first, finished = _float(record, "first_token_at"), _float(record, "finished_at")
+    return {
+        "id": request_id,
+        "status": record["status"],
+        "model": record.get("model"),
+        "text": "".join(t.text for t in tokens),
+        "prompt_tokens": int(record.get("prompt_tokens", 0)),
+        "completion_tokens": len(tokens),
+        "finish_reason": record.get("finish_reason"),
+        "error": record.get("error"),
+        "worker": record.get("worker"),
+        "timings": {
+            "created_at": created,
+            "queue_s": started - created if started and created else None,
+            "ttft_s": first - created if first and created else None,
+            "total_s": finished - created if finished and created else None,
+        },
+        "links": _links(request_id),
+    }
+
+
+@router.get("/{request_id}")
+async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: SettingsDep,
+               wait: Annotated[float, Query(ge=0, description="Seconds to wait for a change (long-poll).")] = 0):
+    """Status, text so far, token counts, finish reason and timings."""
+    record = await _record(store, request_id)
+    if wait > settings.max_wait_s:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                            f"wait={wait} is more than the server's limit of {settings.max_wait_s} s")
+    if wait and not RequestStatus(record["status"]).finished:
+        async with hub.subscribe(keys.request_channel(store.prefix, request_id)) as queue:
+            # Read again after subscribing, so a change in between is not waited for.
+            seen = await snapshot(store, request_id, await store.record(request_id))
+            if seen["status"] != record["status"] or seen["completion_tokens"]:
+                return seen
+            try:
+                await asyncio.wait_for(queue.get(), wait)
+            except asyncio.TimeoutError:
+                return seen
+        record = await store.record(request_id)
+    return await snapshot(store, request_id, record)
+
+
+def _format(event: Event | None) -> str:
+    if event is None:
+        return ": keepalive\n\n"
+    if isinstance(event, TokenEvent):
+        return sse_event(event.model_dump(exclude={"type"}), event="token", event_id=event.index)
+    if isinstance(event, StatusEvent):
+        return sse_event(event.model_dump(mode="json", exclude={"type"}), event="status")
+    body = event.model_dump(mode="json", exclude={"type"})
+    return sse_event(body, event="final")
+
+
+async def _sse(relay: Relay, request_id: str, after: int):
+    async for event in relay.events(request_id, after):
+        yield _format(event)
+
+
+@router.get("/{request_id}/events")
+async def events(request_id: str, store: StoreDep, relay: RelayDep,
+                 last_event_id: Annotated[int | None, Header(ge=-1)] = None):
+    """SSE: one `token` event per token (`id:` is its index), then one `final` event.
+
+    Send `Last-Event-ID` to resume after that index. Leaving this stream does not cancel
+    the request (it was submitted to run detached).
+    """
+    await _record(store, request_id)
+    return EventStreamResponse(_sse(relay, request_id, -1 if last_event_id is None else last_event_id))
+
+
+@router.delete("/{request_id}")
+async def cancel(request_id: str, store: StoreDep):
+    """Cancel a queued or running request; a running one stops within one step."""
+    record = await _record(store, request_id)
+    before = await store.cancel(request_id, int(record.get("prompt_tokens", 0)))
+    if before is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
+    if before.finished:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"request {request_id} already ended: {before.value}")
+    return {"id": request_id, "status": "cancelled" if before == RequestStatus.QUEUED else "cancelling"}

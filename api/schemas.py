@@ -1,0 +1,33 @@
+"""Bodies of the native api."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.sampling import SamplingParams
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SubmitRequest(SamplingParams):
+    """A prompt or chat messages, and how to sample. `stream: true` answers with SSE."""
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: str | None = Field(None, description="Model to use; the served model when unset.")
+    stream: bool = Field(False, description="Answer with the event stream; leaving it cancels the request.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "SubmitRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))

@@ -1,0 +1,1 @@
+"""Code that the api, the worker and the scheduler all need."""

@@ -1,0 +1,43 @@
+"""The `streamq` command: serve, api, worker, prepare-model."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _log(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="streamq", description="Serve a language model to many users at once.")
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Redis (unless REDIS_URL is set), a worker and the api, supervised.")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    sub.add_parser("api", help="One api replica (settings from STREAMQ_* variables).")
+    sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
+    sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
+    args = parser.parse_args(argv)
+    _log(args.log_level)
+
+    if args.command == "serve":
+        from shared.serve import serve as run_serve  # noqa: PLC0415
+        sys.exit(run_serve(args.host, args.port))
+    if args.command == "api":
+        from api.main import main as api_main  # noqa: PLC0415
+        api_main()
+    elif args.command == "worker":
+        from worker.main import main as worker_main  # noqa: PLC0415
+        worker_main()
+    elif args.command == "prepare-model":
+        from shared.models import prepare_model  # noqa: PLC0415
+        from shared.settings import CommonSettings  # noqa: PLC0415
+        print(prepare_model(CommonSettings()))
+
+
+if __name__ == "__main__":
+    main()

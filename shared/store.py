@@ -1,0 +1,99 @@
+"""The request record and its state changes, done atomically in Redis.
+
+The api and the worker both change a request's status; each change is a small Lua script
+that checks the current status first, so a cancel and a worker's claim can never both win.
+"""
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, Usage,
+                             encode_event, now)
+
+# Field of a token-log entry that holds the encoded event.
+EVENT_FIELD = "e"
+
+# KEYS: record. ARGV: expected status, new status, then field/value pairs to set.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'status') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+return 1
+"""
+
+# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl.
+# Returns the status the request had: a queued one is cancelled here and now; a running one
+# is flagged and left to its worker; a finished one is left alone.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
+  redis.call('PUBLISH', KEYS[3], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+elseif status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+end
+return status
+"""
+
+
+class RequestStore:
+    """Reads and writes request records for one key prefix."""
+
+    def __init__(self, redis: Redis, prefix: str):
+        self.redis = redis
+        self.prefix = prefix
+        self._claim = redis.register_script(_CLAIM)
+        self._cancel = redis.register_script(_CANCEL)
+
+    async def submit(self, payload: RequestPayload, owner: str = "") -> None:
+        """Write the record, then queue the request: both in one transaction."""
+        record = keys.request_record(self.prefix, payload.id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(record, mapping={
+                "status": RequestStatus.QUEUED.value,
+                "model": payload.model,
+                "owner": owner,
+                "params": payload.params.model_dump_json(),
+                "prompt_tokens": len(payload.prompt_token_ids),
+                "created_at": payload.created_at,
+            })
+            pipe.xadd(keys.request_stream(self.prefix, payload.model), {"payload": payload.model_dump_json()})
+            await pipe.execute()
+
+    async def claim(self, request_id: str, worker: str) -> bool:
+        """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""
+        record = keys.request_record(self.prefix, request_id)
+        started = now()
+        ok = await self._claim(keys=[record], args=[RequestStatus.QUEUED.value, RequestStatus.RUNNING.value,
+                                                    "worker", worker, "started_at", started])
+        if ok:
+            event = encode_event(StatusEvent(status=RequestStatus.RUNNING, worker=worker))
+            await self.redis.publish(keys.request_channel(self.prefix, request_id), event)
+        return bool(ok)
+
+    async def cancel(self, request_id: str, prompt_tokens: int) -> RequestStatus | None:
+        """Cancel a request; return the status it had (None if there is no such request)."""
+        final = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED,
+                           usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0))
+        status = await self._cancel(
+            keys=[keys.request_record(self.prefix, request_id), keys.token_log(self.prefix, request_id),
+                  keys.request_channel(self.prefix, request_id)],
+            args=[encode_event(final), now(), keys.RESULT_TTL_S])
+        if status is None:
+            return None
+        if status == RequestStatus.RUNNING.value:
+            await self.redis.publish(keys.cancel_channel(self.prefix), request_id)
+        return RequestStatus(status)
+
+    async def record(self, request_id: str) -> dict[str, str]:
+        return await self.redis.hgetall(keys.request_record(self.prefix, request_id))
+
+    async def events(self, request_id: str, after_entry: str = "-") -> list[tuple[str, str]]:
+        """Token-log entries (entry id, encoded event) after the given entry id."""
+        start = "-" if after_entry == "-" else f"({after_entry}"
+        entries = await self.redis.xrange(keys.token_log(self.prefix, request_id), min=start)
+        return [(entry_id, fields[EVENT_FIELD]) for entry_id, fields in entries]

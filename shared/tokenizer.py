@@ -1,0 +1,91 @@
+"""The tokenizer and chat template, loaded from a model folder without transformers or torch.
+
+The api counts and templates prompts with this; the worker detokenizes with the same code,
+so both sides agree on every token.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _RustTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages, or the model has none."""
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    """Encode, decode and apply the chat template of one model folder."""
+
+    def __init__(self, folder: Path | str):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; run `streamq prepare-model` to build it")
+        self._tok = _RustTokenizer.from_file(str(path))
+        config = _read_json(folder / "tokenizer_config.json")
+        model_config = _read_json(folder / "config.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        template_file = folder / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        )
+        self.context_length = int(
+            model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048
+        )
+        eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+            ids.append(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat messages, as the model was trained to read them."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template writes the special tokens itself, as transformers does.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

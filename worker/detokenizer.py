@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings for one request (pure Python).
+
+Text is released only when it is final: never half of a multi-byte character (a token can
+end in the middle of one), and never the start of what may turn out to be a stop string.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+REPLACEMENT = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+
+
+class Detokenizer:
+    def __init__(self, decode: Decode, stop: Sequence[str] = ()):
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to text already counted; context for the next
+        self._read = 0
+        self.text = ""  # decoded text so far (cut at the stop string once one matched)
+        self._released = 0  # characters of `text` handed out as deltas
+        self.stopped = False  # a stop string matched
+
+    def push(self, token_id: int) -> str:
+        """Add a generated token; return the text that is now final (may be empty)."""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end: decode what is still pending (even an incomplete character) and release all."""
+        if not self.stopped and self._read < len(self._ids):
+            before = self._decode(self._ids[self._prefix:self._read])
+            self.text += self._decode(self._ids[self._prefix:])[len(before):]
+            self._prefix = self._read = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = len(self.text)
+        if self._stop:
+            hit = self._find_stop()
+            if hit is not None:
+                self.stopped = True
+                self.text = self.text[:hit]
+                end = hit
+            elif not final:
+                end -= self._held_back()
+        delta = self.text[self._released:end]
+        self._released = end
+        return delta
+
+    def _find_stop(self) -> int | None:
+        # A match cannot start before _released: that text was checked and held no stop prefix.
+        hits = [i for s in self._stop if (i := self.text.find(s, self._released)) != -1]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of unreleased text that could begin a stop string."""
+        tail = len(self.text) - self._released
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, tail), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

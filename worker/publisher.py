@@ -1,0 +1,53 @@
+"""Publish one step's results: every event of the step in ONE Redis pipeline."""
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
+from shared.store import EVENT_FIELD
+from worker.sequence import StepOutput
+
+
+class Publisher:
+    def __init__(self, redis: Redis, prefix: str, model: str):
+        self.redis = redis
+        self.prefix = prefix
+        self.stream = keys.request_stream(prefix, model)
+
+    async def publish(self, outputs: list[StepOutput]) -> None:
+        """Token log XADD + PUBLISH for each new token; on finish the record, final event and XACK."""
+        if not outputs:
+            return
+        stamp = now()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for out in outputs:
+                rid = out.seq.id
+                log, channel = keys.token_log(self.prefix, rid), keys.request_channel(self.prefix, rid)
+                if out.token is not None:
+                    data = encode_event(out.token)
+                    pipe.xadd(log, {EVENT_FIELD: data})
+                    pipe.publish(channel, data)
+                    if out.token.index == 0:
+                        pipe.hset(keys.request_record(self.prefix, rid), "first_token_at", stamp)
+                if out.finished:
+                    self._finish(pipe, out, log, channel, stamp)
+            await pipe.execute()
+
+    def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
+        seq = out.seq
+        record = keys.request_record(self.prefix, seq.id)
+        usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids))
+        status = STATUS_OF_FINISH[seq.finish_reason]
+        final = encode_event(FinalEvent(status=status, finish_reason=seq.finish_reason, usage=usage, error=seq.error))
+        fields = {"status": status.value, "finish_reason": seq.finish_reason.value,
+                  "completion_tokens": usage.completion_tokens, "finished_at": stamp,
+                  "text": seq.detokenizer.text}
+        if seq.error:
+            fields["error"] = seq.error
+        pipe.hset(record, mapping=fields)
+        pipe.xadd(log, {EVENT_FIELD: final})
+        pipe.publish(channel, final)
+        pipe.xack(self.stream, keys.WORKER_GROUP, seq.stream_entry)
+        pipe.expire(record, keys.RESULT_TTL_S)
+        pipe.expire(log, keys.RESULT_TTL_S)

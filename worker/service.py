@@ -1,0 +1,116 @@
+"""The worker's asyncio side: intake, cancellation, heartbeats, and the step loop.
+
+The model step runs in a thread (asyncio.to_thread), so intake, cancels and heartbeats
+keep running while the model computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared import keys
+from shared.messages import RequestPayload
+from shared.settings import WorkerSettings
+from shared.store import RequestStore
+from worker.engine import Engine
+from worker.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService:
+    def __init__(self, redis: Redis, engine: Engine, settings: WorkerSettings, model: str):
+        self.redis = redis
+        self.engine = engine
+        self.settings = settings
+        self.model = model
+        self.name = settings.worker_name
+        self.stream = keys.request_stream(settings.prefix, model)
+        self.store = RequestStore(redis, settings.prefix)
+        self.publisher = Publisher(redis, settings.prefix, model)
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """Stop taking requests; the running batch still finishes."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        await self._ensure_group()
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._listen_cancels())]
+        try:
+            await self._loop()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _loop(self) -> None:
+        while True:
+            if self.engine.has_work():
+                await self._step()
+            elif self._stopping.is_set():
+                return
+            else:
+                await self._intake()
+
+    async def _step(self) -> None:
+        try:
+            outputs = await asyncio.to_thread(self.engine.step)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
+            log.exception("step failed")
+            outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
+        await self.publisher.publish(outputs)
+
+    async def _intake(self) -> None:
+        """Wait for requests and hand up to `free_slots` of them to the engine."""
+        reply = await self.redis.xreadgroup(keys.WORKER_GROUP, self.name, {self.stream: ">"},
+                                            count=self.engine.free_slots, block=self.settings.intake_block_ms)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                await self._admit(entry_id, fields)
+
+    async def _admit(self, entry_id: str, fields: dict[str, str]) -> None:
+        try:
+            payload = RequestPayload.model_validate_json(fields.get("payload", ""))
+        except ValidationError as exc:
+            log.error("dropping malformed request entry %s: %s", entry_id, exc)
+            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            return
+        if not await self.store.claim(payload.id, self.name):
+            # Cancelled (or otherwise ended) while queued: nothing to run.
+            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            return
+        self.engine.add(payload, entry_id)
+
+    async def _listen_cancels(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(keys.cancel_channel(self.settings.prefix))
+        try:
+            async for message in pubsub.listen():
+                if message["type"] == "message":
+                    self.engine.cancel(message["data"])
+        finally:
+            await pubsub.aclose()
+
+    async def _heartbeat(self) -> None:
+        key = keys.worker_heartbeat(self.settings.prefix, self.name)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        while True:
+            beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
+                    "capacity": self.engine.batch_size, "running": len(self.engine.running),
+                    "waiting": len(self.engine.waiting)}
+            await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
