@@ -1,0 +1,42 @@
+"""Shared steps of the end-to-end tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.stack import stream_events
+
+
+def submit(client: httpx.Client, url: str, **body) -> dict:
+    reply = client.post(f"{url}/v1/requests", json=body)
+    assert reply.status_code == 202, reply.text
+    return reply.json()
+
+
+def wait_done(client: httpx.Client, url: str, request_id: str, rounds: int = 60) -> dict:
+    """Long-poll until the request ends (each round waits up to 10 s for a change)."""
+    for _ in range(rounds):
+        state = client.get(f"{url}/v1/requests/{request_id}", params={"wait": 10}).json()
+        if state["status"] in ("done", "failed", "cancelled"):
+            return state
+    raise AssertionError(f"request {request_id} did not finish: {state}")
+
+
+def token_ids(events: list[dict]) -> list[int]:
+    return [e["data"]["token_id"] for e in events if e.get("event") == "token"]
+
+
+def events_of(client: httpx.Client, url: str, request_id: str, last_event_id: int | None = None) -> list[dict]:
+    headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+    return stream_events(client, "GET", f"{url}/v1/requests/{request_id}/events", headers=headers)
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, unbatched: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()

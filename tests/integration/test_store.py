@@ -1,0 +1,74 @@
+"""Request records and status changes against a real Redis."""
+import asyncio
+
+from shared import keys
+from shared.messages import FinalEvent, RequestPayload, RequestStatus, decode_event
+from shared.sampling import SamplingParams
+from shared.store import EVENT_FIELD, RequestStore
+
+
+def _payload(rid="3f1c2a8e-1111-4222-8333-444455556666"):
+    return RequestPayload(id=rid, model="m", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4))
+
+
+async def test_submit_writes_record_and_queues_entry(redis, prefix):
+    store = RequestStore(redis, prefix)
+    payload = _payload()
+    await store.submit(payload, owner="alice")
+    record = await store.record(payload.id)
+    assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
+    entries = await redis.xrange(keys.request_stream(prefix, "m"))
+    assert len(entries) == 1
+    assert RequestPayload.model_validate_json(entries[0][1]["payload"]) == payload
+
+
+async def test_cancel_of_queued_request_ends_it_and_blocks_the_claim(redis, prefix):
+    store = RequestStore(redis, prefix)
+    payload = _payload()
+    await store.submit(payload)
+    assert await store.cancel(payload.id, 3) == RequestStatus.QUEUED
+    assert (await store.record(payload.id))["status"] == "cancelled"
+    [(_, data)] = await store.events(payload.id)
+    final = decode_event(data)
+    assert isinstance(final, FinalEvent) and final.finish_reason.value == "cancelled"
+    assert await store.claim(payload.id, "w1") is False
+    assert await redis.ttl(keys.request_record(prefix, payload.id)) > 0
+
+
+async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, prefix):
+    store = RequestStore(redis, prefix)
+    payload = _payload()
+    await store.submit(payload)
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(keys.cancel_channel(prefix))
+    assert await store.claim(payload.id, "w1") is True
+    assert await store.cancel(payload.id, 3) == RequestStatus.RUNNING
+    record = await store.record(payload.id)
+    assert record["status"] == "running" and record["cancel_requested"] == "1" and record["worker"] == "w1"
+    message = None
+    while message is None or message["type"] != "message":
+        message = await pubsub.get_message(timeout=5)
+        assert message is not None, "no cancel message reached the workers' channel"
+    assert message["data"] == payload.id
+    await pubsub.aclose()
+
+
+async def test_unknown_request_cancel_returns_none(redis, prefix):
+    assert await RequestStore(redis, prefix).cancel("3f1c2a8e-0000-4222-8333-444455556666", 0) is None
+
+
+async def test_concurrent_claims_have_one_winner(redis, prefix):
+    store = RequestStore(redis, prefix)
+    payload = _payload()
+    await store.submit(payload)
+    results = await asyncio.gather(*(store.claim(payload.id, f"w{i}") for i in range(8)))
+    assert results.count(True) == 1
+
+
+async def test_events_reads_after_a_given_entry(redis, prefix):
+    store = RequestStore(redis, prefix)
+    log = keys.token_log(prefix, "r")
+    ids = [await redis.xadd(log, {EVENT_FIELD: f'{{"type":"token","index":{i},"token_id":0,"text":"x"}}'})
+           for i in range(3)]
+    assert [e for e, _ in await store.events("r")] == ids
+    assert [e for e, _ in await store.events("r", ids[0])] == ids[1:]

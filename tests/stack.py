@@ -1,0 +1,134 @@
+"""Real streamq processes for end-to-end tests: workers and api replicas as subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from shared import keys
+from shared.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Stack:
+    def __init__(self, redis_url: str, model: Path | None, folder: Path, replicas: int = 1, batch_size: int = 8,
+                 workers: int = 1, env: dict[str, str] | None = None):
+        self.folder = folder
+        self.prefix = f"e2e{uuid.uuid4().hex[:8]}"
+        self.env = {**os.environ, "REDIS_URL": redis_url, "STREAMQ_PREFIX": self.prefix,
+                    "STREAMQ_MODEL": str(model) if model else "default", "STREAMQ_DTYPE": "float32",
+                    "STREAMQ_DEVICE": "cpu", "STREAMQ_BATCH_SIZE": str(batch_size),
+                    "STREAMQ_MODEL_CACHE_DIR": str(folder / "cache"), "STREAMQ_SSE_KEEPALIVE_S": "1", **(env or {})}
+        # An empty value means "the user's default", as in a real deployment (the default model's cache).
+        self.env = {k: v for k, v in self.env.items() if v != ""}
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.urls: list[str] = []
+        self.n_replicas, self.n_workers = replicas, workers
+        self.model_name = model.name if model else "SmolLM2-135M-Instruct"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = open(self.folder / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append((name, proc))
+        return proc
+
+    def __enter__(self) -> "Stack":
+        try:
+            # As `streamq serve` does: convert the model (if needed) before any process reads it.
+            subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], cwd=ROOT, env=self.env,
+                           check=True, capture_output=True)
+            for i in range(self.n_workers):
+                self._spawn(f"worker{i}", ["worker"], self.env)
+            for i in range(self.n_replicas):
+                port = free_port()
+                self._spawn(f"api{i}", ["api"], {**self.env, "STREAMQ_PORT": str(port)})
+                self.urls.append(f"http://127.0.0.1:{port}")
+            self.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Poll /readyz on every replica until it reports a live worker (or a process dies)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.urls)
+        while pending:
+            for name, proc in self.processes:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {timeout_s} s:\n{self.logs()}")
+            try:
+                if httpx.get(f"{pending[0]}/readyz", timeout=2).status_code == 200:
+                    pending.pop(0)
+                    continue
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)  # readiness polling only, never used to order events
+
+    def queued(self) -> int:
+        """How many requests were ever written to the model's request stream."""
+        import redis
+
+        with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
+            info = client.xinfo_stream(keys.request_stream(self.prefix, self.model_name))
+        return int(info["entries-added"])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+                         for p in sorted(self.folder.glob("*.log")))
+
+    def __exit__(self, *exc) -> None:
+        for _name, proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for _name, proc in self.processes:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def parse_sse(lines) -> list[dict]:
+    """Group SSE lines into events: {'id', 'event', 'data'} (data decoded from JSON)."""
+    events, current = [], {}
+    for line in lines:
+        if line == "":
+            if "data" in current:
+                current["data"] = json.loads(current["data"])
+                events.append(current)
+            current = {}
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            current[field] = value[1:] if value.startswith(" ") else value
+    return events
+
+
+def stream_events(client: httpx.Client, method: str, url: str, stop_after: int | None = None, **kwargs) -> list[dict]:
+    """Read an SSE response to its final event (or stop after `stop_after` token events)."""
+    events: list[dict] = []
+    with client.stream(method, url, **kwargs) as response:
+        response.raise_for_status()
+        buffer: list[str] = []
+        for line in response.iter_lines():
+            buffer.append(line)
+            if line == "":
+                events += parse_sse(buffer)
+                buffer = []
+                if events and events[-1].get("event") == "final":
+                    break
+                if stop_after is not None and sum(e.get("event") == "token" for e in events) >= stop_after:
+                    break
+    return events

@@ -1,0 +1,67 @@
+"""Tiny models with random weights and a small byte-level BPE tokenizer, built by the tests.
+
+They are saved like any Hugging Face model folder and loaded through the same code as the
+real model, so every test runs the real loading, batching and streaming paths in seconds.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "Once upon a time there was a small model that served many users at once.",
+    "The capital of France is Paris. The capital of Korea is Seoul.",
+    "Streams, batches and caches: a worker runs requests together, step by step.",
+    "안녕하세요, 반갑습니다. 😀 🚀 café naïve",
+] * 20
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CONTEXT = 256
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 400) -> int:
+    """Train the tokenizer into `folder`; return the real vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": CONTEXT,
+    }))
+    return tok.get_vocab_size()
+
+
+def build_model(folder: Path, kind: str, seed: int = 0) -> Path:
+    """A tiny 'llama' or 'opt' model with its tokenizer in `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+
+    vocab = build_tokenizer(folder)
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                  max_position_embeddings=CONTEXT)
+    if kind == "llama":
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, initializer_range=0.2, **common)
+    elif kind == "opt":
+        config = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                           word_embed_proj_dim=64, init_std=0.2, **common)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(folder)
+    return folder

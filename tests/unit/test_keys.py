@@ -1,0 +1,34 @@
+import re
+
+from shared import keys
+
+RID = "0b9f6a2e-8f3c-4c55-9d8e-2f7f3c1e2a10"
+
+
+def _hash_tag(key: str) -> str:
+    match = re.search(r"\{([^}]*)\}", key)
+    assert match, key
+    return match.group(1)
+
+
+def test_request_keys_share_one_hash_slot():
+    names = [keys.request_record("p", RID), keys.token_log("p", RID), keys.request_channel("p", RID)]
+    assert {_hash_tag(n) for n in names} == {RID}
+    assert len(set(names)) == 3
+
+
+def test_every_key_starts_with_the_prefix():
+    names = [keys.request_stream("pre", "m"), keys.request_record("pre", RID), keys.token_log("pre", RID),
+             keys.request_channel("pre", RID), keys.cancel_channel("pre"), keys.worker_heartbeat("pre", "w"),
+             keys.replica_channel("pre", "r"), keys.dead_letter_stream("pre")]
+    assert all(n.startswith("pre:") for n in names)
+    assert len(set(names)) == len(names)
+
+
+def test_request_stream_is_per_model():
+    assert keys.request_stream("p", "a") != keys.request_stream("p", "b")
+
+
+def test_heartbeat_pattern_matches_heartbeats():
+    pattern = keys.worker_heartbeat_pattern("p").replace("*", ".*")
+    assert re.fullmatch(pattern, keys.worker_heartbeat("p", "host-1"))

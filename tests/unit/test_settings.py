@@ -1,0 +1,53 @@
+import pytest
+from pydantic import ValidationError
+
+from shared.sampling import SamplingParams
+from shared.settings import ApiSettings, CommonSettings, WorkerSettings
+
+
+def test_redis_url_comes_from_REDIS_URL(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://example:1234/2")
+    assert CommonSettings().redis_url == "redis://example:1234/2"
+
+
+def test_streamq_prefixed_variables_set_fields(monkeypatch):
+    monkeypatch.setenv("STREAMQ_BATCH_SIZE", "3")
+    monkeypatch.setenv("STREAMQ_PREFIX", "blue")
+    settings = WorkerSettings()
+    assert settings.batch_size == 3 and settings.prefix == "blue"
+
+
+@pytest.mark.parametrize("field,value", [("batch_size", 0), ("batch_size", 5000), ("dtype", "int3"),
+                                         ("heartbeat_interval_s", 0)])
+def test_worker_settings_bounds(field, value):
+    with pytest.raises(ValidationError) as info:
+        WorkerSettings(**{field: value})
+    assert field in str(info.value)
+
+
+def test_heartbeat_check_names_both_values():
+    with pytest.raises(ValidationError) as info:
+        WorkerSettings(heartbeat_interval_s=6, heartbeat_ttl_s=10)
+    message = str(info.value)
+    assert "heartbeat_ttl_s=10" in message and "heartbeat_interval_s=6" in message
+
+
+def test_prefix_must_be_a_plain_name():
+    with pytest.raises(ValidationError):
+        ApiSettings(prefix="a b:{c}")
+
+
+def test_worker_names_are_unique_per_instance():
+    assert WorkerSettings().worker_name != WorkerSettings().worker_name
+
+
+@pytest.mark.parametrize("params", [{"temperature": -0.1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
+                                    {"max_tokens": 0}, {"stop": [""]}, {"temprature": 1}])
+def test_sampling_params_reject_bad_values(params):
+    with pytest.raises(ValidationError):
+        SamplingParams(**params)
+
+
+def test_single_stop_string_becomes_a_list():
+    assert SamplingParams(stop="END").stop == ["END"]
+    assert SamplingParams(stop=None).stop == []
