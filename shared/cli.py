@@ -1,4 +1,4 @@
-"""The `streamq` command: serve, api, worker, prepare-model."""
+"""The `streamq` command: serve, api, worker, scheduler, prepare-model."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8000)
     sub.add_parser("api", help="One api replica (settings from STREAMQ_* variables).")
     sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
+    sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
     sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
     args = parser.parse_args(argv)
     _log(args.log_level)
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "worker":
         from worker.main import main as worker_main  # noqa: PLC0415
         worker_main()
+    elif args.command == "scheduler":
+        from scheduler.main import main as scheduler_main  # noqa: PLC0415
+        scheduler_main()
     elif args.command == "prepare-model":
         from shared.models import prepare_model  # noqa: PLC0415
         from shared.settings import CommonSettings  # noqa: PLC0415

@@ -1,7 +1,7 @@
 """`streamq serve`: everything on one machine, supervised.
 
 Starts a private redis-server unless REDIS_URL is set, converts the model if needed, then one
-worker and one api process. A child that dies is restarted with backoff. Ctrl-C (or SIGTERM)
+worker, the scheduler and one api process. A child that dies is restarted with backoff. Ctrl-C (or SIGTERM)
 stops every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG).
 """
 from __future__ import annotations
@@ -102,6 +102,7 @@ def serve(host: str, port: int) -> int:
         cli = [sys.executable, "-m", "shared.cli"]
         children = [
             Child("worker", cli + ["worker"], env),
+            Child("scheduler", cli + ["scheduler"], env),
             Child("api", cli + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)}),
         ]
         for child in children:

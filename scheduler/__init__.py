@@ -1,0 +1,1 @@
+"""The scheduler service: periodic jobs run by arq."""

@@ -1,0 +1,44 @@
+"""Entry point of the scheduler: an arq worker whose cron jobs keep Redis tidy."""
+from __future__ import annotations
+
+from typing import Any
+
+from arq import cron
+from arq.connections import RedisSettings
+from arq.worker import run_worker
+from redis.asyncio import Redis
+
+from scheduler.jobs import trim_request_stream
+from shared.models import served_name
+from shared.settings import SchedulerSettings
+
+
+async def trim(ctx: dict[str, Any]) -> int:
+    settings: SchedulerSettings = ctx["settings"]
+    return await trim_request_stream(ctx["streamq_redis"], settings.prefix, served_name(settings))
+
+
+def worker_settings(settings: SchedulerSettings) -> type:
+    """arq reads its settings from a class; build one around our settings object."""
+
+    async def on_startup(ctx: dict[str, Any]) -> None:
+        ctx["settings"] = settings
+        ctx["streamq_redis"] = Redis.from_url(settings.redis_url, decode_responses=True)
+
+    async def on_shutdown(ctx: dict[str, Any]) -> None:
+        await ctx["streamq_redis"].aclose()
+
+    return type("StreamqScheduler", (), {
+        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "queue_name": f"{settings.prefix}:arq",
+        "functions": [],
+        "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
+                           unique=True, timeout=60)],
+        "on_startup": on_startup,
+        "on_shutdown": on_shutdown,
+        "handle_signals": True,
+    })
+
+
+def main(settings: SchedulerSettings | None = None) -> None:
+    run_worker(worker_settings(settings or SchedulerSettings()))
