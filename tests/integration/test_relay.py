@@ -8,6 +8,7 @@ from api.relay import Relay
 from shared import keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
 from shared.store import EVENT_FIELD, RequestStore
+from tests.waiting import until
 
 RID = "9a7c2a8e-1111-4222-8333-444455556666"
 
@@ -40,8 +41,10 @@ async def _emit(redis, prefix, event, log=True, publish=True):
 async def _subscribed(redis, prefix):
     """Return once Redis itself reports the relay's subscription to the request channel."""
     channel = keys.request_channel(prefix, RID)
-    while (await redis.pubsub_numsub(channel))[0][1] == 0:
-        await asyncio.sleep(0)
+
+    async def check():
+        return (await redis.pubsub_numsub(channel))[0][1] > 0
+    await until(check, what="relay subscribed")
 
 
 async def _collect(relay, after=-1):

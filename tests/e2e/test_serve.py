@@ -1,0 +1,72 @@
+"""`streamq serve` (what `make run` runs): starts everything, prints working curl, stops cleanly."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from shared.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_starts_everything_prints_curl_and_stops_cleanly(tiny_llama, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
+    env.update(STREAMQ_MODEL=str(tiny_llama), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C to stop" in line:
+                ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(180), "".join(lines)
+        children = _children(proc.pid)
+        assert len(children) == 4, children  # redis-server, worker, scheduler, api
+        banner = "".join(lines)
+        assert f"http://127.0.0.1:{port}" in banner
+
+        # The banner's submit example works as printed.
+        submit = re.search(r"Submit:\s+(curl .*?)\n\s+(-d .*?)\n", banner)
+        command = submit.group(1).rstrip("\\ ") + " " + submit.group(2)
+        reply = json.loads(subprocess.run(command, shell=True, capture_output=True, text=True, check=True).stdout)
+        assert reply["status"] == "queued" and reply["id"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert proc.returncode == 0, "".join(lines)
+    assert not [pid for pid in children if _alive(pid)], "orphan processes left"
+    with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT leftovers are fine)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()

@@ -1,0 +1,74 @@
+"""The worker's asyncio side keeps working while a model step runs (real Redis, stub engine)."""
+import asyncio
+import json
+import threading
+
+from shared import keys
+from shared.settings import WorkerSettings
+from tests.waiting import until
+from worker.service import WorkerService
+
+
+def _subscribed(redis, channel):
+    async def check():
+        return (await redis.pubsub_numsub(channel))[0][1] > 0
+    return check
+
+
+async def _true(value):
+    return value
+
+
+class BlockingEngine:
+    """Stands in for the engine: its step blocks until released, as a long forward would."""
+
+    batch_size = 4
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.stepping = threading.Event()
+        self.cancelled: list[str] = []
+        self.waiting: list = []
+        self.running: list = [object()]
+        self._work = True
+
+    def has_work(self):
+        return self._work
+
+    def step(self):
+        self.stepping.set()
+        assert self.release.wait(30), "never released"
+        self._work = False
+        return []
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    @property
+    def free_slots(self):
+        return 0
+
+
+async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, prefix):
+    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                              intake_block_ms=50, served_model_name="m")
+    engine = BlockingEngine()
+    service = WorkerService(redis, engine, settings, "m")
+    run = asyncio.create_task(service.run())
+    await asyncio.to_thread(engine.stepping.wait, 30)  # the step is now blocking its thread
+
+    beat_key = keys.worker_heartbeat(prefix, settings.worker_name)
+    await until(lambda: redis.exists(beat_key), what="first heartbeat")
+    beat = json.loads(await redis.get(beat_key))
+    assert beat["model"] == "m" and beat["capacity"] == 4 and beat["running"] == 1
+
+    await until(_subscribed(redis, keys.cancel_channel(prefix)), what="cancel listener subscribed")
+    await redis.publish(keys.cancel_channel(prefix), "some-request")
+    await until(lambda: _true(bool(engine.cancelled)), what="cancel delivered")
+    assert engine.cancelled == ["some-request"]
+    assert not engine.release.is_set()  # all of that happened during the step
+
+    engine.release.set()
+    service.stop()
+    await asyncio.wait_for(run, 10)
+    assert await redis.get(beat_key) is None  # a stopped worker removes its heartbeat
