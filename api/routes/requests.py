@@ -5,7 +5,7 @@ import asyncio
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -14,7 +14,7 @@ from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
 from shared import keys
-from shared.messages import FinalEvent, RequestPayload, RequestStatus, StatusEvent, TokenEvent, decode_event
+from shared.messages import RequestPayload, RequestStatus, StatusEvent, TokenEvent, decode_event
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
 

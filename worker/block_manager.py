@@ -1,0 +1,138 @@
+"""The KV-cache block manager (pure Python): fixed-size blocks, per-request block tables,
+and prefix caching.
+
+A full block is keyed by the hash of its tokens and of the chain of blocks before it, so two
+requests with the same prefix share the same physical blocks (reference counted). A block
+whose count drops to zero goes to the end of the free list but keeps its key, so a later
+request with that prefix can take it back; allocation takes the least recently freed block
+and forgets its key then (LRU eviction).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    key: tuple[int | None, tuple[int, ...]] | None = None  # (parent hash, tokens) once full and cached
+    hash: int | None = None
+
+
+@dataclass
+class _Table:
+    blocks: list[int] = field(default_factory=list)
+    hashed: int = 0  # how many leading blocks are registered in the prefix cache
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1")
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, _Table] = {}
+        self.prefix_queries = 0  # blocks looked up in the prefix cache
+        self.prefix_hits = 0  # ... and found
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def table(self, seq_id: str) -> list[int]:
+        return self._tables[seq_id].blocks if seq_id in self._tables else []
+
+    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        """New blocks `seq_id` would need to hold `num_tokens` tokens."""
+        have = len(self.table(seq_id))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    # -- changes ---------------------------------------------------------------------------
+    def allocate_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Start a table for `seq_id`, sharing every cached full block of its prefix.
+
+        Returns how many tokens are already computed. The last token is never taken from the
+        cache: its forward gives the logits of the first new token.
+        """
+        table = self._tables.setdefault(seq_id, _Table())
+        assert not table.blocks, f"{seq_id} already has blocks"
+        if not self.prefix_caching:
+            return 0
+        parent: int | None = None
+        usable = (len(token_ids) - 1) // self.block_size
+        for i in range(usable):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, tokens))
+            self.prefix_queries += 1
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].key != (parent, tokens):
+                break
+            self.prefix_hits += 1
+            self._take(block_id)
+            table.blocks.append(block_id)
+            parent = h
+        table.hashed = len(table.blocks)
+        return len(table.blocks) * self.block_size
+
+    def append_slots(self, seq_id: str, num_tokens: int) -> None:
+        """Grow `seq_id`'s table to hold `num_tokens` tokens. Raises NoFreeBlocks if it can't."""
+        needed = self.blocks_needed(seq_id, num_tokens)
+        if needed > self.num_free:
+            raise NoFreeBlocks(f"{seq_id} needs {needed} blocks, {self.num_free} free")
+        table = self._tables.setdefault(seq_id, _Table())
+        for _ in range(needed):
+            block_id = next(iter(self._free))  # least recently freed
+            self._forget(block_id)
+            self._take(block_id)
+            table.blocks.append(block_id)
+
+    def register(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Add `seq_id`'s blocks that are now full and computed to the prefix cache."""
+        if not self.prefix_caching:
+            return
+        table = self._tables[seq_id]
+        full = min(num_computed // self.block_size, len(table.blocks))
+        parent = self.blocks[table.blocks[table.hashed - 1]].hash if table.hashed else None
+        for i in range(table.hashed, full):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, tokens))
+            block = self.blocks[table.blocks[i]]
+            block.key, block.hash = (parent, tokens), h
+            self._cached.setdefault(h, block.id)
+            parent = h
+        table.hashed = max(table.hashed, full)
+
+    def free(self, seq_id: str) -> None:
+        """Release `seq_id`'s blocks; cached ones stay findable until reused."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        # Tail blocks first, so the head of a prefix (the most shareable part) is evicted last.
+        for block_id in reversed(table.blocks):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._free.pop(block_id, None)
+        block.ref_count += 1
+
+    def _forget(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self._cached.get(block.hash) == block_id:
+            del self._cached[block.hash]
+        block.key = block.hash = None
