@@ -7,14 +7,20 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from worker.detokenizer import Detokenizer
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     payload: RequestPayload
     detokenizer: Detokenizer
     stream_entry: str  # id of the request-stream entry, acked when the request ends
     output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt then output: what the model has seen or will
+    num_computed: int = 0  # leading token_ids whose keys and values are in the KV cache
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.payload.prompt_token_ids) + list(self.output_ids)
 
     @property
     def id(self) -> str:
@@ -27,6 +33,14 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.payload.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
 
 
 @dataclass

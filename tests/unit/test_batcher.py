@@ -1,0 +1,98 @@
+"""The batcher, driven with plain numbers: no torch, no Redis."""
+import itertools
+
+import pytest
+
+from shared.messages import RequestPayload
+from shared.sampling import SamplingParams
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.detokenizer import Detokenizer
+from worker.sequence import Sequence
+
+_ids = itertools.count()
+
+
+def seq(prompt_len: int, first: int = 1000) -> Sequence:
+    n = next(_ids)
+    payload = RequestPayload(id=f"r{n}", model="m", prompt_token_ids=list(range(first + n * 1000, first + n * 1000 + prompt_len)),
+                             params=SamplingParams(max_tokens=8))
+    return Sequence(payload, Detokenizer(lambda ids: ""), stream_entry="0-0")
+
+
+def step(batcher: Batcher, new_token: int = 7):
+    """Schedule, 'run', update; sampled chunks get a new token, as the engine does."""
+    out = batcher.schedule()
+    batcher.update(out)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.seq.append(new_token)
+    return out
+
+
+def lengths(out):
+    return {c.seq.id: c.length for c in out.chunks}
+
+
+def test_admits_up_to_batch_size_and_refills_a_finished_slot_next_step():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    s1, s2, s3 = seq(3), seq(3), seq(3)
+    for s in (s1, s2, s3):
+        b.add(s)
+    out = step(b)
+    assert lengths(out) == {s1.id: 3, s2.id: 3}
+    assert lengths(step(b)) == {s1.id: 1, s2.id: 1}  # decodes
+    b.remove(s1)  # finished
+    assert lengths(step(b)) == {s2.id: 1, s3.id: 3}  # its slot is refilled at once
+
+
+def test_long_prompts_are_prefilled_in_chunks_while_decodes_keep_flowing():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    short = seq(2)
+    b.add(short)
+    step(b)
+    long = seq(20)
+    b.add(long)
+    sizes = []
+    while long.num_computed < 20:
+        out = step(b)
+        assert lengths(out)[short.id] == 1  # the running decode is never held up
+        sizes.append(lengths(out)[long.id])
+        assert not [c for c in out.chunks if c.seq is long and c.samples] or long.num_computed == 20
+    assert sizes == [7, 7, 6] and long.output_ids == [7]
+
+
+def test_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
+    b = Batcher(BlockManager(4, 2, prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=64)
+    old, new = seq(3), seq(3)
+    b.add(old)
+    b.add(new)
+    step(b)  # each holds 2 blocks: 3 prompt tokens + room for 1
+    step(b)  # 5 tokens each now known; the next decode needs a third block each
+    out = step(b)
+    assert out.preempted == [new] and lengths(out) == {old.id: 1}
+    assert new.num_computed == 0 and b.waiting[0] is new and b.num_preemptions == 1
+    b.remove(old)
+    known = new.num_tokens
+    out = step(b)
+    assert lengths(out) == {new.id: known}  # prompt and outputs recomputed
+    assert not out.chunks[0].start
+
+
+def test_a_shared_prefix_skips_its_computed_blocks():
+    b = Batcher(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    first = seq(10)
+    b.add(first)
+    step(b)
+    second = seq(10)
+    second.token_ids[:] = first.prompt_ids[:8] + [1, 2]
+    b.add(second)
+    out = step(b)
+    chunk = next(c for c in out.chunks if c.seq is second)
+    assert (chunk.start, chunk.length) == (8, 2)
+    assert chunk.block_table[:2] == b.blocks.table(first.id)[:2]
+
+
+def test_token_budget_smaller_than_batch_is_refused():
+    with pytest.raises(ValueError, match="max_num_batched_tokens=2"):
+        Batcher(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=2)

@@ -1,0 +1,121 @@
+"""The batcher (pure Python): which requests run in the next step, and how many tokens each.
+
+Every step it first gives each running request its next tokens (one for a decode; the next
+chunk of the prompt for a prefill in progress), oldest first, within the step's token budget.
+When the KV cache has no block left for one, it preempts the newest running request (its
+blocks are freed and it is recomputed later). Then, if nothing was preempted, it admits
+waiting requests while batch slots, the token budget and free blocks allow, sharing the
+cached blocks of their prefix. A finished request's slot is refilled at the very next step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence
+
+
+@dataclass
+class Chunk:
+    """Tokens of one request to run in this step: token_ids[start:start + length]."""
+
+    seq: Sequence
+    start: int
+    length: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the known tokens, so its last logits pick the next one."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Batcher:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least "
+                             f"max_num_seqs={max_num_seqs}, or running decodes could starve")
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def max_tokens_per_request(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold in the cache."""
+        return len(self.blocks.blocks) * self.blocks.block_size
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled request out and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, seq.num_computed + length, out):
+                break  # seq itself was preempted (it was the newest)
+            out.chunks.append(self._chunk(seq, seq.num_computed, length))
+            budget -= length
+            i += 1
+        while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            computed = self.blocks.allocate_prefix(seq.id, seq.token_ids)
+            length = min(seq.num_tokens - computed, budget)
+            if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
+                self.blocks.free(seq.id)  # not now: give back the shared prefix
+                break
+            seq.num_computed = computed
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.chunks.append(self._chunk(seq, computed, length))
+            budget -= length
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """The step ran: its chunks' keys and values are in the cache now."""
+        for chunk in out.chunks:
+            chunk.seq.num_computed = chunk.start + chunk.length
+            self.blocks.register(chunk.seq.id, chunk.seq.token_ids, chunk.seq.num_computed)
+
+    def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
+        self.blocks.append_slots(seq.id, start + length)
+        return Chunk(seq, start, length, self.blocks.table(seq.id))
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `seq` fits; False if `seq` itself went."""
+        while self.blocks.blocks_needed(seq.id, num_tokens) > self.blocks.num_free:
+            victim = self.running.pop()
+            self.blocks.free(victim.id)
+            victim.num_computed = 0
+            self.waiting.appendleft(victim)
+            out.preempted.append(victim)
+            self.num_preemptions += 1
+            if victim is seq:
+                return False
+        return True
