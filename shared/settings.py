@@ -61,13 +61,26 @@ class WorkerSettings(CommonSettings):
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                              description="Consumer name in the request group; unique per process.")
     backend: Literal["hf"] = Field("hf", description="Model backend: 'hf' is the built-in transformers backend.")
-    batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one decode step.")
+    batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one step (max_num_seqs).")
+    max_num_batched_tokens: int = Field(512, ge=1, le=1_000_000,
+                                        description="Token budget of one step; longer prompts are prefilled in chunks.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
+    kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
+    prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
     heartbeat_ttl_s: float = Field(10.0, gt=0, le=600, description="Heartbeat lifetime; a worker silent this long counts as dead.")
     intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
+
+    @model_validator(mode="after")
+    def _budget_fits_batch(self) -> "WorkerSettings":
+        if self.max_num_batched_tokens < self.batch_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                             f"batch_size={self.batch_size}, or running decodes could starve")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_fits_ttl(self) -> "WorkerSettings":

@@ -1,39 +1,48 @@
-"""The engine: schedule, execute, update, once per step, over a batch of requests.
+"""The continuous-batching engine: schedule, execute, update, once per step.
 
-A batch is formed from the waiting requests when the previous one has drained; its rows
-share one KV cache. A finished or cancelled row stops producing tokens at once; its slot is
-reused when the batch drains. (Continuous batching over a paged cache replaces this.)
+The batcher picks each step's requests and token counts, the paged runner runs them in one
+forward, and the update samples each request's next token and decides whether it ends. A
+finished or cancelled request leaves the batch at once and its slot is refilled next step.
 """
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 import torch
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
+from worker.batcher import Batcher, SchedulerOutput
 from worker.detokenizer import Detokenizer
-from worker.runner import BatchRunner
+from worker.model_runner import PagedRunner
 from worker.sampler import make_generator, sample
 from worker.sequence import Sequence, StepOutput
 
 
 class Engine:
-    def __init__(self, runner: BatchRunner, tokenizer: Tokenizer, batch_size: int):
+    def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.waiting: deque[Sequence] = deque()
-        self.rows: list[Sequence] = []  # the current batch, finished rows included
+        self.batcher = batcher
+        self.batch_size = batcher.max_num_seqs
         self._generators: dict[str, torch.Generator | None] = {}
+        self._refused: list[Sequence] = []  # requests that can never fit, ended at the next step
         self._cancelled: set[str] = set()
-        self._lock = threading.Lock()  # cancel() comes from the event loop, step() from a thread
+        self._lock = threading.Lock()  # add() and cancel() come from the event loop, step() from a thread
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str) -> Sequence:
         seq = Sequence(payload, Detokenizer(self.tokenizer.decode, payload.params.stop), stream_entry)
-        self.waiting.append(seq)
+        need = len(payload.prompt_token_ids) + (payload.params.max_tokens or 0)
+        with self._lock:
+            if need > self.batcher.max_tokens_per_request():
+                seq.finish_reason = FinishReason.ERROR
+                seq.error = (f"the request needs {need} tokens of KV cache; this worker's cache holds "
+                             f"{self.batcher.max_tokens_per_request()}")
+                self._refused.append(seq)
+            else:
+                self._generators[seq.id] = make_generator(payload.params, self.runner.device)
+                self.batcher.add(seq)
         return seq
 
     def cancel(self, request_id: str) -> None:
@@ -41,92 +50,69 @@ class Engine:
             self._cancelled.add(request_id)
 
     @property
-    def free_slots(self) -> int:
-        """How many requests the engine can take now: a whole batch once the last one drained."""
-        return 0 if self.running or self.waiting else self.batch_size
+    def running(self) -> list[Sequence]:
+        return list(self.batcher.running)
 
     @property
-    def running(self) -> list[Sequence]:
-        return [s for s in self.rows if not s.finished]
+    def waiting(self) -> list[Sequence]:
+        return list(self.batcher.waiting)
+
+    @property
+    def free_slots(self) -> int:
+        """Requests to take from the queue now: just enough to fill the batch. The rest stay
+        queued in Redis (truthfully 'queued', and free for another worker to take)."""
+        return max(0, self.batch_size - len(self.batcher.running) - len(self.batcher.waiting))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.batcher.has_work() or bool(self._refused)
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs = self._apply_cancels()
-        started = self._schedule()
-        if self.running:
-            logits = self._execute(started)
-            outputs += self._update(logits)
-        if self.rows and not self.running:
-            self.rows = []
-            self.runner.release()
+        with self._lock:
+            outputs = self._end_cancelled() + [StepOutput(s, None, True) for s in self._refused]
+            self._refused = []
+            scheduled = self.batcher.schedule()
+        if scheduled.chunks:
+            logits = self.runner.execute(scheduled)
+            self.batcher.update(scheduled)
+            outputs += self._update(scheduled, logits)
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
         """End every admitted request with an error (the step itself failed)."""
         outputs = []
-        for seq in self.running + list(self.waiting):
+        for seq in self.running + self.waiting:
             seq.finish_reason, seq.error = FinishReason.ERROR, error
+            self._remove(seq)
             outputs.append(StepOutput(seq, None, True))
-        self.rows, self.waiting = [], deque()
-        self.runner.release()
         return outputs
 
-    def _apply_cancels(self) -> list[StepOutput]:
-        with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
+    def _end_cancelled(self) -> list[StepOutput]:
+        cancelled, self._cancelled = self._cancelled, set()
         outputs = []
-        for seq in self.running + list(self.waiting):
+        for seq in self.running + self.waiting:
             if seq.id in cancelled:
                 seq.finish_reason = FinishReason.CANCELLED
+                self._remove(seq)
                 outputs.append(StepOutput(seq, None, True))
-        self.waiting = deque(s for s in self.waiting if not s.finished)
         return outputs
 
-    def _schedule(self) -> bool:
-        """Start a new batch if the last one drained; True if one started."""
-        if self.rows or not self.waiting:
-            return False
-        while self.waiting and len(self.rows) < self.batch_size:
-            seq = self.waiting.popleft()
-            self._generators[seq.id] = make_generator(seq.payload.params, self.runner.device)
-            self.rows.append(seq)
-        return True
+    def _remove(self, seq: Sequence) -> None:
+        self.batcher.remove(seq)
+        self._generators.pop(seq.id, None)
 
-    def _execute(self, new_batch: bool) -> torch.Tensor:
-        if new_batch:
-            return self.runner.prefill([s.prompt_ids for s in self.rows])
-        pad = self.runner.pad_id
-        return self.runner.decode([s.output_ids[-1] if s.output_ids else pad for s in self.rows])
-
-    def _update(self, logits: torch.Tensor) -> list[StepOutput]:
+    def _update(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        sampling = [c.seq for c in scheduled.chunks if c.samples]
+        if all(s.payload.params.greedy for s in sampling):
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = [sample(logits[i], s.payload.params, self._generators[s.id]) for i, s in enumerate(sampling)]
         outputs = []
-        for row, seq in enumerate(self.rows):
+        eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
+        for seq, token in zip(sampling, tokens):
+            text = seq.accept(token, eos, context)
             if seq.finished:
-                continue
-            token = sample(logits[row], seq.payload.params, self._generators[seq.id])
-            text = self._append(seq, token)
-            if seq.finished:
-                self._generators.pop(seq.id, None)
+                self._remove(seq)
             outputs.append(StepOutput(seq, TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text),
                                       seq.finished))
         return outputs
-
-    def _append(self, seq: Sequence, token: int) -> str:
-        """Record a new token, decide whether the request ends, return its text delta."""
-        params = seq.payload.params
-        seq.output_ids.append(token)
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
-            seq.finish_reason = FinishReason.STOP
-            return seq.detokenizer.flush()
-        text = seq.detokenizer.push(token)
-        if seq.detokenizer.stopped:
-            seq.finish_reason = FinishReason.STOP
-            return text
-        limit = params.max_tokens or self.runner.context_length
-        if len(seq.output_ids) >= limit or len(seq.prompt_ids) + len(seq.output_ids) >= self.runner.context_length:
-            seq.finish_reason = FinishReason.LENGTH
-            return text + seq.detokenizer.flush()
-        return text

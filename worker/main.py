@@ -10,21 +10,42 @@ from redis.asyncio import Redis
 from shared.models import prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
 from worker.engine import Engine
+from worker.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
 from worker.service import WorkerService
+from worker.static_engine import StaticEngine
 
 log = logging.getLogger("streamq.worker")
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
+def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
+    """From the setting, else as many as kv_cache_gb holds, but no more than a full batch can use."""
+    if settings.num_kv_blocks:
+        return settings.num_kv_blocks
+    context = int(getattr(model.config, "max_position_embeddings", 2048))
+    useful = settings.batch_size * (-(-context // settings.block_size))
+    return min(useful, blocks_for_bytes(model, dtype, settings.block_size, int(settings.kv_cache_gb * 2**30)))
+
+
+def build_engine(settings: WorkerSettings) -> Engine | StaticEngine:
     tokenizer = Tokenizer(prepare_model(settings))
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     model = load_model(weights_dir(settings), device, dtype)
-    pad = next(iter(tokenizer.eos_token_ids), 0)
-    log.info("loaded %s on %s as %s", settings.model, device, dtype)
-    return Engine(BatchRunner(model, device, pad_id=pad), tokenizer, settings.batch_size)
+    log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
+    if not supports(model):
+        log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
+        pad = next(iter(tokenizer.eos_token_ids), 0)
+        return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, settings.batch_size)
+    blocks = num_kv_blocks(settings, model, dtype)
+    log.info("KV cache: %d blocks of %d tokens", blocks, settings.block_size)
+    runner = PagedRunner(model, device, blocks, settings.block_size)
+    batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
+                      settings.batch_size, settings.max_num_batched_tokens)
+    return Engine(runner, tokenizer, batcher)
 
 
 async def serve(settings: WorkerSettings) -> None:

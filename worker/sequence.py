@@ -42,6 +42,23 @@ class Sequence:
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def accept(self, token_id: int, eos_ids: frozenset[int], context_length: int) -> str:
+        """Record a generated token, decide whether the request ends; return its text delta."""
+        params = self.payload.params
+        self.append(token_id)
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
+            self.finish_reason = FinishReason.STOP
+            return self.detokenizer.flush()
+        text = self.detokenizer.push(token_id)
+        if self.detokenizer.stopped:
+            self.finish_reason = FinishReason.STOP
+            return text
+        limit = params.max_tokens or context_length
+        if len(self.output_ids) >= limit or self.num_tokens >= context_length:
+            self.finish_reason = FinishReason.LENGTH
+            return text + self.detokenizer.flush()
+        return text
+
 
 @dataclass
 class StepOutput:

@@ -1,5 +1,8 @@
 """The worker's asyncio side: intake, cancellation, heartbeats, and the step loop.
 
+Between steps it takes newly queued requests (up to the engine's free slots), so a request
+that arrives mid-batch joins at the next step.
+
 The model step runs in a thread (asyncio.to_thread), so intake, cancels and heartbeats
 keep running while the model computes.
 """
@@ -59,12 +62,13 @@ class WorkerService:
 
     async def _loop(self) -> None:
         while True:
+            if self.engine.free_slots and not self._stopping.is_set():
+                # Idle: wait for work. Busy: take what is there without waiting, then step.
+                await self._intake(block=not self.engine.has_work())
             if self.engine.has_work():
                 await self._step()
             elif self._stopping.is_set():
                 return
-            else:
-                await self._intake()
 
     async def _step(self) -> None:
         try:
@@ -74,10 +78,11 @@ class WorkerService:
             outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
         await self.publisher.publish(outputs)
 
-    async def _intake(self) -> None:
-        """Wait for requests and hand up to `free_slots` of them to the engine."""
+    async def _intake(self, block: bool) -> None:
+        """Hand up to `free_slots` queued requests to the engine, waiting for some if `block`."""
         reply = await self.redis.xreadgroup(keys.WORKER_GROUP, self.name, {self.stream: ">"},
-                                            count=self.engine.free_slots, block=self.settings.intake_block_ms)
+                                            count=self.engine.free_slots,
+                                            block=self.settings.intake_block_ms if block else None)
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 await self._admit(entry_id, fields)

@@ -1,0 +1,209 @@
+"""The paged model runner: one forward per step over every scheduled request.
+
+Prefill chunks and decodes run in the same forward, each request at its own positions. The
+projections and MLPs run on all the step's tokens at once; attention reads each request's
+keys and values from the paged KV cache through its block table. Requests are grouped into
+decodes (one query each) and prefill chunks, so attention is two batched calls per layer at
+most: no per-request Python loop inside a layer.
+
+The KV cache is allocated once, at start, and never grows. The weights are transformers'
+own modules; this file only decides how they are called. Llama-family models (Llama,
+Mistral, Qwen2, SmolLM) and OPT run here; other architectures use worker/runner.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.batcher import SchedulerOutput
+
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED = LLAMA_FAMILY | {"opt"}
+
+
+def supports(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) in SUPPORTED
+
+
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of the model's attention."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
+    layers, kv_heads, head_dim = kv_shape(model)
+    per_block = 2 * layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    return max(1, budget_bytes // per_block)
+
+
+@dataclass
+class _Group:
+    """Index tensors of one attention group (decodes, or prefill chunks), built once per step."""
+
+    tokens: torch.Tensor  # [n] flat indices of the group's tokens
+    query_index: torch.Tensor  # [S, Q] flat token index of each padded query (T = padding row)
+    unpad: torch.Tensor  # [n] position of each group token in the flattened [S*Q] queries
+    kv_slots: torch.Tensor  # [S, L] cache slot of each key position (0 for padding)
+    mask: torch.Tensor  # [S, 1, Q, L] True where a query may attend to a key
+
+
+@dataclass
+class _Step:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    groups: list[_Group]
+    logits_index: torch.Tensor  # flat index of each sampling chunk's last token
+
+
+class PagedRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int):
+        if not supports(model):
+            raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
+                             f"supported: {sorted(SUPPORTED)}")
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.arch = "opt" if model.config.model_type == "opt" else "llama"
+        layers, self.kv_heads, self.head_dim = kv_shape(model)
+        dtype = next(model.parameters()).dtype
+        shape = (layers, num_blocks * block_size, self.kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step's chunks; return the logits of each sampling chunk's last token."""
+        step = self._prepare(out)
+        if self.arch == "opt":
+            hidden = self._opt(step)
+        else:
+            hidden = self._llama(step)
+        return hidden
+
+    # -- inputs ----------------------------------------------------------------------------
+    def _prepare(self, out: SchedulerOutput) -> _Step:
+        bs = self.block_size
+        ids, positions, slots, logits_index = [], [], [], []
+        decodes, prefills = [], []
+        for chunk in out.chunks:
+            first = len(ids)
+            span = range(chunk.start, chunk.start + chunk.length)
+            ids += chunk.seq.token_ids[chunk.start:chunk.start + chunk.length]
+            positions += span
+            slots += [chunk.block_table[p // bs] * bs + p % bs for p in span]
+            (decodes if chunk.length == 1 else prefills).append((first, chunk))
+            if chunk.samples:
+                logits_index.append(len(ids) - 1)
+        total = len(ids)
+        groups = [self._group(g, total) for g in (decodes, prefills) if g]
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        return _Step(tensor(ids), tensor(positions), tensor(slots), groups, tensor(logits_index))
+
+    def _group(self, members: list, total: int) -> _Group:
+        bs = self.block_size
+        width = max(c.length for _, c in members)
+        context = max(c.start + c.length for _, c in members)
+        query_index = torch.full((len(members), width), total, dtype=torch.long)
+        kv_slots = torch.zeros((len(members), context), dtype=torch.long)
+        mask = torch.zeros((len(members), 1, width, context), dtype=torch.bool)
+        tokens, unpad = [], []
+        for row, (first, chunk) in enumerate(members):
+            n, end = chunk.length, chunk.start + chunk.length
+            query_index[row, :n] = torch.arange(first, first + n)
+            table = torch.tensor(chunk.block_table, dtype=torch.long)
+            pos = torch.arange(end)
+            kv_slots[row, :end] = table[pos // bs] * bs + pos % bs
+            # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk.
+            mask[row, 0, :n, :end] = pos[None, :] <= (chunk.start + torch.arange(n))[:, None]
+            mask[row, 0, n:, 0] = True  # padded queries attend somewhere, to stay finite; dropped later
+            tokens += range(first, first + n)
+            unpad += range(row * width, row * width + n)
+        dev = self.device
+        return _Group(torch.tensor(tokens, device=dev), query_index.to(dev), torch.tensor(unpad, device=dev),
+                      kv_slots.to(dev), mask.to(dev))
+
+    # -- attention -------------------------------------------------------------------------
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step,
+                scale: float) -> torch.Tensor:
+        """Write this step's k, v to the cache, then attend each group. q: [T, H, D]."""
+        self.k_cache[layer].index_copy_(0, step.slots, k)
+        self.v_cache[layer].index_copy_(0, step.slots, v)
+        out = torch.empty_like(q)
+        q_ext = torch.cat([q, q.new_zeros((1,) + q.shape[1:])])
+        for g in step.groups:
+            qg = q_ext[g.query_index].transpose(1, 2)  # [S, H, Q, D]
+            kg = self.k_cache[layer][g.kv_slots].transpose(1, 2)  # [S, Hkv, L, D]
+            vg = self.v_cache[layer][g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                enable_gqa=qg.shape[1] != kg.shape[1])
+            og = og.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [S*Q, H, D]
+            out[g.tokens] = og[g.unpad]
+        return out
+
+    # -- architectures ---------------------------------------------------------------------
+    def _llama(self, step: _Step) -> torch.Tensor:
+        core = self.model.model
+        h = core.embed_tokens(step.input_ids)
+        cos, sin = core.rotary_emb(h[None], step.positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        total = h.shape[0]
+        for i, layer in enumerate(core.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(total, -1, self.head_dim)
+            k = attn.k_proj(x).view(total, -1, self.head_dim)
+            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            o = self._attend(i, q, k, v, step, getattr(attn, "scaling", self.head_dim ** -0.5))
+            h = h + attn.o_proj(o.reshape(total, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = core.norm(h[step.logits_index])
+        return self.model.lm_head(h)
+
+    def _opt(self, step: _Step) -> torch.Tensor:
+        dec = self.model.model.decoder
+        h = dec.embed_tokens(step.input_ids)
+        if getattr(dec, "project_in", None) is not None:
+            h = dec.project_in(h)
+        h = h + dec.embed_positions.weight[step.positions + dec.embed_positions.offset]
+        total = h.shape[0]
+        for i, layer in enumerate(dec.layers):
+            attn, before = layer.self_attn, layer.do_layer_norm_before
+            x = layer.self_attn_layer_norm(h) if before else h
+            q = attn.q_proj(x).view(total, -1, self.head_dim)
+            k = attn.k_proj(x).view(total, -1, self.head_dim)
+            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            o = self._attend(i, q, k, v, step, getattr(attn, "scaling", self.head_dim ** -0.5))
+            h = h + attn.out_proj(o.reshape(total, -1))
+            if not before:
+                h = layer.self_attn_layer_norm(h)
+            x = layer.final_layer_norm(h) if before else h
+            h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+            if not before:
+                h = layer.final_layer_norm(h)
+        h = h[step.logits_index]
+        if getattr(dec, "final_layer_norm", None) is not None:
+            h = dec.final_layer_norm(h)
+        if getattr(dec, "project_out", None) is not None:
+            h = dec.project_out(h)
+        return self.model.lm_head(h)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
