@@ -79,6 +79,8 @@ class TokenEvent(BaseModel):
     index: int = Field(ge=0)
     token_id: int
     text: str
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
 
 
 class StatusEvent(BaseModel):
@@ -104,7 +106,7 @@ _EVENT = TypeAdapter(Event)
 
 
 def encode_event(event: TokenEvent | StatusEvent | FinalEvent) -> str:
-    return event.model_dump_json()
+    return event.model_dump_json(exclude_none=True)
 
 
 def decode_event(data: str | bytes) -> TokenEvent | StatusEvent | FinalEvent:

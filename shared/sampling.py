@@ -1,7 +1,24 @@
 """Sampling parameters of one request, validated at the edge and carried to the worker."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_LOGPROBS = 20
+
+
+class BanTokens(BaseModel):
+    """Server-side logits processor: these token ids are never generated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["ban_tokens"] = "ban_tokens"
+    token_ids: list[int] = Field(min_length=1, max_length=1024)
+
+
+# Logits processors a request may select by name (code cannot travel over the wire).
+LogitsProcessor = BanTokens
 
 
 class SamplingParams(BaseModel):
@@ -18,6 +35,16 @@ class SamplingParams(BaseModel):
                             description="Strings that end generation; they are not part of the output.")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most likely.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0,
+                                      description="Divide positive (multiply negative) logits of tokens already seen.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from each generated token.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=300,
+                                         description="Token id -> bias added to its logit (-100 bans, 100 forces).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Return the chosen token's log-probability and this many alternatives.")
+    logits_processors: list[LogitsProcessor] = Field(default_factory=list, max_length=4)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -34,6 +61,19 @@ class SamplingParams(BaseModel):
                 raise ValueError("each stop string must have 1 to 256 characters")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token} is {bias}; it must be within [-100, 100]")
+        return value
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling depends on the tokens so far (penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -10,13 +10,13 @@ import threading
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinishReason, RequestPayload
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.detokenizer import Detokenizer
 from worker.model_runner import PagedRunner
-from worker.sampler import make_generator, sample
-from worker.sequence import Sequence, StepOutput
+from worker.sampler import make_generator, sample_batch
+from worker.sequence import Sequence, StepOutput, token_event
 
 
 class Engine:
@@ -103,16 +103,13 @@ class Engine:
 
     def _update(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         sampling = [c.seq for c in scheduled.chunks if c.samples]
-        if all(s.payload.params.greedy for s in sampling):
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = [sample(logits[i], s.payload.params, self._generators[s.id]) for i, s in enumerate(sampling)]
+        tokens, logprobs = sample_batch(logits, sampling, [self._generators[s.id] for s in sampling])
         outputs = []
         eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
-        for seq, token in zip(sampling, tokens):
+        for seq, token, lp in zip(sampling, tokens, logprobs):
             text = seq.accept(token, eos, context)
             if seq.finished:
                 self._remove(seq)
-            outputs.append(StepOutput(seq, TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text),
-                                      seq.finished))
+            outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
         return outputs
+

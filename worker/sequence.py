@@ -61,6 +61,18 @@ class Sequence:
 
 
 @dataclass
+class Logprobs:
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, most likely first
+
+
+def token_event(seq: Sequence, token: int, text: str, lp: Logprobs | None) -> TokenEvent:
+    """The event for the token `seq` just accepted."""
+    return TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text,
+                      logprob=lp.logprob if lp else None, top_logprobs=lp.top if lp else None)
+
+
+@dataclass
 class StepOutput:
     """What one step did to one request: at most one new token, and maybe its end."""
 

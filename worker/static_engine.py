@@ -12,12 +12,12 @@ from collections import deque
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinishReason, RequestPayload
 from shared.tokenizer import Tokenizer
 from worker.detokenizer import Detokenizer
 from worker.runner import BatchRunner
-from worker.sampler import make_generator, sample
-from worker.sequence import Sequence, StepOutput
+from worker.sampler import make_generator, sample_batch
+from worker.sequence import Sequence, StepOutput, token_event
 
 
 class StaticEngine:
@@ -103,14 +103,14 @@ class StaticEngine:
         return self.runner.decode([s.output_ids[-1] if s.output_ids else pad for s in self.rows])
 
     def _update(self, logits: torch.Tensor) -> list[StepOutput]:
+        rows = [(row, seq) for row, seq in enumerate(self.rows) if not seq.finished]
+        seqs = [seq for _, seq in rows]
+        tokens, logprobs = sample_batch(logits[[row for row, _ in rows]], seqs,
+                                        [self._generators[s.id] for s in seqs])
         outputs = []
-        for row, seq in enumerate(self.rows):
-            if seq.finished:
-                continue
-            token = sample(logits[row], seq.payload.params, self._generators[seq.id])
+        for seq, token, lp in zip(seqs, tokens, logprobs):
             text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
             if seq.finished:
                 self._generators.pop(seq.id, None)
-            outputs.append(StepOutput(seq, TokenEvent(index=len(seq.output_ids) - 1, token_id=token, text=text),
-                                      seq.finished))
+            outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
         return outputs

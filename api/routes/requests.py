@@ -15,6 +15,7 @@ from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
 from shared import keys
 from shared.messages import RequestPayload, RequestStatus, StatusEvent, TokenEvent, decode_event
+from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
 
@@ -47,6 +48,7 @@ async def prepare(body: SubmitRequest, tokenizer: Tokenizer, model_name: str, de
                             f"the prompt has {n} tokens; the model's context is {context} tokens, "
                             "which must also hold at least one generated token")
     params = body.sampling()
+    _check_token_ids(params, tokenizer.vocab_size)
     if params.max_tokens is None:
         params.max_tokens = min(default_max_tokens, context - n)
     elif n + params.max_tokens > context:
@@ -54,6 +56,16 @@ async def prepare(body: SubmitRequest, tokenizer: Tokenizer, model_name: str, de
                             f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
                             f"{n + params.max_tokens}, more than the model's context of {context} tokens")
     return RequestPayload(id=str(uuid.uuid4()), model=model_name, prompt_token_ids=prompt_ids, params=params)
+
+
+def _check_token_ids(params: SamplingParams, vocab: int) -> None:
+    named = {"logit_bias": list(params.logit_bias), "stop_token_ids": params.stop_token_ids,
+             "logits_processors": [t for p in params.logits_processors for t in p.token_ids]}
+    for field, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                                f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})")
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED)

@@ -143,6 +143,10 @@ def test_detached_stream_can_leave_without_cancelling(stack, client):
     ({"prompt": "word " * 300}, 400, ["the prompt has 603 tokens", "context is 256"]),
     ({"prompt": "x", "max_tokens": 300}, 400, ["max_tokens is 300", "context of 256"]),
     ({"prompt": "x", "model": "gpt-9"}, 404, ["gpt-9"]),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, 422, ["logit_bias", "99999"]),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 422, ["logit_bias"]),
+    ({"prompt": "x", "logprobs": 21}, 422, ["logprobs"]),
+    ({"prompt": "x", "logits_processors": [{"name": "eval", "code": "1"}]}, 422, ["logits_processors"]),
 ])
 def test_bad_input_gets_a_clear_error_and_queues_nothing(stack, client, body, status, needles):
     api = stack.urls[0]
@@ -174,3 +178,13 @@ def test_cancel_of_a_finished_request_is_a_conflict(stack, client):
 def test_readyz_lists_the_live_worker(stack, client):
     reply = client.get(f"{stack.urls[0]}/readyz").json()
     assert reply["status"] == "ready" and reply["workers"][0]["capacity"] == 8
+
+
+def test_logprobs_and_penalties_through_the_stack(stack, client):
+    events = stream_events(client, "POST", f"{stack.urls[0]}/v1/requests", json={
+        "prompt": "Once upon", "max_tokens": 6, "temperature": 0.8, "seed": 1, "logprobs": 3,
+        "repetition_penalty": 1.3, "presence_penalty": 0.5, "logit_bias": {"7": -100},
+        "logits_processors": [{"name": "ban_tokens", "token_ids": [8, 9]}], "stream": True})
+    tokens = [e["data"] for e in events if e["event"] == "token"]
+    assert tokens and all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in tokens)
+    assert not {7, 8, 9} & {t["token_id"] for t in tokens}

@@ -1,40 +1,89 @@
+import math
+
 import torch
 
+from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.sampler import make_generator, sample
+from worker.detokenizer import Detokenizer
+from worker.sampler import make_generator, sample_batch
+from worker.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])
+CPU = torch.device("cpu")
+
+
+def seq(outputs=(), prompt=(0,), **params) -> Sequence:
+    s = Sequence(RequestPayload(id="r", model="m", prompt_token_ids=list(prompt), params=SamplingParams(**params)),
+                 Detokenizer(lambda ids: ""), "0-0")
+    for t in outputs:
+        s.append(t)
+    return s
+
+
+def draw(s: Sequence, n: int = 50, logits=LOGITS) -> list[int]:
+    gen = make_generator(s.payload.params, CPU)
+    return [sample_batch(logits[None], [s], [gen])[0][0] for _ in range(n)]
 
 
 def test_greedy_takes_the_argmax():
-    params = SamplingParams(temperature=0)
-    assert make_generator(params, torch.device("cpu")) is None
-    assert sample(LOGITS, params, None) == 1
+    s = seq(temperature=0)
+    assert make_generator(s.payload.params, CPU) is None
+    assert draw(s, 3) == [1, 1, 1]
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():
-    params = SamplingParams(temperature=3.0, top_k=1, seed=1)
-    gen = make_generator(params, torch.device("cpu"))
-    assert {sample(LOGITS, params, gen) for _ in range(50)} == {1}
+    assert set(draw(seq(temperature=3.0, top_k=1, seed=1))) == {1}
 
 
 def test_small_top_p_keeps_only_the_most_likely_token():
-    params = SamplingParams(temperature=1.0, top_p=0.05, seed=3)
-    gen = make_generator(params, torch.device("cpu"))
-    assert {sample(LOGITS, params, gen) for _ in range(50)} == {1}
+    assert set(draw(seq(temperature=1.0, top_p=0.05, seed=3))) == {1}
 
 
-def test_same_seed_same_samples():
-    params = SamplingParams(temperature=1.0, seed=1234)
-    draws = []
-    for _ in range(2):
-        gen = make_generator(params, torch.device("cpu"))
-        draws.append([sample(LOGITS, params, gen) for _ in range(40)])
-    assert draws[0] == draws[1]
-    assert len(set(draws[0])) > 1  # it does sample, not argmax
+def test_min_p_drops_unlikely_tokens():
+    # p(3)/p(1) = e^-0.1 ≈ 0.9: min_p 0.85 keeps both, nothing else.
+    assert set(draw(seq(temperature=1.0, min_p=0.85, seed=4), 200)) == {1, 3}
 
 
 def test_top_k_excludes_the_rest():
-    params = SamplingParams(temperature=2.0, top_k=2, seed=5)
-    gen = make_generator(params, torch.device("cpu"))
-    assert {sample(LOGITS, params, gen) for _ in range(200)} == {1, 3}
+    assert set(draw(seq(temperature=2.0, top_k=2, seed=5), 200)) == {1, 3}
+
+
+def test_same_seed_same_samples_alone_or_in_a_batch():
+    alone = draw(seq(temperature=1.0, seed=1234), 40)
+    assert len(set(alone)) > 1  # it does sample, not argmax
+    rows = [seq(temperature=1.0, seed=1234), seq(temperature=0.7), seq(temperature=0)]
+    gens = [make_generator(r.payload.params, CPU) for r in rows]
+    batch = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    together = [sample_batch(batch, rows, gens)[0][0] for _ in range(40)]
+    assert together == alone
+
+
+def test_logit_bias_forces_and_bans():
+    assert draw(seq(temperature=0, logit_bias={4: 100}), 1) == [4]
+    assert draw(seq(temperature=0, logit_bias={1: -100}), 1) == [3]
+
+
+def test_ban_tokens_processor():
+    s = seq(temperature=1.0, seed=9, logits_processors=[{"name": "ban_tokens", "token_ids": [1, 3]}])
+    assert not {1, 3} & set(draw(s, 200))
+
+
+def test_repetition_penalty_moves_greedy_off_a_seen_token():
+    assert draw(seq(temperature=0, prompt=[1], repetition_penalty=1.2), 1) == [3]
+    assert draw(seq(temperature=0, prompt=[1]), 1) == [1]
+
+
+def test_presence_and_frequency_penalties_count_outputs():
+    assert draw(seq([1], temperature=0, presence_penalty=0.2), 1) == [3]
+    assert draw(seq([1], temperature=0, frequency_penalty=0.05), 1) == [1]  # 2.0 - 0.05 > 1.9
+    assert draw(seq([1, 1, 1], temperature=0, frequency_penalty=0.05), 1) == [3]
+
+
+def test_logprobs_are_the_raw_distribution():
+    s = seq(temperature=0, logprobs=2)
+    tokens, logprobs = sample_batch(LOGITS[None], [s], [None])
+    expected = torch.log_softmax(LOGITS, -1)
+    assert tokens == [1]
+    assert math.isclose(logprobs[0].logprob, float(expected[1]), rel_tol=1e-6)
+    assert [t for t, _ in logprobs[0].top] == [1, 3]
+    assert sample_batch(LOGITS[None], [seq(temperature=0)], [None])[1] == [None]
