@@ -101,10 +101,13 @@ class Batcher:
         """The step ran: its chunks' keys and values are in the cache now."""
         for chunk in out.chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
-            self.blocks.register(chunk.seq.id, chunk.seq.token_ids, chunk.seq.num_computed)
 
     def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
         self.blocks.append_slots(seq.id, start + length)
+        # Register the blocks this chunk fills now, not after the step: a request admitted later
+        # in this same step may share them, since every layer writes the step's keys and values
+        # to the cache before any attention reads it.
+        self.blocks.register(seq.id, seq.token_ids, start + length)
         return Chunk(seq, start, length, self.blocks.table(seq.id))
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:

@@ -125,6 +125,14 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a failed step, whose blocks may hold garbage)."""
+        for block in self.blocks:
+            block.key = block.hash = None
+        self._cached.clear()
+        for table in self._tables.values():
+            table.hashed = 0
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

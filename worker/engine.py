@@ -85,6 +85,7 @@ class Engine:
             seq.finish_reason, seq.error = FinishReason.ERROR, error
             self._remove(seq)
             outputs.append(StepOutput(seq, None, True))
+        self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
         return outputs
 
     def _end_cancelled(self) -> list[StepOutput]:

@@ -96,3 +96,22 @@ def test_a_shared_prefix_skips_its_computed_blocks():
 def test_token_budget_smaller_than_batch_is_refused():
     with pytest.raises(ValueError, match="max_num_batched_tokens=2"):
         Batcher(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=2)
+
+
+def test_requests_admitted_in_the_same_step_share_a_prefix():
+    b = Batcher(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    first, second = seq(10), seq(10)
+    second.token_ids[:] = first.prompt_ids[:8] + [1, 2]
+    b.add(first)
+    b.add(second)
+    out = step(b)
+    chunk = next(c for c in out.chunks if c.seq is second)
+    assert (chunk.start, chunk.length) == (8, 2)
+
+
+def test_clearing_the_prefix_cache_forgets_every_block():
+    bm = BlockManager(8, 2)
+    bm.append_slots("a", 4)
+    bm.register("a", [1, 2, 3, 4], 4)
+    bm.clear_prefix_cache()
+    assert bm.allocate_prefix("b", [1, 2, 3, 4, 5]) == 0
