@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
+from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
-from api.routes import health, requests
+from api.routes import health, openai, requests, seed
 from shared import keys
 from shared.models import model_dir, served_name
 from shared.settings import ApiSettings
@@ -29,6 +33,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.store = store
         app.state.hub = hub
         app.state.relay = Relay(store, hub, settings.sse_keepalive_s)
+        app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
+                                          settings.default_max_tokens)
         try:
             yield
         finally:
@@ -37,5 +43,25 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
 
     app = FastAPI(title="streamq", version="0.1.0", lifespan=lifespan)
     app.include_router(requests.router)
+    app.include_router(openai.router)
+    app.include_router(seed.router)
     app.include_router(health.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if request.url.path.startswith(openai.OPENAI_PATHS):
+            return JSONResponse(status_code=exc.status, content=openai.openai_error(exc.status, exc.message,
+                                                                                     exc.param, exc.code))
+        return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path.startswith(openai.OPENAI_PATHS):
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+            message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+                                for e in exc.errors())
+            return JSONResponse(status_code=400, content=openai.openai_error(400, message, loc[0] if loc else None))
+        return await request_validation_exception_handler(request, exc)
+
     return app

@@ -5,6 +5,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from api.generation import Generation
 from api.hub import PubSubHub
 from api.relay import Relay
 from shared.settings import ApiSettings
@@ -32,6 +33,10 @@ def _tokenizer(request: Request) -> Tokenizer:
     return request.app.state.tokenizer
 
 
+def _generation(request: Request) -> Generation:
+    return request.app.state.generation
+
+
 def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
@@ -42,3 +47,4 @@ HubDep = Annotated[PubSubHub, Depends(_hub)]
 RelayDep = Annotated[Relay, Depends(_relay)]
 TokenizerDep = Annotated[Tokenizer, Depends(_tokenizer)]
 ModelNameDep = Annotated[str, Depends(_model_name)]
+GenerationDep = Annotated[Generation, Depends(_generation)]

@@ -13,6 +13,7 @@ each, greedy, ignore_eos, on the default model. Modes:
   ceiling      the model's matmuls alone (every layer's weights and the lm_head, so each decode
                step streams all the weights as the real model does), W's prefill + 64 steps at batch 32
   prefix       32 requests sharing one ~200-token system prompt, prefix caching on vs off
+  single       one request alone: this engine, then transformers `generate`
 Slow baselines can run on a subset with --baseline-requests (their tok/s is per their own run).
 Prints a JSON report and a markdown table.
 """
@@ -188,7 +189,7 @@ def run_ceiling(model, prompts, new_tokens) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--modes", default="ceiling,streamq,hf-batch,hf-generate,seed,prefix")
+    parser.add_argument("--modes", default="ceiling,streamq,hf-batch,hf-generate,seed,prefix,single")
     parser.add_argument("--baseline-requests", type=int, default=32,
                         help="requests for hf-generate and seed (they are slow; W is 32)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -221,6 +222,13 @@ def main() -> None:
             result = run_hf_batch(model, prompts, new_tokens)
         elif mode == "ceiling":
             result = run_ceiling(model, prompts, new_tokens)
+        elif mode == "single":  # one stream alone: this engine, then transformers generate
+            for r in (run_streamq(model, tok, prompts[:1], new_tokens, 1, args.max_num_batched_tokens,
+                                  name="single-streamq"),
+                      {**run_hf_generate(model, prompts[:1], new_tokens), "mode": "single-hf-generate"}):
+                report["results"].append(r)
+                print(json.dumps(r), file=sys.stderr)
+            continue
         elif mode == "prefix":
             shared = [tok.encode_chat([{"role": "system", "content": SYSTEM}] + m) for m in workload["messages"]]
             for caching in (True, False):

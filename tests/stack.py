@@ -83,6 +83,19 @@ class Stack:
             info = client.xinfo_stream(keys.request_stream(self.prefix, self.model_name))
         return int(info["entries-added"])
 
+    def wait_for_record(self, match, timeout_s: float = 60.0) -> dict:
+        """The first request record (a dict) for which `match(record)` holds, re-read until one does."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
+            while time.monotonic() < deadline:
+                for key in client.scan_iter(match=f"{self.prefix}:req:{{*}}", count=1000):
+                    if client.type(key) == "hash" and match(record := client.hgetall(key)):
+                        return record
+                time.sleep(0.05)  # re-read Redis; the worker's progress is not ours to order
+        raise AssertionError(f"no matching request record within {timeout_s} s")
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
                          for p in sorted(self.folder.glob("*.log")))

@@ -7,17 +7,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
-from api.deps import HubDep, ModelNameDep, RelayDep, SettingsDep, StoreDep, TokenizerDep
+from api.deps import GenerationDep, HubDep, ModelNameDep, RelayDep, SettingsDep, StoreDep
 from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
 from shared import keys
-from shared.messages import RequestPayload, RequestStatus, StatusEvent, TokenEvent, decode_event
-from shared.sampling import SamplingParams
+from shared.messages import RequestStatus, StatusEvent, TokenEvent, decode_event
 from shared.store import RequestStore
-from shared.tokenizer import ChatTemplateError, Tokenizer
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
 
@@ -27,57 +24,15 @@ def _links(request_id: str) -> dict[str, str]:
     return {"self": base, "events": f"{base}/events", "cancel": base}
 
 
-async def prepare(body: SubmitRequest, tokenizer: Tokenizer, model_name: str, default_max_tokens: int) -> RequestPayload:
-    """Check the request against the model and build what the worker runs. Raises 4xx."""
-    if body.model is not None and body.model != model_name:
-        raise HTTPException(status.HTTP_404_NOT_FOUND,
-                            f"model {body.model!r} is not served here; served models: [{model_name!r}]")
-    try:
-        if body.messages is not None:
-            messages = [m.model_dump() for m in body.messages]
-            prompt_ids = await run_in_threadpool(tokenizer.encode_chat, messages)
-        else:
-            prompt_ids = await run_in_threadpool(tokenizer.encode, body.prompt)
-    except ChatTemplateError as exc:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
-    context, n = tokenizer.context_length, len(prompt_ids)
-    if n == 0:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the prompt encodes to no tokens")
-    if n >= context:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST,
-                            f"the prompt has {n} tokens; the model's context is {context} tokens, "
-                            "which must also hold at least one generated token")
-    params = body.sampling()
-    _check_token_ids(params, tokenizer.vocab_size)
-    if params.max_tokens is None:
-        params.max_tokens = min(default_max_tokens, context - n)
-    elif n + params.max_tokens > context:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST,
-                            f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
-                            f"{n + params.max_tokens}, more than the model's context of {context} tokens")
-    return RequestPayload(id=str(uuid.uuid4()), model=model_name, prompt_token_ids=prompt_ids, params=params)
-
-
-def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-    named = {"logit_bias": list(params.logit_bias), "stop_token_ids": params.stop_token_ids,
-             "logits_processors": [t for p in params.logits_processors for t in p.token_ids]}
-    for field, ids in named.items():
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
-                                f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})")
-
-
 @router.post("", status_code=status.HTTP_202_ACCEPTED)
-async def submit(body: SubmitRequest, settings: SettingsDep, store: StoreDep, relay: RelayDep,
-                 tokenizer: TokenizerDep, model_name: ModelNameDep):
+async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep, model_name: ModelNameDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
-    payload = await prepare(body, tokenizer, model_name, settings.default_max_tokens)
-    await store.submit(payload)
+    generation.check_model(body.model)
+    messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
+    payload = generation.build(await generation.encode(body.prompt, messages), body.sampling())
+    await generation.submit([payload])
     if body.stream:
-        async def cancel() -> None:
-            await store.cancel(payload.id, len(payload.prompt_token_ids))
-        return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=cancel,
+        return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),
                                    headers={"X-Request-Id": payload.id})
     return JSONResponse(
         status_code=status.HTTP_202_ACCEPTED,

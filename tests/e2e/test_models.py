@@ -38,3 +38,33 @@ def test_default_model_knows_the_capital_of_france(redis_url, tmp_path):
     text = "".join(e["data"]["text"] for e in events if e["event"] == "token")
     assert "Paris" in text, text
     assert events[-1]["data"]["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_default_model_engine_matches_transformers_greedy():
+    """A few chat prompts through the continuous engine on SmolLM2, in fp32, against generate."""
+    import torch
+
+    from shared.models import prepare_model, weights_dir
+    from shared.settings import WorkerSettings
+    from tests.unit.test_engine import make_engine, run
+
+    settings = WorkerSettings(_env_file=None, model="default")
+    folder = prepare_model(settings)
+    engine = make_engine(weights_dir(settings), num_blocks=64, block_size=16, batch=4, budget=64)
+    texts = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea."]
+    chats = [engine.tokenizer.render_chat([{"role": "user", "content": t}]) for t in texts]
+    seqs = run(engine, chats, arrive_every=2, max_tokens=12)
+    hf = _hf(weights_dir(settings))
+    for seq in seqs:
+        ids = torch.tensor([seq.prompt_ids])
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert seq.output_ids == expected[:len(seq.output_ids)] and len(seq.output_ids) == len(expected)
+    assert folder.is_dir()
+
+
+def _hf(folder):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

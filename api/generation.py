@@ -1,0 +1,117 @@
+"""What every endpoint family shares: turn a prompt into a queued request, follow the events
+of one or several requests, cancel them. The native, OpenAI and seed-tutorial routes differ
+only in the shapes they accept and answer."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+
+from api.relay import Event, Relay
+from shared.messages import FinalEvent, RequestPayload
+from shared.sampling import SamplingParams
+from shared.store import RequestStore
+from shared.tokenizer import ChatTemplateError, Tokenizer
+
+
+class ApiError(Exception):
+    """A client error with its HTTP status; each endpoint family renders it its own way."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class Generation:
+    def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str,
+                 default_max_tokens: int):
+        self.store = store
+        self.relay = relay
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; served models: [{self.model_name!r}]",
+                           param="model", code="model_not_found")
+
+    async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while)."""
+        try:
+            if messages is not None:
+                return await run_in_threadpool(self.tokenizer.encode_chat, messages)
+            return await run_in_threadpool(self.tokenizer.encode, prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+
+    def build(self, prompt_ids: list[int], params: SamplingParams) -> RequestPayload:
+        """Check the request against the model and build what the worker runs."""
+        context, n = self.tokenizer.context_length, len(prompt_ids)
+        if n == 0:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        if n >= context:
+            raise ApiError(400, f"the prompt has {n} tokens; the model's context is {context} tokens, "
+                                "which must also hold at least one generated token", param="prompt")
+        self._check_token_ids(params)
+        if params.max_tokens is None:
+            params = params.model_copy(update={"max_tokens": min(self.default_max_tokens, context - n)})
+        elif n + params.max_tokens > context:
+            raise ApiError(400, f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
+                                f"{n + params.max_tokens}, more than the model's context of {context} tokens",
+                           param="max_tokens")
+        return RequestPayload(id=str(uuid.uuid4()), model=self.model_name, prompt_token_ids=prompt_ids,
+                              params=params)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.tokenizer.vocab_size
+        named = {"logit_bias": list(params.logit_bias), "stop_token_ids": params.stop_token_ids,
+                 "logits_processors": [t for p in params.logits_processors for t in p.token_ids]}
+        for field, ids in named.items():
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(422, f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
+                               param=field)
+
+    async def submit(self, payloads: list[RequestPayload]) -> None:
+        for payload in payloads:
+            await self.store.submit(payload)
+
+    async def cancel(self, payloads: list[RequestPayload]) -> None:
+        for payload in payloads:
+            await self.store.cancel(payload.id, len(payload.prompt_token_ids))
+
+    async def follow(self, ids: list[str]) -> AsyncIterator[tuple[int, Event | None]]:
+        """Events of several requests as they come: (index in `ids`, event); None is a keepalive.
+
+        Ends after every request's final event.
+        """
+        if len(ids) == 1:
+            async for event in self.relay.events(ids[0]):
+                yield 0, event
+            return
+        queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+        async def pump(i: int, request_id: str) -> None:
+            async for event in self.relay.events(request_id):
+                if event is not None:
+                    await queue.put((i, event))
+
+        tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
+        remaining = len(ids)
+        try:
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.relay.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield 0, None
+                    continue
+                if isinstance(item[1], FinalEvent):
+                    remaining -= 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI-compatible endpoints, with the extra fields vLLM accepts.
+
+Unknown fields are ignored, as OpenAI's and vLLM's servers do, so any client version works.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.sampling import MAX_LOGPROBS, LogitsProcessor, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # vLLM's extra sampling fields
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+        return value
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+        """Our sampling parameters for one of the n samples (each gets its own seed)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=None if self.seed is None else self.seed + seed_offset, stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=logprobs, logits_processors=self.logits_processors or [])
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=16)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot be used with stream")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ValueError("one prompt per request (send several requests, or use n)")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None

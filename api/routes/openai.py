@@ -1,0 +1,234 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+They go through the same Redis path as the native api: each of the `n` (or `best_of`)
+samples is one queued request (they share the prompt's KV blocks through the worker's
+prefix cache), followed through the relay; a streaming client that disconnects cancels them.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter
+
+from api.deps import GenerationDep, ModelNameDep, TokenizerDep
+from api.generation import ApiError, Generation
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.sse import EventStreamResponse
+from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
+from shared.tokenizer import Tokenizer
+
+router = APIRouter(tags=["openai"])
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404 and code is None:
+        code = "not_found"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@router.get("/v1/models")
+async def models(model_name: ModelNameDep, tokenizer: TokenizerDep):
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "streamq",
+                                        "max_model_len": tokenizer.context_length}]}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+def _finish_reason(final: FinalEvent) -> str:
+    if final.finish_reason == FinishReason.ERROR:
+        raise ApiError(500, f"generation failed: {final.error}")
+    return "abort" if final.finish_reason == FinishReason.CANCELLED else final.finish_reason.value
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent], offset: int) -> dict:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        text = _token_text(tokenizer, t.token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({_token_text(tokenizer, i): lp for i, lp in t.top_logprobs or []})
+        out["text_offset"].append(offset)
+        offset += len(t.text)
+    return out
+
+
+def _chat_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]}
+                        for t in tokens]}
+
+
+async def _collect(generation: Generation, payloads: list[RequestPayload]) -> list[_Choice]:
+    choices = [_Choice() for _ in payloads]
+    async for i, event in generation.follow([p.id for p in payloads]):
+        if isinstance(event, TokenEvent):
+            choices[i].text.append(event.text)
+            choices[i].tokens.append(event)
+        elif isinstance(event, FinalEvent):
+            choices[i].final = event
+    return choices
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _data(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+async def _submit(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
+                  logprobs: int | None) -> list[RequestPayload]:
+    try:
+        payloads = [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i)) for i in range(samples)]
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    await generation.submit(payloads)
+    return payloads
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+    generation.check_model(body.model)
+    if isinstance(body.prompt, str):
+        prompt_ids = await generation.encode(body.prompt)
+    elif body.prompt and isinstance(body.prompt[0], str):
+        prompt_ids = await generation.encode(body.prompt[0])
+    else:
+        prompt_ids = list(body.prompt)
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
+            raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
+    samples = body.best_of or body.n
+    ranking = samples > body.n
+    logprobs = body.logprobs if body.logprobs is not None else (0 if ranking else None)
+    payloads = await _submit(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    if body.stream:
+        events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choices = await _collect(generation, payloads)
+    reasons = [_finish_reason(c.final) for c in choices]
+    order = list(range(samples))
+    if ranking:
+        order = sorted(order, key=lambda i: choices[i].cumulative_logprob, reverse=True)[:body.n]
+    out = []
+    for index, i in enumerate(order):
+        c = choices[i]
+        lp = _completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
+        out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
+    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": usage}
+
+
+async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,
+                             payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
+    usage_on = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    offsets = [0] * len(payloads)
+    completion_tokens = 0
+    async for i, event in generation.follow([p.id for p in payloads]):
+        if event is None:
+            yield ": keepalive\n\n"
+            continue
+        choice: dict[str, Any] | None = None
+        if isinstance(event, TokenEvent):
+            completion_tokens += 1
+            if not event.text and body.logprobs is None:
+                continue
+            lp = _completion_logprobs(tokenizer, [event], offsets[i]) if body.logprobs is not None else None
+            offsets[i] += len(event.text)
+            choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
+        elif isinstance(event, FinalEvent):
+            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": _stream_reason(event)}
+        if choice is not None:
+            yield _data({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
+    if usage_on:
+        prompt_tokens = len(payloads[0].prompt_token_ids)
+        yield _data({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+def _stream_reason(final: FinalEvent) -> str:
+    try:
+        return _finish_reason(final)
+    except ApiError:
+        return "error"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+    generation.check_model(body.model)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        logprobs = body.wanted_logprobs()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+    prompt_ids = await generation.encode(messages=messages)
+    payloads = await _submit(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
+                             logprobs)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    if body.stream:
+        events = _stream_chat(generation, tokenizer, body, payloads, rid, created, model, logprobs)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choices = await _collect(generation, payloads)
+    out = []
+    for i, c in enumerate(choices):
+        out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": _chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
+                    "finish_reason": _finish_reason(c.final)})
+    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage}
+
+
+async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest,
+                       payloads: list[RequestPayload], rid: str, created: int, model: str,
+                       logprobs: int | None) -> AsyncIterator[str]:
+    usage_on = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    extra = {"usage": None} if usage_on else {}
+    for i in range(len(payloads)):
+        yield _data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], **extra})
+    completion_tokens = 0
+    async for i, event in generation.follow([p.id for p in payloads]):
+        if event is None:
+            yield ": keepalive\n\n"
+            continue
+        if isinstance(event, TokenEvent):
+            completion_tokens += 1
+            if not event.text and logprobs is None:
+                continue
+            lp = _chat_logprobs(tokenizer, [event]) if logprobs is not None else None
+            choice = {"index": i, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
+        elif isinstance(event, FinalEvent):
+            choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": _stream_reason(event)}
+        else:
+            continue
+        yield _data({**base, "choices": [choice], **extra})
+    if usage_on:
+        yield _data({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
+    yield "data: [DONE]\n\n"

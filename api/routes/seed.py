@@ -1,0 +1,136 @@
+"""The seed tutorials' endpoints, with their request and response shapes, on the real path.
+
+First tutorial (a hand-built server): /basic_generate, /generate (a batch of prompts),
+/generate_stream (SSE `data: {"token", "sequence_id"}`), /generate_vllm. Second tutorial
+(vLLM + FastAPI): /generate/ ({"query"} → {"response"}) and /generate_stream/, which streams
+plain text. All of them queue their prompts in Redis like any request, so the worker batches
+them with everything else; `/generate_vllm` is served by whatever backend the workers run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from api.deps import GenerationDep
+from api.generation import Generation
+from api.sse import EventStreamResponse
+from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
+from shared.sampling import SamplingParams
+
+router = APIRouter(tags=["seed tutorials"])
+
+# The first tutorial generated 50 new tokens greedily (transformers' generate defaults);
+# its vLLM path sampled with temperature 0.7 and top_p 0.95.
+SEED_MAX_TOKENS = 50
+GREEDY = SamplingParams(temperature=0.0, max_tokens=SEED_MAX_TOKENS)
+VLLM_LIKE = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=SEED_MAX_TOKENS)
+
+
+class GenerateRequest(BaseModel):
+    prompt: str = Field(min_length=1)
+
+
+class BatchGenerateRequest(BaseModel):
+    prompts: list[str] = Field(max_length=256)
+
+
+class QueryRequest(BaseModel):
+    query: str = Field(min_length=1)
+    request_id: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(0.7, ge=0.0, le=5.0)
+    max_tokens: int = Field(256, ge=1)
+    seed: int | None = Field(None, ge=0)
+
+
+async def _texts(generation: Generation, prompts: list[str], params: SamplingParams) -> tuple[list[str], list[str]]:
+    """Queue every prompt at once (the worker batches them), then gather each one's text."""
+    payloads = [generation.build(await generation.encode(p), params) for p in prompts]
+    await generation.submit(payloads)
+    texts = await asyncio.gather(*(_text(generation, p) for p in payloads))
+    return list(texts), [p.id for p in payloads]
+
+
+async def _text(generation: Generation, payload: RequestPayload) -> str:
+    parts = []
+    async for _, event in generation.follow([payload.id]):
+        if isinstance(event, TokenEvent):
+            parts.append(event.text)
+        elif isinstance(event, FinalEvent) and event.finish_reason == FinishReason.ERROR:
+            raise RuntimeError(event.error)
+    return "".join(parts)
+
+
+@router.post("/basic_generate")
+async def basic_generate(body: GenerateRequest, generation: GenerationDep):
+    texts, _ = await _texts(generation, [body.prompt], GREEDY)
+    return {"generated_text": body.prompt + texts[0]}
+
+
+@router.post("/generate")
+async def generate(body: BatchGenerateRequest, generation: GenerationDep):
+    texts, ids = await _texts(generation, body.prompts, GREEDY)
+    return {"generated_texts": [p + t for p, t in zip(body.prompts, texts)], "request_ids": ids}
+
+
+@router.post("/generate_vllm")
+async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep):
+    texts, _ = await _texts(generation, body.prompts, VLLM_LIKE)
+    return {"generated_texts": texts}
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateRequest, generation: GenerationDep):
+    payload = generation.build(await generation.encode(body.prompt), GREEDY)
+    await generation.submit([payload])
+
+    async def events():
+        async for _, event in generation.follow([payload.id]):
+            if event is None:
+                yield ": keepalive\n\n"
+            elif isinstance(event, TokenEvent) and event.text:
+                yield f'data: {{"token": {_json(event.text)}, "sequence_id": "{payload.id}"}}\n\n'
+
+    return EventStreamResponse(events(), on_disconnect=lambda: generation.cancel([payload]))
+
+
+@router.post("/generate/")
+async def generate_query(body: QueryRequest, generation: GenerationDep):
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
+                            seed=body.seed)
+    texts, _ = await _texts(generation, [body.query], params)
+    return {"response": texts[0]}
+
+
+@router.post("/generate_stream/")
+async def generate_query_stream(body: QueryRequest, generation: GenerationDep):
+    """Plain text as it is generated; with n > 1 the samples' texts follow one another."""
+    prompt_ids = await generation.encode(body.query)
+    payloads = [generation.build(prompt_ids, SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
+        seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
+    await generation.submit(payloads)
+
+    async def chunks():
+        finished = False
+        try:
+            for payload in payloads:
+                async for _, event in generation.follow([payload.id]):
+                    if isinstance(event, TokenEvent) and event.text:
+                        yield event.text
+            finished = True
+        finally:
+            if not finished:  # the client went away: stop the work it asked for
+                await asyncio.shield(generation.cancel(payloads))
+
+    return StreamingResponse(chunks(), media_type="text/plain; charset=utf-8",
+                             headers={"X-Request-Id": body.request_id or payloads[0].id})
+
+
+def _json(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,118 @@
+"""The official openai client against a live stack (tiny llama model, two replicas)."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from shared.tokenizer import Tokenizer
+from tests.e2e.helpers import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(stack):
+    return stack.model_name
+
+
+def test_models_lists_the_served_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_completion_greedy_equals_transformers(client, model, tiny_llama):
+    reply = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    tok = Tokenizer(tiny_llama)
+    expected = hf_greedy(tiny_llama, tok.encode("Once upon a time"), 12)
+    assert reply.object == "text_completion" and reply.choices[0].text == tok.decode(expected)
+    assert reply.usage.completion_tokens == len(expected) and reply.usage.prompt_tokens == len(tok.encode("Once upon a time"))
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_stream_adds_up_and_reports_usage(client, model):
+    plain = client.completions.create(model=model, prompt="Seoul", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt="Seoul", max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+
+
+def test_chat_n_samples_with_seed_logprobs(client, model):
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           temperature=1.0, seed=7, n=3, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 24
+    for choice in reply.choices:
+        assert choice.message.role == "assistant"
+        assert len(choice.logprobs.content) == 8
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+
+
+def test_chat_stream_with_the_async_client(stack, model):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{stack.urls[1]}/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                                      max_tokens=6, temperature=0, stream=True,
+                                                      extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        await client.close()
+        return chunks
+
+    chunks = asyncio.run(go())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in chunks if c.choices[0].delta.content) <= 6
+
+
+def test_best_of_returns_the_most_likely(client, model):
+    reply = client.completions.create(model=model, prompt="a b", max_tokens=5, temperature=1.0, n=1, best_of=3,
+                                      seed=3, logprobs=0)
+    assert len(reply.choices) == 1 and reply.usage.completion_tokens >= 3
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": 3}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+])
+def test_bad_input_gets_openai_errors(client, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="x", **kwargs)
+    body = info.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == param and body["message"]
+
+
+def test_unknown_model_is_404_with_the_served_list(client, model):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert model in info.value.body["message"] and info.value.body["code"] == "model_not_found"
+
+
+def test_prompt_past_the_context_is_400(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="word " * 300, max_tokens=4)
+    assert "256" in info.value.body["message"]
+
+
+def test_streaming_client_that_disconnects_cancels(stack, model):
+    api = stack.urls[0]
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{api}/v1/completions", json={
+                "model": model, "prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    break
+    record = stack.wait_for_record(lambda r: '"max_tokens":200' in r["params"] and r["status"] != "running")
+    assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
