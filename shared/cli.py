@@ -1,4 +1,4 @@
-"""The `streamq` command: serve, api, worker, scheduler, prepare-model."""
+"""The `streamq` command: serve, api, worker, scheduler, prepare-model, bench."""
 from __future__ import annotations
 
 import argparse
@@ -22,12 +22,17 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
     sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
     sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
+    from shared.bench import add_arguments  # noqa: PLC0415 - light: httpx only
+    add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
     _log(args.log_level)
 
     if args.command == "serve":
         from shared.serve import serve as run_serve  # noqa: PLC0415
         sys.exit(run_serve(args.host, args.port))
+    if args.command == "bench":
+        from shared.bench import main as bench_main  # noqa: PLC0415
+        sys.exit(bench_main(args))
     if args.command == "api":
         from api.main import main as api_main  # noqa: PLC0415
         api_main()
