@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.asyncio import Redis
+from shared.redis_client import connect
 
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
@@ -23,8 +23,8 @@ from shared.tokenizer import Tokenizer
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = Redis.from_url(settings.redis_url, decode_responses=True)
-        hub = PubSubHub(redis, keys.replica_channel(settings.prefix, settings.replica))
+        redis = connect(settings.redis_url)
+        hub = PubSubHub(redis, keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
         await hub.start()
         store = RequestStore(redis, settings.prefix)
         app.state.settings = settings
@@ -32,7 +32,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.model_name = served_name(settings)
         app.state.store = store
         app.state.hub = hub
-        app.state.relay = Relay(store, hub, settings.sse_keepalive_s)
+        app.state.relay = Relay(store, hub)
         app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
                                           settings.default_max_tokens)
         try:

@@ -96,18 +96,13 @@ class Generation:
 
         async def pump(i: int, request_id: str) -> None:
             async for event in self.relay.events(request_id):
-                if event is not None:
-                    await queue.put((i, event))
+                await queue.put((i, event))  # None (keepalive) included
 
         tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
         remaining = len(ids)
         try:
             while remaining:
-                try:
-                    item = await asyncio.wait_for(queue.get(), self.relay.keepalive_s)
-                except asyncio.TimeoutError:
-                    yield 0, None
-                    continue
+                item = await queue.get()
                 if isinstance(item[1], FinalEvent):
                     remaining -= 1
                 yield item

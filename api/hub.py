@@ -2,7 +2,9 @@
 
 A stream subscribes to its request's channel through the hub; the first subscriber of a
 channel makes the hub SUBSCRIBE, the last one leaving makes it UNSUBSCRIBE. One reader task
-reads the connection and puts each message on the queues of that channel.
+reads the connection and puts each message on the queues of that channel. Every
+`tick_s` the hub also puts TICK on every queue, so a quiet stream can send a keepalive
+without a timer per stream (a timeout per awaited message costs more than the message).
 """
 from __future__ import annotations
 
@@ -15,23 +17,26 @@ from redis.asyncio import Redis
 
 log = logging.getLogger(__name__)
 
+TICK = ""  # put on every queue each tick_s; never a real message (those are JSON)
+
 
 class PubSubHub:
-    def __init__(self, redis: Redis, home_channel: str):
+    def __init__(self, redis: Redis, home_channel: str, tick_s: float = 15.0):
         self._pubsub = redis.pubsub()
         self._home = home_channel  # always subscribed, so the connection always has a subscription
+        self._tick_s = tick_s
         self._queues: dict[str, set[asyncio.Queue[str]]] = {}
         self._confirmed: dict[str, asyncio.Future[None]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self._pubsub.subscribe(self._home)
-        self._reader = asyncio.create_task(self._read())
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._tick())]
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._pubsub.aclose()
 
     @property
@@ -59,10 +64,17 @@ class PubSubHub:
                 self._confirmed.pop(channel, None)
                 await self._pubsub.unsubscribe(channel)
 
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            for queues in list(self._queues.values()):
+                for queue in queues:
+                    queue.put_nowait(TICK)
+
     async def _read(self) -> None:
         while True:
             try:
-                message = await self._pubsub.get_message(timeout=5.0)
+                message = await self._pubsub.get_message(timeout=None)  # block: no timer per message
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep relaying; redis-py reconnects the pubsub

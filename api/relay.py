@@ -7,10 +7,9 @@ filled from the log.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
-from api.hub import PubSubHub
+from api.hub import TICK, PubSubHub
 from shared import keys
 from shared.messages import FinalEvent, StatusEvent, TokenEvent, decode_event
 from shared.store import RequestStore
@@ -19,10 +18,9 @@ Event = TokenEvent | StatusEvent | FinalEvent
 
 
 class Relay:
-    def __init__(self, store: RequestStore, hub: PubSubHub, keepalive_s: float):
+    def __init__(self, store: RequestStore, hub: PubSubHub):
         self.store = store
         self.hub = hub
-        self.keepalive_s = keepalive_s
 
     async def events(self, request_id: str, after: int = -1) -> AsyncIterator[Event | None]:
         """Events after token index `after`, ending with the final one; None means "still alive"."""
@@ -34,9 +32,8 @@ class Relay:
                 if isinstance(event, FinalEvent):
                     return
             while True:
-                try:
-                    data = await asyncio.wait_for(queue.get(), self.keepalive_s)
-                except asyncio.TimeoutError:
+                data = await queue.get()
+                if data == TICK:
                     yield None
                     continue
                 for event in await cursor.accept(decode_event(data)):

@@ -6,7 +6,7 @@ from typing import Any
 from arq import cron
 from arq.connections import RedisSettings
 from arq.worker import run_worker
-from redis.asyncio import Redis
+from shared.redis_client import connect
 
 from scheduler.jobs import trim_request_stream
 from shared.models import served_name
@@ -23,7 +23,7 @@ def worker_settings(settings: SchedulerSettings) -> type:
 
     async def on_startup(ctx: dict[str, Any]) -> None:
         ctx["settings"] = settings
-        ctx["streamq_redis"] = Redis.from_url(settings.redis_url, decode_responses=True)
+        ctx["streamq_redis"] = connect(settings.redis_url)
 
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["streamq_redis"].aclose()

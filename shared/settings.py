@@ -60,7 +60,9 @@ class WorkerSettings(CommonSettings):
 
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                              description="Consumer name in the request group; unique per process.")
-    backend: Literal["hf"] = Field("hf", description="Model backend: 'hf' is the built-in transformers backend.")
+    backend: Literal["hf", "null"] = Field(
+        "hf", description="'hf': the built-in engine on transformers weights; 'null': no model, tokens at null_tokens_per_s.")
+    null_tokens_per_s: float = Field(20.0, gt=0, le=10_000, description="Tokens per second per request (null backend).")
     batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one step (max_num_seqs).")
     max_num_batched_tokens: int = Field(512, ge=1, le=1_000_000,
                                         description="Token budget of one step; longer prompts are prefilled in chunks.")

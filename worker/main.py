@@ -5,7 +5,7 @@ import asyncio
 import logging
 import signal
 
-from redis.asyncio import Redis
+from shared.redis_client import connect
 
 from shared.models import prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
@@ -15,6 +15,7 @@ from worker.block_manager import BlockManager
 from worker.engine import Engine
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
+from worker.null_engine import NullEngine
 from worker.service import WorkerService
 from worker.static_engine import StaticEngine
 
@@ -30,7 +31,10 @@ def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
     return min(useful, blocks_for_bytes(model, dtype, settings.block_size, int(settings.kv_cache_gb * 2**30)))
 
 
-def build_engine(settings: WorkerSettings) -> Engine | StaticEngine:
+def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine:
+    if settings.backend == "null":
+        log.info("null backend: no model, %.1f tokens/s per request", settings.null_tokens_per_s)
+        return NullEngine(settings.batch_size, settings.null_tokens_per_s)
     tokenizer = Tokenizer(prepare_model(settings))
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
@@ -50,7 +54,7 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine:
 
 async def serve(settings: WorkerSettings) -> None:
     engine = await asyncio.to_thread(build_engine, settings)
-    redis = Redis.from_url(settings.redis_url, decode_responses=True)
+    redis = connect(settings.redis_url)
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

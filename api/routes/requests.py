@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Annotated, Any
 
@@ -112,7 +113,10 @@ def _format(event: Event | None) -> str:
     if event is None:
         return ": keepalive\n\n"
     if isinstance(event, TokenEvent):
-        return sse_event(event.model_dump(exclude={"type"}), event="token", event_id=event.index)
+        if event.logprob is None:  # the hot path: one per token per stream, so no model_dump
+            return (f'id: {event.index}\nevent: token\ndata: {{"index": {event.index}, '
+                    f'"token_id": {event.token_id}, "text": {json.dumps(event.text, ensure_ascii=False)}}}\n\n')
+        return sse_event(event.model_dump(exclude={"type"}, exclude_none=True), event="token", event_id=event.index)
     if isinstance(event, StatusEvent):
         return sse_event(event.model_dump(mode="json", exclude={"type"}), event="status")
     body = event.model_dump(mode="json", exclude={"type"})

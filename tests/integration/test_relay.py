@@ -15,9 +15,9 @@ RID = "9a7c2a8e-1111-4222-8333-444455556666"
 
 @pytest.fixture
 async def relay(redis, prefix):
-    hub = PubSubHub(redis, keys.replica_channel(prefix, "test"))
+    hub = PubSubHub(redis, keys.replica_channel(prefix, "test"), tick_s=30)
     await hub.start()
-    yield Relay(RequestStore(redis, prefix), hub, keepalive_s=30)
+    yield Relay(RequestStore(redis, prefix), hub)
     await hub.close()
 
 
@@ -102,3 +102,14 @@ async def test_many_streams_share_the_hub_connection(redis, prefix, relay):
     await _emit(redis, prefix, _final(3))
     for events in await asyncio.wait_for(asyncio.gather(*tasks), 10):
         assert [e.index for e in events[:-1]] == [0, 1, 2]
+
+
+async def test_a_quiet_stream_gets_keepalives_from_the_hub_tick(redis, prefix):
+    hub = PubSubHub(redis, keys.replica_channel(prefix, "tick"), tick_s=0.05)
+    await hub.start()
+    relay = Relay(RequestStore(redis, prefix), hub)
+    events = relay.events(RID)
+    first = await asyncio.wait_for(events.__anext__(), 10)
+    assert first is None  # a keepalive, with nothing published
+    await events.aclose()
+    await hub.close()
