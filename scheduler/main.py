@@ -1,4 +1,5 @@
-"""Entry point of the scheduler: an arq worker whose cron jobs keep Redis tidy."""
+"""Entry point of the scheduler: an arq worker whose cron jobs reclaim the requests of dead
+workers and keep Redis tidy."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +9,7 @@ from arq.connections import RedisSettings
 from arq.worker import run_worker
 from shared.redis_client import connect
 
-from scheduler.jobs import trim_request_stream
+from scheduler.jobs import reclaim_dead_workers, trim_request_stream
 from shared.models import served_name
 from shared.settings import SchedulerSettings
 
@@ -16,6 +17,12 @@ from shared.settings import SchedulerSettings
 async def trim(ctx: dict[str, Any]) -> int:
     settings: SchedulerSettings = ctx["settings"]
     return await trim_request_stream(ctx["streamq_redis"], settings.prefix, served_name(settings))
+
+
+async def reclaim(ctx: dict[str, Any]) -> dict[str, int]:
+    settings: SchedulerSettings = ctx["settings"]
+    return await reclaim_dead_workers(ctx["streamq_redis"], settings.prefix, served_name(settings),
+                                      settings.heartbeat_ttl_s, settings.max_attempts)
 
 
 def worker_settings(settings: SchedulerSettings) -> type:
@@ -33,7 +40,9 @@ def worker_settings(settings: SchedulerSettings) -> type:
         "queue_name": f"{settings.prefix}:arq",
         "functions": [],
         "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60)],
+                           unique=True, timeout=60, keep_result=0),
+                      cron(reclaim, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
+                           unique=True, timeout=60, keep_result=0)],
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,
         "handle_signals": True,

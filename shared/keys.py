@@ -10,9 +10,9 @@ WORKER_GROUP = "workers"
 # resumes still find them; then Redis frees them.
 RESULT_TTL_S = 24 * 3600
 
-# A worker refreshes its heartbeat every HEARTBEAT_INTERVAL_S; the key outlives a few missed
-# beats so a slow step does not look like a death.
-HEARTBEAT_TTL_S = 10
+# Consumer name under which the scheduler holds an entry while it puts it back in the queue;
+# it has no heartbeat, so an entry left there by a scheduler that died is reclaimed again.
+RECLAIMER = "reclaimer"
 
 
 def request_stream(prefix: str, model: str) -> str:

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "default"
@@ -40,6 +40,8 @@ class CommonSettings(BaseSettings):
     served_model_name: str | None = Field(None, description="Name clients use for the model; derived from `model` when unset.")
     model_cache_dir: Path = Field(default_factory=_default_cache_dir,
                                   description="Where converted models and tokenizers are kept.")
+    heartbeat_ttl_s: float = Field(6.0, gt=0, le=600,
+                                   description="Heartbeat lifetime; a worker silent this long counts as dead.")
 
 
 class ApiSettings(CommonSettings):
@@ -74,7 +76,6 @@ class WorkerSettings(CommonSettings):
         "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
-    heartbeat_ttl_s: float = Field(10.0, gt=0, le=600, description="Heartbeat lifetime; a worker silent this long counts as dead.")
     intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
 
     @model_validator(mode="after")
@@ -97,5 +98,16 @@ class WorkerSettings(CommonSettings):
 class SchedulerSettings(CommonSettings):
     """Settings of the scheduler (arq cron jobs)."""
 
-    trim_interval_s: Literal[1, 2, 5, 10, 15, 20, 30] = Field(
-        30, description="Seconds between trims of the request stream (a divisor of 60, for arq's cron).")
+    @field_validator("trim_interval_s", "reclaim_interval_s")
+    @classmethod
+    def _divides_a_minute(cls, value: int, info) -> int:
+        if 60 % value:
+            raise ValueError(f"{info.field_name}={value} must divide 60 (arq's cron runs on seconds of the minute)")
+        return value
+
+    trim_interval_s: int = Field(30, ge=1, le=30,
+                                 description="Seconds between trims of the request stream (a divisor of 60, for arq's cron).")
+    reclaim_interval_s: int = Field(2, ge=1, le=30,
+                                    description="Seconds between searches for requests of dead workers (a divisor of 60).")
+    max_attempts: int = Field(3, ge=1, le=100,
+                              description="Workers a request may take down before it goes to the dead-letter stream.")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class Stack:
     def __init__(self, redis_url: str, model: Path | None, folder: Path, replicas: int = 1, batch_size: int = 8,
-                 workers: int = 1, env: dict[str, str] | None = None):
+                 workers: int = 1, env: dict[str, str] | None = None, scheduler: bool = False):
         self.folder = folder
         self.prefix = f"e2e{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, "REDIS_URL": redis_url, "STREAMQ_PREFIX": self.prefix,
@@ -30,7 +30,7 @@ class Stack:
         self.env = {k: v for k, v in self.env.items() if v != ""}
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.urls: list[str] = []
-        self.n_replicas, self.n_workers = replicas, workers
+        self.n_replicas, self.n_workers, self.with_scheduler = replicas, workers, scheduler
         self.model_name = model.name if model else "SmolLM2-135M-Instruct"
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -46,7 +46,9 @@ class Stack:
             subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], cwd=ROOT, env=self.env,
                            check=True, capture_output=True)
             for i in range(self.n_workers):
-                self._spawn(f"worker{i}", ["worker"], self.env)
+                self._spawn(f"worker{i}", ["worker"], {**self.env, "STREAMQ_WORKER_NAME": self.worker_name(i)})
+            if self.with_scheduler:
+                self._spawn("scheduler", ["scheduler"], self.env)
             for i in range(self.n_replicas):
                 port = free_port()
                 self._spawn(f"api{i}", ["api"], {**self.env, "STREAMQ_PORT": str(port)})
@@ -74,6 +76,16 @@ class Stack:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)  # readiness polling only, never used to order events
+
+    def worker_name(self, i: int) -> str:
+        return f"{self.prefix}-worker{i}"
+
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL the worker process with this consumer name, as a crash would."""
+        i = next(i for i in range(self.n_workers) if self.worker_name(i) == name)
+        proc = dict(self.processes)[f"worker{i}"]
+        proc.kill()
+        proc.wait()
 
     def queued(self) -> int:
         """How many requests were ever written to the model's request stream."""

@@ -32,6 +32,13 @@ class Detokenizer:
             self._prefix, self._read = self._read, len(self._ids)
         return self._release(final=False)
 
+    def resume(self, token_ids: list[int], released_chars: int) -> None:
+        """Rebuild the state after `token_ids` of which `released_chars` characters were already
+        sent (by a worker that died): the held-back rest comes out as usual, nothing twice."""
+        for token_id in token_ids:
+            self.push(token_id)
+        self._released = max(self._released, min(released_chars, len(self.text)))
+
     def flush(self) -> str:
         """At the end: decode what is still pending (even an incomplete character) and release all."""
         if not self.stopped and self._read < len(self._ids):

@@ -10,13 +10,12 @@ import threading
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload
+from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
-from worker.detokenizer import Detokenizer
 from worker.model_runner import PagedRunner
 from worker.sampler import make_generator, sample_batch
-from worker.sequence import Sequence, StepOutput, token_event
+from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
 
 class Engine:
@@ -31,8 +30,8 @@ class Engine:
         self._lock = threading.Lock()  # add() and cancel() come from the event loop, step() from a thread
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, stream_entry: str) -> Sequence:
-        seq = Sequence(payload, Detokenizer(self.tokenizer.decode, payload.params.stop), stream_entry)
+    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
         need = len(payload.prompt_token_ids) + (payload.params.max_tokens or 0)
         with self._lock:
             if need > self.batcher.max_tokens_per_request():

@@ -12,8 +12,7 @@ import time
 from collections import deque
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
-from worker.detokenizer import Detokenizer
-from worker.sequence import Sequence, StepOutput
+from worker.sequence import Sequence, StepOutput, new_sequence
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
 
@@ -28,8 +27,8 @@ class NullEngine:
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
-    def add(self, payload: RequestPayload, stream_entry: str) -> Sequence:
-        seq = Sequence(payload, Detokenizer(lambda ids: ""), stream_entry)
+    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, stream_entry, lambda ids: "", resumed)
         with self._lock:
             self._waiting.append(seq)
         return seq

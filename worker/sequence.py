@@ -60,6 +60,18 @@ class Sequence:
         return text
 
 
+def new_sequence(payload: RequestPayload, stream_entry: str, decode,
+                 resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+    """A request as the engine takes it: fresh, or continuing after the tokens another worker
+    already delivered (they are prefilled with the prompt, and indices carry on after them)."""
+    seq = Sequence(payload, Detokenizer(decode, payload.params.stop), stream_entry)
+    if resumed:
+        for event in resumed:
+            seq.append(event.token_id)
+        seq.detokenizer.resume([e.token_id for e in resumed], sum(len(e.text) for e in resumed))
+    return seq
+
+
 @dataclass
 class Logprobs:
     logprob: float

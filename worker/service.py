@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.messages import RequestPayload
+from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine import Engine
@@ -98,7 +98,15 @@ class WorkerService:
             # Cancelled (or otherwise ended) while queued: nothing to run.
             await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
             return
-        self.engine.add(payload, entry_id)
+        # A request put back after its worker died continues after the tokens already delivered.
+        delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
+        if any(isinstance(e, FinalEvent) for e in delivered):
+            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            return
+        resumed = [e for e in delivered if isinstance(e, TokenEvent)]
+        if resumed:
+            log.info("resuming %s after %d delivered tokens", payload.id, len(resumed))
+        self.engine.add(payload, entry_id, resumed)
 
     async def _listen_cancels(self) -> None:
         pubsub = self.redis.pubsub()

@@ -12,12 +12,11 @@ from collections import deque
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload
+from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
-from worker.detokenizer import Detokenizer
 from worker.runner import BatchRunner
 from worker.sampler import make_generator, sample_batch
-from worker.sequence import Sequence, StepOutput, token_event
+from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
 
 class StaticEngine:
@@ -32,8 +31,8 @@ class StaticEngine:
         self._lock = threading.Lock()  # cancel() comes from the event loop, step() from a thread
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, stream_entry: str) -> Sequence:
-        seq = Sequence(payload, Detokenizer(self.tokenizer.decode, payload.params.stop), stream_entry)
+    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
         self.waiting.append(seq)
         return seq
 
@@ -98,7 +97,7 @@ class StaticEngine:
 
     def _execute(self, new_batch: bool) -> torch.Tensor:
         if new_batch:
-            return self.runner.prefill([s.prompt_ids for s in self.rows])
+            return self.runner.prefill([s.token_ids for s in self.rows])
         pad = self.runner.pad_id
         return self.runner.decode([s.output_ids[-1] if s.output_ids else pad for s in self.rows])
 

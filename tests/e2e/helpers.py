@@ -32,11 +32,13 @@ def events_of(client: httpx.Client, url: str, request_id: str, last_event_id: in
     return stream_events(client, "GET", f"{url}/v1/requests/{request_id}/events", headers=headers)
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     """transformers' own greedy generate, unbatched: the reference."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if ignore_eos:  # go on through EOS, as a request with ignore_eos does
+        model.generation_config.eos_token_id = None
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()

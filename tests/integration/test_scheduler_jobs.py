@@ -1,4 +1,10 @@
 """Scheduler jobs against a real Redis stream and consumer group."""
+import asyncio
+
+from scheduler.jobs import reclaim_dead_workers
+from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event
+from shared.sampling import SamplingParams
+from shared.store import EVENT_FIELD, RequestStore
 from scheduler.jobs import trim_request_stream
 from scheduler.main import trim, worker_settings
 from shared import keys
@@ -30,4 +36,63 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
     stream, ids = await _setup(redis, prefix)
     assert await trim({"settings": settings, "streamq_redis": redis}) == 2
     cls = worker_settings(settings)
-    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 1
+    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 2
+
+
+async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
+    """A request a worker took and delivered `tokens` tokens of, as a worker leaves it."""
+    store = RequestStore(redis, prefix)
+    stream = keys.request_stream(prefix, "m")
+    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    payload = RequestPayload(id="7d1c2a8e-1111-4222-8333-444455556666", model="m", prompt_token_ids=[1, 2],
+                             params=SamplingParams(max_tokens=8))
+    await store.submit(payload)
+    [(_, [(entry_id, _)])] = await redis.xreadgroup(keys.WORKER_GROUP, consumer, {stream: ">"})
+    assert await store.claim(payload.id, consumer)
+    for i in range(tokens):
+        await redis.xadd(keys.token_log(prefix, payload.id),
+                         {EVENT_FIELD: encode_event(TokenEvent(index=i, token_id=5, text="x"))})
+    if record:
+        await redis.hset(keys.request_record(prefix, payload.id), mapping=record)
+    return store, stream, payload, entry_id
+
+
+async def test_a_dead_workers_request_is_queued_again_once(redis, prefix):
+    store, stream, payload, entry_id = await _running_request(redis, prefix)
+    outcomes = await asyncio.gather(*(reclaim_dead_workers(redis, prefix, "m", 0.0, 3) for _ in range(3)))
+    # Three reclaimers at once (a TTL of 0 lets every one of them claim): one requeue.
+    assert sum(o.get("requeued", 0) for o in outcomes) == 1
+    assert sum(o.get("dead", 0) for o in outcomes) == 0
+    record = await store.record(payload.id)
+    assert record["status"] == "queued" and record["attempts"] == "1"
+    entries = await redis.xrange(stream)
+    assert [e for e, _ in entries][-1] != entry_id
+    assert RequestPayload.model_validate_json(entries[-1][1]["payload"]) == payload
+    assert (await redis.xpending(stream, keys.WORKER_GROUP))["pending"] == 0
+    # The next worker reads it like any new request, and can claim it.
+    [(_, [(new_entry, _)])] = await redis.xreadgroup(keys.WORKER_GROUP, "w-new", {stream: ">"})
+    assert await store.claim(payload.id, "w-new")
+
+
+async def test_a_live_worker_keeps_its_requests(redis, prefix):
+    store, stream, payload, _ = await _running_request(redis, prefix, consumer="w-live")
+    await redis.set(keys.worker_heartbeat(prefix, "w-live"), "{}", px=60_000)
+    assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {}
+    assert (await store.record(payload.id))["status"] == "running"
+
+
+async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
+    store, stream, payload, _ = await _running_request(redis, prefix, attempts="2")
+    assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"dead": 1}
+    record = await store.record(payload.id)
+    assert record["status"] == "failed" and "3 times" in record["error"]
+    [(_, dead)] = await redis.xrange(keys.dead_letter_stream(prefix))
+    assert dead["id"] == payload.id
+    final = decode_event((await store.events(payload.id))[-1][1])
+    assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 2
+
+
+async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix):
+    store, _, payload, _ = await _running_request(redis, prefix, cancel_requested="1")
+    assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"cancelled": 1}
+    assert (await store.record(payload.id))["status"] == "cancelled"
