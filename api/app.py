@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from shared.redis_client import connect
 
+from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
@@ -34,10 +35,15 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.hub = hub
         app.state.relay = Relay(store, hub)
         app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
-                                          settings.default_max_tokens)
+                                          settings.default_max_tokens, settings.queue_timeout_s)
+        backpressure = Backpressure(redis, keys.request_stream(settings.prefix, app.state.model_name),
+                                    settings.max_queued_requests)
+        await backpressure.start()
+        app.state.generation.backpressure = backpressure
         try:
             yield
         finally:
+            await backpressure.close()
             await hub.close()
             await redis.aclose()
 
@@ -50,9 +56,9 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if request.url.path.startswith(openai.OPENAI_PATHS):
-            return JSONResponse(status_code=exc.status, content=openai.openai_error(exc.status, exc.message,
-                                                                                     exc.param, exc.code))
-        return JSONResponse(status_code=exc.status, content={"detail": exc.message})
+            return JSONResponse(status_code=exc.status, headers=exc.headers,
+                                content=openai.openai_error(exc.status, exc.message, exc.param, exc.code))
+        return JSONResponse(status_code=exc.status, content={"detail": exc.message}, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from starlette.concurrency import run_in_threadpool
 
 from api.relay import Event, Relay
-from shared.messages import FinalEvent, RequestPayload
+from shared.messages import FinalEvent, RequestPayload, now
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
@@ -19,19 +19,23 @@ from shared.tokenizer import ChatTemplateError, Tokenizer
 class ApiError(Exception):
     """A client error with its HTTP status; each endpoint family renders it its own way."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 class Generation:
     def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str,
-                 default_max_tokens: int):
+                 default_max_tokens: int, queue_timeout_s: float = 300.0):
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.backpressure = None  # set by the app: an api.backpressure.Backpressure
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -62,8 +66,9 @@ class Generation:
             raise ApiError(400, f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
                                 f"{n + params.max_tokens}, more than the model's context of {context} tokens",
                            param="max_tokens")
+        created = now()
         return RequestPayload(id=str(uuid.uuid4()), model=self.model_name, prompt_token_ids=prompt_ids,
-                              params=params)
+                              params=params, created_at=created, expires_at=created + self.queue_timeout_s)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.tokenizer.vocab_size
@@ -76,6 +81,9 @@ class Generation:
                                param=field)
 
     async def submit(self, payloads: list[RequestPayload]) -> None:
+        """Queue the requests (all or none: past the backlog limit, 503 before any is written)."""
+        if self.backpressure is not None:
+            await self.backpressure.check(len(payloads))
         for payload in payloads:
             await self.store.submit(payload)
 

@@ -8,7 +8,16 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, Usage, encode_event, now
+from shared.messages import (
+    FinalEvent,
+    FinishReason,
+    RequestPayload,
+    RequestStatus,
+    Usage,
+    encode_event,
+    now,
+)
+from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +143,30 @@ async def _requeue(redis: Redis, script, prefix: str, stream: str, entry_id: str
               stream, keys.dead_letter_stream(prefix)],
         args=[entry_id, payload.model_dump_json(), rid, max_attempts, encode_event(failed), encode_event(cancelled),
               now(), keys.RESULT_TTL_S, keys.WORKER_GROUP])
+
+
+async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
+    """Expire queued requests that no worker has taken by their deadline; returns how many.
+
+    Only entries not yet delivered to a worker are looked at (a worker expires what it reads
+    itself). The entry stays in the stream: the worker that reads it later finds it expired.
+    """
+    stream = keys.request_stream(prefix, model)
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+    start = f"({group['last-delivered-id']}" if group else "-"
+    store = RequestStore(redis, prefix)
+    expired, stamp = 0, now()
+    for _entry_id, fields in await redis.xrange(stream, min=start, count=10_000):
+        try:
+            payload = RequestPayload.model_validate_json(fields.get("payload", ""))
+        except ValidationError:
+            continue
+        if payload.expires_at is not None and stamp > payload.expires_at and await store.expire(payload):
+            expired += 1
+    if expired:
+        log.warning("expired %d requests that waited past their queue timeout", expired)
+    return expired

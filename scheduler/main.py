@@ -9,7 +9,7 @@ from arq.connections import RedisSettings
 from arq.worker import run_worker
 from shared.redis_client import connect
 
-from scheduler.jobs import reclaim_dead_workers, trim_request_stream
+from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
 from shared.models import served_name
 from shared.settings import SchedulerSettings
 
@@ -23,6 +23,11 @@ async def reclaim(ctx: dict[str, Any]) -> dict[str, int]:
     settings: SchedulerSettings = ctx["settings"]
     return await reclaim_dead_workers(ctx["streamq_redis"], settings.prefix, served_name(settings),
                                       settings.heartbeat_ttl_s, settings.max_attempts)
+
+
+async def expire(ctx: dict[str, Any]) -> int:
+    settings: SchedulerSettings = ctx["settings"]
+    return await expire_waiting(ctx["streamq_redis"], settings.prefix, served_name(settings))
 
 
 def worker_settings(settings: SchedulerSettings) -> type:
@@ -42,6 +47,8 @@ def worker_settings(settings: SchedulerSettings) -> type:
         "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
                            unique=True, timeout=60, keep_result=0),
                       cron(reclaim, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
+                           unique=True, timeout=60, keep_result=0),
+                      cron(expire, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
                            unique=True, timeout=60, keep_result=0)],
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,

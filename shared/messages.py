@@ -22,13 +22,14 @@ class RequestStatus(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"
 
     @property
     def finished(self) -> bool:
         return self in FINISHED
 
 
-FINISHED = frozenset({RequestStatus.DONE, RequestStatus.FAILED, RequestStatus.CANCELLED})
+FINISHED = frozenset({RequestStatus.DONE, RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.EXPIRED})
 
 
 class FinishReason(str, enum.Enum):
@@ -36,6 +37,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"        # max_tokens or the model's context
     CANCELLED = "cancelled"  # the client asked, or went away
     ERROR = "error"          # the worker could not run it
+    EXPIRED = "expired"      # it waited in the queue past its timeout, and never ran
 
 
 # The status a request ends in, for each way it can finish.
@@ -44,6 +46,7 @@ STATUS_OF_FINISH = {
     FinishReason.LENGTH: RequestStatus.DONE,
     FinishReason.CANCELLED: RequestStatus.CANCELLED,
     FinishReason.ERROR: RequestStatus.FAILED,
+    FinishReason.EXPIRED: RequestStatus.EXPIRED,
 }
 
 
@@ -60,6 +63,7 @@ class RequestPayload(BaseModel):
     prompt_token_ids: list[int]
     params: SamplingParams
     created_at: float = Field(default_factory=now)
+    expires_at: float | None = None  # not started by then: it expires instead of running
 
 
 class Usage(BaseModel):

@@ -40,6 +40,8 @@ class CommonSettings(BaseSettings):
     served_model_name: str | None = Field(None, description="Name clients use for the model; derived from `model` when unset.")
     model_cache_dir: Path = Field(default_factory=_default_cache_dir,
                                   description="Where converted models and tokenizers are kept.")
+    queue_timeout_s: float = Field(300.0, gt=0, le=86_400,
+                                   description="A request not started this long after it was accepted expires.")
     heartbeat_ttl_s: float = Field(6.0, gt=0, le=600,
                                    description="Heartbeat lifetime; a worker silent this long counts as dead.")
 
@@ -55,6 +57,8 @@ class ApiSettings(CommonSettings):
                                     description="max_tokens when a request gives none (capped by the context left).")
     max_wait_s: float = Field(60.0, gt=0, le=3600, description="Longest long-poll a client may ask for with ?wait=.")
     sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
+    max_queued_requests: int = Field(1000, ge=1, le=10_000_000,
+                                     description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
 
 
 class WorkerSettings(CommonSettings):

@@ -40,6 +40,19 @@ return status
 """
 
 
+# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error.
+# Expires a request that is still queued; returns 1 if it did.
+_EXPIRE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'expired', 'finish_reason', 'expired', 'finished_at', ARGV[2], 'error', ARGV[4])
+redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
+redis.call('PUBLISH', KEYS[3], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
 class RequestStore:
     """Reads and writes request records for one key prefix."""
 
@@ -48,6 +61,7 @@ class RequestStore:
         self.prefix = prefix
         self._claim = redis.register_script(_CLAIM)
         self._cancel = redis.register_script(_CANCEL)
+        self._expire = redis.register_script(_EXPIRE)
 
     async def submit(self, payload: RequestPayload, owner: str = "") -> None:
         """Write the record, then queue the request: both in one transaction."""
@@ -60,6 +74,7 @@ class RequestStore:
                 "params": payload.params.model_dump_json(),
                 "prompt_tokens": len(payload.prompt_token_ids),
                 "created_at": payload.created_at,
+                **({"expires_at": payload.expires_at} if payload.expires_at else {}),
             })
             pipe.xadd(keys.request_stream(self.prefix, payload.model), {"payload": payload.model_dump_json()})
             await pipe.execute()
@@ -88,6 +103,18 @@ class RequestStore:
         if status == RequestStatus.RUNNING.value:
             await self.redis.publish(keys.cancel_channel(self.prefix), request_id)
         return RequestStatus(status)
+
+    async def expire(self, payload: RequestPayload) -> bool:
+        """End a request that waited past its queue timeout without starting; True if it did."""
+        waited = now() - payload.created_at
+        error = f"the request waited {waited:.1f} s in the queue, past its timeout, and was not run"
+        final = FinalEvent(status=RequestStatus.EXPIRED, finish_reason=FinishReason.EXPIRED, error=error,
+                           usage=Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=0))
+        done = await self._expire(
+            keys=[keys.request_record(self.prefix, payload.id), keys.token_log(self.prefix, payload.id),
+                  keys.request_channel(self.prefix, payload.id)],
+            args=[encode_event(final), now(), keys.RESULT_TTL_S, error])
+        return bool(done)
 
     async def record(self, request_id: str) -> dict[str, str]:
         return await self.redis.hgetall(keys.request_record(self.prefix, request_id))

@@ -87,6 +87,12 @@ class Stack:
         proc.kill()
         proc.wait()
 
+    def kill_replica(self, i: int) -> None:
+        """SIGKILL api replica i, as a crash would."""
+        proc = dict(self.processes)[f"api{i}"]
+        proc.kill()
+        proc.wait()
+
     def queued(self) -> int:
         """How many requests were ever written to the model's request stream."""
         import redis

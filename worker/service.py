@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event
+from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine import Engine
@@ -92,6 +92,10 @@ class WorkerService:
             payload = RequestPayload.model_validate_json(fields.get("payload", ""))
         except ValidationError as exc:
             log.error("dropping malformed request entry %s: %s", entry_id, exc)
+            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            return
+        if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
+            log.info("request %s expired in the queue", payload.id)
             await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
             return
         if not await self.store.claim(payload.id, self.name):

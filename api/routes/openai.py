@@ -26,7 +26,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
     if status == 404 and code is None:
         code = "not_found"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -52,6 +52,8 @@ class _Choice:
 def _finish_reason(final: FinalEvent) -> str:
     if final.finish_reason == FinishReason.ERROR:
         raise ApiError(500, f"generation failed: {final.error}")
+    if final.finish_reason == FinishReason.EXPIRED:
+        raise ApiError(503, final.error or "the request expired in the queue", code="expired")
     return "abort" if final.finish_reason == FinishReason.CANCELLED else final.finish_reason.value
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from api.deps import GenerationDep
-from api.generation import Generation
+from api.generation import ApiError, Generation
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
@@ -61,8 +61,8 @@ async def _text(generation: Generation, payload: RequestPayload) -> str:
     async for _, event in generation.follow([payload.id]):
         if isinstance(event, TokenEvent):
             parts.append(event.text)
-        elif isinstance(event, FinalEvent) and event.finish_reason == FinishReason.ERROR:
-            raise RuntimeError(event.error)
+        elif isinstance(event, FinalEvent) and event.finish_reason in (FinishReason.ERROR, FinishReason.EXPIRED):
+            raise ApiError(503 if event.finish_reason == FinishReason.EXPIRED else 500, event.error or "failed")
     return "".join(parts)
 
 

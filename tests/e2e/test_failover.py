@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from shared.tokenizer import Tokenizer
-from tests.e2e.helpers import hf_greedy
+from tests.e2e.helpers import events_of, hf_greedy
 from tests.stack import Stack, parse_sse
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
@@ -58,3 +58,33 @@ def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path):
         assert state["worker"] != victim and state["status"] == "done"
         record = stack.wait_for_record(lambda r: r.get("worker") == state["worker"] and r.get("attempts") == "1")
         assert record["status"] == "done"
+
+
+def test_api_replica_crash_clients_resume_on_the_other(redis_url, tiny_llama, tmp_path):
+    """Kill the replica a client streams from; it reconnects to the other with Last-Event-ID and
+    gets exactly the remaining events (the request itself never noticed)."""
+    with Stack(redis_url, tiny_llama, tmp_path, replicas=2) as stack, httpx.Client(timeout=120) as client:
+        first, second = stack.urls
+        body = {"prompt": "Once", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+        seen, lines, rid = [], [], None
+        try:
+            with client.stream("POST", f"{first}/v1/requests", json=body) as reply:
+                rid = reply.headers["X-Request-Id"]
+                for line in reply.iter_lines():
+                    lines.append(line)
+                    if line == "":
+                        seen += [e for e in parse_sse(lines) if e["event"] == "token"]
+                        lines = []
+                        if len(seen) == 10:
+                            stack.kill_replica(0)
+        except httpx.HTTPError:
+            pass  # the connection died with the replica
+        assert 10 <= len(seen) < TOKENS
+        last = int(seen[-1]["id"])
+        rest = events_of(client, second, rid, last_event_id=last)
+        tokens = seen + [e for e in rest if e["event"] == "token"]
+        assert [int(e["id"]) for e in tokens] == list(range(TOKENS))
+        assert rest[-1]["event"] == "final" and rest[-1]["data"]["status"] == "done"
+        tok = Tokenizer(tiny_llama)
+        assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, tok.encode("Once"), TOKENS,
+                                                                    ignore_eos=True)

@@ -1,8 +1,8 @@
 """Scheduler jobs against a real Redis stream and consumer group."""
 import asyncio
 
-from scheduler.jobs import reclaim_dead_workers
-from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event
+from scheduler.jobs import expire_waiting, reclaim_dead_workers
+from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event, now
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
 from scheduler.jobs import trim_request_stream
@@ -36,7 +36,7 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
     stream, ids = await _setup(redis, prefix)
     assert await trim({"settings": settings, "streamq_redis": redis}) == 2
     cls = worker_settings(settings)
-    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 2
+    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 3
 
 
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
@@ -96,3 +96,28 @@ async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix
     store, _, payload, _ = await _running_request(redis, prefix, cancel_requested="1")
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"cancelled": 1}
     assert (await store.record(payload.id))["status"] == "cancelled"
+
+
+async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(redis, prefix):
+    store = RequestStore(redis, prefix)
+    stream = keys.request_stream(prefix, "m")
+    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    past, future = now() - 10, now() + 600
+
+    def payload(i, expires_at):
+        return RequestPayload(id=f"8e1c2a8e-1111-4222-8333-44445555666{i}", model="m", prompt_token_ids=[1],
+                              params=SamplingParams(max_tokens=2), expires_at=expires_at)
+
+    started, late, fresh = payload(0, past), payload(1, past), payload(2, future)
+    await store.submit(started)
+    await redis.xreadgroup(keys.WORKER_GROUP, "w1", {stream: ">"}, count=1)  # a worker took this one
+    assert await store.claim(started.id, "w1")
+    await store.submit(late)
+    await store.submit(fresh)
+    assert await expire_waiting(redis, prefix, "m") == 1
+    assert (await store.record(late.id))["status"] == "expired"
+    assert (await store.record(fresh.id))["status"] == "queued"
+    assert (await store.record(started.id))["status"] == "running"
+    [(_, data)] = await store.events(late.id)
+    assert decode_event(data).finish_reason.value == "expired"
+    assert await expire_waiting(redis, prefix, "m") == 0  # safe to run again

@@ -1,0 +1,92 @@
+"""Backpressure: past `max_queued_requests` waiting requests, new ones get 503 with a
+Retry-After computed from how fast the workers are draining the queue.
+
+The backlog is the consumer group's lag (entries no worker has taken yet), read from Redis,
+so every replica sees the same queue. A sampler notes the group's `entries-read` once a second;
+the drain rate is its growth over the last few seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from api.generation import ApiError
+from shared import keys
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 10.0  # drain rate measured over this much recent history
+MAX_RETRY_AFTER_S = 60
+
+
+class Backpressure:
+    def __init__(self, redis: Redis, stream: str, limit: int):
+        self.redis = redis
+        self.stream = stream
+        self.limit = limit
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, entries read by workers)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._sample_forever())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def backlog(self) -> tuple[int, int]:
+        """(requests waiting for a worker, requests ever read by a worker)."""
+        try:
+            groups = await self.redis.xinfo_groups(self.stream)
+        except ResponseError:  # no stream yet: nothing waits
+            return 0, 0
+        group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+        if group is None:
+            return await self.redis.xlen(self.stream), 0
+        read = group.get("entries-read") or 0
+        lag = group.get("lag")
+        if lag is None:  # Redis cannot tell after some deletions: count from the stream's totals
+            info = await self.redis.xinfo_stream(self.stream)
+            lag = max(0, info["entries-added"] - read)
+        return int(lag), int(read)
+
+    def drain_rate(self) -> float:
+        """Requests per second the workers took over the recent window (0 if unknown)."""
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, r0), (t1, r1) = self._samples[0], self._samples[-1]
+        return (r1 - r0) / (t1 - t0) if t1 > t0 else 0.0
+
+    async def check(self, incoming: int = 1) -> None:
+        """Raise 503 if `incoming` more requests would push the backlog past the limit."""
+        waiting, read = await self.backlog()
+        self._note(read)
+        if waiting + incoming <= self.limit:
+            return
+        rate = self.drain_rate()
+        excess = waiting + incoming - self.limit
+        retry = MAX_RETRY_AFTER_S if rate <= 0 else min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate)))
+        raise ApiError(503, f"the server is busy: {waiting} requests are waiting for a worker (limit {self.limit}); "
+                            f"at the measured drain rate of {rate:.2f} requests/s, retry in {retry} s",
+                       code="overloaded", headers={"Retry-After": str(retry)})
+
+    def _note(self, read: int) -> None:
+        now = time.monotonic()
+        self._samples.append((now, read))
+        while self._samples and now - self._samples[0][0] > WINDOW_S:
+            self._samples.popleft()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                self._note((await self.backlog())[1])
+            except RedisError as exc:
+                log.warning("backpressure sampler: %s", exc)
+            await asyncio.sleep(1.0)
