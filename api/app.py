@@ -7,6 +7,8 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.redis_client import connect
 
 from api.backpressure import Backpressure
@@ -59,6 +61,14 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             return JSONResponse(status_code=exc.status, headers=exc.headers,
                                 content=openai.openai_error(exc.status, exc.message, exc.param, exc.code))
         return JSONResponse(status_code=exc.status, content={"detail": exc.message}, headers=exc.headers)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        message = f"the queue (Redis) is unavailable ({exc}); retry shortly"
+        if request.url.path.startswith(openai.OPENAI_PATHS):
+            return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content=openai.openai_error(503, message))
+        return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={"detail": message})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

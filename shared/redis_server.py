@@ -20,9 +20,10 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process bound to 127.0.0.1, with its files in `folder`."""
 
-    def __init__(self, folder: Path, appendonly: bool = False):
+    def __init__(self, folder: Path, appendonly: bool = False, appendfsync: str = "everysec"):
         self.folder = folder
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.port = 0
         self.process: subprocess.Popen | None = None
 
@@ -35,10 +36,10 @@ class RedisServer:
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = self.port or free_port()
         self.process = subprocess.Popen(
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.folder),
-             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+             "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
              "--logfile", str(self.folder / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
@@ -54,6 +55,13 @@ class RedisServer:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    def crash_and_restart(self) -> None:
+        """SIGKILL the server, then start it again on the same port from its files (AOF)."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        self.start()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -14,10 +14,13 @@ from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestSt
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
 
-# KEYS: record. ARGV: expected status, new status, then field/value pairs to set.
+# KEYS: record. ARGV: worker, started_at. queued → running for this worker; also 1 when the
+# request already runs on this same worker (a retried claim whose first answer was lost).
 _CLAIM = """
-if redis.call('HGET', KEYS[1], 'status') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then return 1 end
+if status ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at', ARGV[2])
 return 1
 """
 
@@ -83,8 +86,7 @@ class RequestStore:
         """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""
         record = keys.request_record(self.prefix, request_id)
         started = now()
-        ok = await self._claim(keys=[record], args=[RequestStatus.QUEUED.value, RequestStatus.RUNNING.value,
-                                                    "worker", worker, "started_at", started])
+        ok = await self._claim(keys=[record], args=[worker, started])
         if ok:
             event = encode_event(StatusEvent(status=RequestStatus.RUNNING, worker=worker))
             await self.redis.publish(keys.request_channel(self.prefix, request_id), event)

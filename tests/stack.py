@@ -21,6 +21,7 @@ class Stack:
     def __init__(self, redis_url: str, model: Path | None, folder: Path, replicas: int = 1, batch_size: int = 8,
                  workers: int = 1, env: dict[str, str] | None = None, scheduler: bool = False):
         self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
         self.prefix = f"e2e{uuid.uuid4().hex[:8]}"
         self.env = {**os.environ, "REDIS_URL": redis_url, "STREAMQ_PREFIX": self.prefix,
                     "STREAMQ_MODEL": str(model) if model else "default", "STREAMQ_DTYPE": "float32",

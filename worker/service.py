@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
@@ -24,6 +27,7 @@ from worker.engine import Engine
 from worker.publisher import Publisher
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerService:
@@ -43,7 +47,7 @@ class WorkerService:
         self._stopping.set()
 
     async def run(self) -> None:
-        await self._ensure_group()
+        await self._retry("start", self._ensure_group)
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._listen_cancels())]
         try:
             await self._loop()
@@ -70,22 +74,36 @@ class WorkerService:
             elif self._stopping.is_set():
                 return
 
+    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis call until Redis answers, backing off from 0.1 to 5 s (Redis restarts)."""
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+
     async def _step(self) -> None:
         try:
             outputs = await asyncio.to_thread(self.engine.step)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
             log.exception("step failed")
             outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
-        await self.publisher.publish(outputs)
+        # Until it is published, a step's tokens exist only here: retry until Redis takes them.
+        # A retried pipeline may log a token twice; readers keep the first of each index.
+        await self._retry("publish", lambda: self.publisher.publish(outputs))
 
     async def _intake(self, block: bool) -> None:
         """Hand up to `free_slots` queued requests to the engine, waiting for some if `block`."""
-        reply = await self.redis.xreadgroup(keys.WORKER_GROUP, self.name, {self.stream: ">"},
-                                            count=self.engine.free_slots,
-                                            block=self.settings.intake_block_ms if block else None)
+        reply = await self._retry("intake", lambda: self.redis.xreadgroup(
+            keys.WORKER_GROUP, self.name, {self.stream: ">"}, count=self.engine.free_slots,
+            block=self.settings.intake_block_ms if block else None))
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                await self._admit(entry_id, fields)
+                # Every Redis call of _admit can be repeated; the engine gets the request last.
+                await self._retry("admission", lambda e=entry_id, f=fields: self._admit(e, f))
 
     async def _admit(self, entry_id: str, fields: dict[str, str]) -> None:
         try:
@@ -113,14 +131,18 @@ class WorkerService:
         self.engine.add(payload, entry_id, resumed)
 
     async def _listen_cancels(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(keys.cancel_channel(self.settings.prefix))
-        try:
-            async for message in pubsub.listen():
-                if message["type"] == "message":
-                    self.engine.cancel(message["data"])
-        finally:
-            await pubsub.aclose()
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.cancel_channel(self.settings.prefix))
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        self.engine.cancel(message["data"])
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("cancel listener lost redis (%s); resubscribing", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                await pubsub.aclose()
 
     async def _heartbeat(self) -> None:
         key = keys.worker_heartbeat(self.settings.prefix, self.name)
@@ -129,5 +151,8 @@ class WorkerService:
             beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                     "capacity": self.engine.batch_size, "running": len(self.engine.running),
                     "waiting": len(self.engine.waiting)}
-            await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+            try:
+                await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("heartbeat not written (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)

@@ -9,7 +9,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
 
-from api.deps import GenerationDep, HubDep, ModelNameDep, RelayDep, SettingsDep, StoreDep
+from api.deps import (
+    GenerationDep,
+    HubDep,
+    ModelNameDep,
+    RelayDep,
+    SettingsDep,
+    StoreDep,
+)
+from api.hub import TICK
 from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
@@ -64,7 +72,11 @@ def _float(record: dict[str, str], name: str) -> float | None:
 
 
 async def snapshot(store: RequestStore, request_id: str, record: dict[str, str]) -> dict[str, Any]:
-    tokens = [e for _, d in await store.events(request_id) if isinstance(e := decode_event(d), TokenEvent)]
+    tokens: dict[int, TokenEvent] = {}
+    for _, data in await store.events(request_id):
+        if isinstance(e := decode_event(data), TokenEvent):
+            tokens.setdefault(e.index, e)  # a retried publish may have logged a token twice
+    tokens = [tokens[i] for i in sorted(tokens)]
     created, started = _float(record, "created_at"), _float(record, "started_at")
     first, finished = _float(record, "first_token_at"), _float(record, "finished_at")
     return {
@@ -90,23 +102,29 @@ async def snapshot(store: RequestStore, request_id: str, record: dict[str, str])
 @router.get("/{request_id}")
 async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: SettingsDep,
                wait: Annotated[float, Query(ge=0, description="Seconds to wait for a change (long-poll).")] = 0):
-    """Status, text so far, token counts, finish reason and timings."""
-    record = await _record(store, request_id)
+    """Status, text so far, token counts, finish reason and timings.
+
+    With `?wait=N`, answers when something changes after the call arrived (a new status, new
+    tokens, the end), or after N seconds with the state unchanged.
+    """
     if wait > settings.max_wait_s:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
                             f"wait={wait} is more than the server's limit of {settings.max_wait_s} s")
-    if wait and not RequestStatus(record["status"]).finished:
-        async with hub.subscribe(keys.request_channel(store.prefix, request_id)) as queue:
-            # Read again after subscribing, so a change in between is not waited for.
-            seen = await snapshot(store, request_id, await store.record(request_id))
-            if seen["status"] != record["status"] or seen["completion_tokens"]:
-                return seen
-            try:
-                await asyncio.wait_for(queue.get(), wait)
-            except asyncio.TimeoutError:
-                return seen
-        record = await store.record(request_id)
-    return await snapshot(store, request_id, record)
+    before = await snapshot(store, request_id, await _record(store, request_id))
+    if not wait or RequestStatus(before["status"]).finished:
+        return before
+    async with hub.subscribe(keys.request_channel(store.prefix, request_id)) as queue:
+        # Read again after subscribing, so a change in between is not waited for.
+        now = await snapshot(store, request_id, await store.record(request_id))
+        if (now["status"], now["completion_tokens"]) != (before["status"], before["completion_tokens"]):
+            return now
+        try:
+            async with asyncio.timeout(wait):
+                while await queue.get() == TICK:  # keepalive ticks are no change
+                    pass
+        except TimeoutError:
+            return now
+    return await snapshot(store, request_id, await store.record(request_id))
 
 
 def _format(event: Event | None) -> str:

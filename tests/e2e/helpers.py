@@ -1,6 +1,7 @@
 """Shared steps of the end-to-end tests."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -14,13 +15,14 @@ def submit(client: httpx.Client, url: str, **body) -> dict:
     return reply.json()
 
 
-def wait_done(client: httpx.Client, url: str, request_id: str, rounds: int = 60) -> dict:
-    """Long-poll until the request ends (each round waits up to 10 s for a change)."""
-    for _ in range(rounds):
+def wait_done(client: httpx.Client, url: str, request_id: str, timeout_s: float = 120) -> dict:
+    """Long-poll until the request ends (each call answers at the next change, or after 10 s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         state = client.get(f"{url}/v1/requests/{request_id}", params={"wait": 10}).json()
-        if state["status"] in ("done", "failed", "cancelled"):
+        if state["status"] in ("done", "failed", "cancelled", "expired"):
             return state
-    raise AssertionError(f"request {request_id} did not finish: {state}")
+    raise AssertionError(f"request {request_id} did not finish within {timeout_s} s: {state}")
 
 
 def token_ids(events: list[dict]) -> list[int]:

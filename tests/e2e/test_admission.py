@@ -57,3 +57,15 @@ def test_backlog_past_the_limit_gets_503_with_retry_after(busy):
         client.delete(f"{api}/v1/requests/{holder}")
         for rid in queued:
             assert wait_done(client, api, rid)["status"] in ("done", "expired")
+
+
+def test_long_poll_answers_at_the_next_change(busy):
+    api = busy.urls[0]
+    with httpx.Client(timeout=60) as client:
+        holder = _occupy(client, api)
+        first = client.get(f"{api}/v1/requests/{holder}").json()
+        later = client.get(f"{api}/v1/requests/{holder}", params={"wait": 30}).json()
+        assert later["completion_tokens"] > first["completion_tokens"]  # it answered at a new token
+        assert client.get(f"{api}/v1/requests/{holder}", params={"wait": 999}).status_code == 422
+        client.delete(f"{api}/v1/requests/{holder}")
+        assert wait_done(client, api, holder)["status"] == "cancelled"

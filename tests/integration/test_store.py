@@ -72,3 +72,12 @@ async def test_events_reads_after_a_given_entry(redis, prefix):
            for i in range(3)]
     assert [e for e, _ in await store.events("r")] == ids
     assert [e for e, _ in await store.events("r", ids[0])] == ids[1:]
+
+
+async def test_a_retried_claim_by_the_same_worker_still_holds(redis, prefix):
+    store = RequestStore(redis, prefix)
+    payload = _payload()
+    await store.submit(payload)
+    assert await store.claim(payload.id, "w1") is True
+    assert await store.claim(payload.id, "w1") is True  # its first answer was lost: still ours
+    assert await store.claim(payload.id, "w2") is False
