@@ -18,8 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from benchmarks.engine import run_streamq  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared.serve import wait_ready  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.runner import load_model  # noqa: E402
@@ -60,14 +59,8 @@ def through_stack(batch: int, budget: int) -> dict:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/readyz", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
+        if not wait_ready(url, 180):
+            raise SystemExit("the stack did not become ready")
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         common = ["--url", url, "--endpoint", "native", "--prompts", str(W), "--max-tokens", "64",

@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared.serve import wait_ready  # noqa: E402
 
 
 async def _stream(host: str, port: int, body: bytes, out: list, counts: list, firsts: list) -> None:
@@ -69,18 +69,6 @@ def _client(port: int, streams: int, tokens: int, queue) -> None:
     queue.put((lat, times, firsts))
 
 
-def _wait_ready(url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise SystemExit("the stack did not become ready")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=1000)
@@ -101,7 +89,8 @@ def main() -> None:
              subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
-        _wait_ready(f"http://127.0.0.1:{port}")
+        if not wait_ready(f"http://127.0.0.1:{port}", 120):
+            raise SystemExit("the stack did not become ready")
         queue: mp.Queue = mp.Queue()
         per = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
         start = time.time()

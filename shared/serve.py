@@ -68,7 +68,8 @@ def _raise_stop(signum, _frame) -> None:
     raise _Stop(signum)
 
 
-def _wait_ready(url: str, children: list[Child], timeout_s: float) -> bool:
+def wait_ready(url: str, timeout_s: float, children: list[Child] | tuple = ()) -> bool:
+    """Poll `url`/readyz until it answers 200 (True), a child exits, or time runs out (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for child in children:
@@ -108,7 +109,7 @@ def serve(host: str, port: int) -> int:
         for child in children:
             child.start()
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        if not _wait_ready(url, children, timeout_s=600):
+        if not wait_ready(url, 600, children):
             log.error("streamq did not become ready; stopping")
             return 1
         _banner(url, served_name(settings))
