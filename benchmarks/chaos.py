@@ -87,7 +87,9 @@ def scenario(name: str, stack_kwargs: dict, inject, redis: RedisServer | None = 
 
 
 def kill_a_busy_worker(stack: Stack, redis: RedisServer) -> None:
-    stack.kill_worker(stack.worker_name(0))
+    """SIGKILL the worker that runs the first running request found (not an idle one)."""
+    record = stack.wait_for_record(lambda r: r.get("status") == "running")
+    stack.kill_worker(record["worker"])
 
 
 def kill_replica(stack: Stack, redis: RedisServer) -> None:
