@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+from arq import create_pool
+from arq.connections import RedisSettings
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -15,7 +17,7 @@ from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
-from api.routes import health, openai, requests, seed
+from api.routes import batches, health, openai, requests, seed
 from shared import keys
 from shared.models import model_dir, served_name
 from shared.settings import ApiSettings
@@ -42,9 +44,11 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
                                     settings.max_queued_requests)
         await backpressure.start()
         app.state.generation.backpressure = backpressure
+        app.state.arq = await create_pool(RedisSettings.from_dsn(settings.redis_url))
         try:
             yield
         finally:
+            await app.state.arq.aclose()
             await backpressure.close()
             await hub.close()
             await redis.aclose()
@@ -53,6 +57,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(seed.router)
+    app.include_router(batches.router)
     app.include_router(health.router)
 
     @app.exception_handler(ApiError)

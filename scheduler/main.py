@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from arq import cron
+from arq import cron, func
 from arq.connections import RedisSettings
 from arq.worker import run_worker
 from shared.redis_client import connect
 
+from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
+from shared import keys
 from shared.models import served_name
 from shared.settings import SchedulerSettings
 
@@ -30,6 +32,12 @@ async def expire(ctx: dict[str, Any]) -> int:
     return await expire_waiting(ctx["streamq_redis"], settings.prefix, served_name(settings))
 
 
+async def run_batch(ctx: dict[str, Any], batch_id: str) -> dict[str, Any]:
+    settings: SchedulerSettings = ctx["settings"]
+    return await run_batch_job(ctx["streamq_redis"], settings.prefix, served_name(settings), batch_id,
+                               settings.batch_concurrency)
+
+
 def worker_settings(settings: SchedulerSettings) -> type:
     """arq reads its settings from a class; build one around our settings object."""
 
@@ -42,8 +50,8 @@ def worker_settings(settings: SchedulerSettings) -> type:
 
     return type("StreamqScheduler", (), {
         "redis_settings": RedisSettings.from_dsn(settings.redis_url),
-        "queue_name": f"{settings.prefix}:arq",
-        "functions": [],
+        "queue_name": keys.arq_queue(settings.prefix),
+        "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
         "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
                            unique=True, timeout=60, keep_result=0),
                       cron(reclaim, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,

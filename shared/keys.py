@@ -58,3 +58,23 @@ def replica_channel(prefix: str, replica: str) -> str:
 def dead_letter_stream(prefix: str) -> str:
     """Requests that failed too many attempts, with the reason."""
     return f"{prefix}:dead"
+
+
+def batch_record(prefix: str, batch_id: str) -> str:
+    """Hash: an offline batch's status, endpoint, counts and timestamps."""
+    return f"{prefix}:batch:{{{batch_id}}}"
+
+
+def batch_items(prefix: str, batch_id: str) -> str:
+    """List: the batch's requests in order, each {custom_id, endpoint, payloads} as JSON."""
+    return f"{prefix}:batch:{{{batch_id}}}:items"
+
+
+def batch_results(prefix: str, batch_id: str) -> str:
+    """Hash: custom_id -> the result line, OpenAI's batch output shape, as JSON."""
+    return f"{prefix}:batch:{{{batch_id}}}:results"
+
+
+def arq_queue(prefix: str) -> str:
+    """The scheduler's arq job queue (batch jobs)."""
+    return f"{prefix}:arq"

@@ -113,5 +113,6 @@ class SchedulerSettings(CommonSettings):
                                  description="Seconds between trims of the request stream (a divisor of 60, for arq's cron).")
     reclaim_interval_s: int = Field(2, ge=1, le=30,
                                     description="Seconds between searches for requests of dead workers (a divisor of 60).")
+    batch_concurrency: int = Field(4, ge=1, le=1024, description="Requests of one offline batch in flight at once.")
     max_attempts: int = Field(3, ge=1, le=100,
                               description="Workers a request may take down before it goes to the dead-letter stream.")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, Usage,
-                             encode_event, now)
+from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
+                             Usage, decode_event, encode_event, now)
 
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
@@ -120,6 +120,14 @@ class RequestStore:
 
     async def record(self, request_id: str) -> dict[str, str]:
         return await self.redis.hgetall(keys.request_record(self.prefix, request_id))
+
+    async def output(self, request_id: str) -> list[TokenEvent]:
+        """The request's token events so far, by index (a retried publish may log one twice)."""
+        tokens: dict[int, TokenEvent] = {}
+        for _, data in await self.events(request_id):
+            if isinstance(event := decode_event(data), TokenEvent):
+                tokens.setdefault(event.index, event)
+        return [tokens[i] for i in sorted(tokens)]
 
     async def events(self, request_id: str, after_entry: str = "-") -> list[tuple[str, str]]:
         """Token-log entries (entry id, encoded event) after the given entry id."""

@@ -22,7 +22,7 @@ from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
 router = APIRouter(tags=["openai"])
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/batches")
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -102,18 +102,16 @@ def _data(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
-async def _submit(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
-                  logprobs: int | None) -> list[RequestPayload]:
+def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
+           logprobs: int | None) -> list[RequestPayload]:
     try:
-        payloads = [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i)) for i in range(samples)]
+        return [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i)) for i in range(samples)]
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    await generation.submit(payloads)
-    return payloads
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+async def plan_completion(body: CompletionRequest, generation: Generation) -> list[RequestPayload]:
+    """The requests one completion call runs (n, or best_of, samples); checked, not queued."""
     generation.check_model(body.model)
     if isinstance(body.prompt, str):
         prompt_ids = await generation.encode(body.prompt)
@@ -121,12 +119,32 @@ async def completions(body: CompletionRequest, generation: GenerationDep, tokeni
         prompt_ids = await generation.encode(body.prompt[0])
     else:
         prompt_ids = list(body.prompt)
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
+        if any(not 0 <= t < generation.tokenizer.vocab_size for t in prompt_ids):
             raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
     samples = body.best_of or body.n
+    logprobs = body.logprobs if body.logprobs is not None else (0 if samples > body.n else None)
+    return _build(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
+
+
+async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tuple[list[RequestPayload], int | None]:
+    """The requests one chat call runs, and the logprobs it asked for; checked, not queued."""
+    generation.check_model(body.model)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        logprobs = body.wanted_logprobs()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+    prompt_ids = await generation.encode(messages=messages)
+    return _build(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
+                  logprobs), logprobs
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+    payloads = await plan_completion(body, generation)
+    await generation.submit(payloads)
+    prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
     ranking = samples > body.n
-    logprobs = body.logprobs if body.logprobs is not None else (0 if ranking else None)
-    payloads = await _submit(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
     if body.stream:
         events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
@@ -182,15 +200,9 @@ def _stream_reason(final: FinalEvent) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
-    generation.check_model(body.model)
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        logprobs = body.wanted_logprobs()
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
-    prompt_ids = await generation.encode(messages=messages)
-    payloads = await _submit(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
-                             logprobs)
+    payloads, logprobs = await plan_chat(body, generation)
+    await generation.submit(payloads)
+    prompt_ids = payloads[0].prompt_token_ids
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
     if body.stream:
         events = _stream_chat(generation, tokenizer, body, payloads, rid, created, model, logprobs)

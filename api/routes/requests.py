@@ -22,7 +22,7 @@ from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
 from shared import keys
-from shared.messages import RequestStatus, StatusEvent, TokenEvent, decode_event
+from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.store import RequestStore
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -72,11 +72,7 @@ def _float(record: dict[str, str], name: str) -> float | None:
 
 
 async def snapshot(store: RequestStore, request_id: str, record: dict[str, str]) -> dict[str, Any]:
-    tokens: dict[int, TokenEvent] = {}
-    for _, data in await store.events(request_id):
-        if isinstance(e := decode_event(data), TokenEvent):
-            tokens.setdefault(e.index, e)  # a retried publish may have logged a token twice
-    tokens = [tokens[i] for i in sorted(tokens)]
+    tokens = await store.output(request_id)
     created, started = _float(record, "created_at"), _float(record, "started_at")
     first, finished = _float(record, "first_token_at"), _float(record, "finished_at")
     return {

@@ -1,0 +1,117 @@
+"""Offline batches, in the shape of OpenAI's Batch API: many requests in one call, run by the
+scheduler at a lower priority than interactive traffic, with progress and results to fetch.
+
+Difference from OpenAI: there is no Files API, so the requests come inline (`requests`, each
+`{"custom_id", "body"}` with an optional `method`/`url`), and the results are fetched from
+`GET /v1/batches/{id}/results` (JSON lines, the shape of OpenAI's output file).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from api.deps import GenerationDep, StoreDep
+from api.generation import ApiError
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.routes.openai import plan_chat, plan_completion
+from shared import keys
+
+router = APIRouter(tags=["batches"])
+
+MAX_BATCH_REQUESTS = 10_000
+
+
+class BatchItem(BaseModel):
+    custom_id: str = Field(min_length=1, max_length=256)
+    method: Literal["POST"] = "POST"
+    url: str | None = None
+    body: dict[str, Any]
+
+
+class BatchRequest(BaseModel):
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    requests: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, str] | None = None
+
+
+async def _plan(endpoint: str, item: BatchItem, generation) -> list:
+    try:
+        if endpoint == "/v1/chat/completions":
+            body = ChatCompletionRequest.model_validate(item.body)
+        else:
+            body = CompletionRequest.model_validate(item.body)
+    except ValidationError as exc:
+        raise ApiError(400, f"request {item.custom_id!r}: {exc.errors()[0]['msg']} "
+                            f"({'.'.join(str(p) for p in exc.errors()[0]['loc'])})", param="requests") from exc
+    if body.stream or body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
+        raise ApiError(400, f"request {item.custom_id!r}: batch requests take n=1 and no stream", param="requests")
+    try:
+        payloads = (await plan_chat(body, generation))[0] if isinstance(body, ChatCompletionRequest) \
+            else await plan_completion(body, generation)
+    except ApiError as exc:
+        raise ApiError(exc.status, f"request {item.custom_id!r}: {exc.message}", param="requests") from exc
+    for payload in payloads:  # a batch waits its turn: it must not expire in the queue meanwhile
+        payload.expires_at = None
+    return payloads
+
+
+@router.post("/v1/batches")
+async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, request: Request):
+    """Check every request now (a bad one fails the call with 400), then hand the batch to the scheduler."""
+    if len({i.custom_id for i in body.requests}) != len(body.requests):
+        raise ApiError(400, "custom_id must be unique within a batch", param="requests")
+    items = []
+    for item in body.requests:
+        payloads = await _plan(body.endpoint, item, generation)
+        items.append(json.dumps({"custom_id": item.custom_id, "endpoint": body.endpoint,
+                                 "payload": json.loads(payloads[0].model_dump_json())}))
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    created = int(time.time())
+    redis = store.redis
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.batch_record(store.prefix, batch_id), mapping={
+            "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
+            "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {})})
+        pipe.rpush(keys.batch_items(store.prefix, batch_id), *items)
+        await pipe.execute()
+    await request.app.state.arq.enqueue_job("run_batch", batch_id, _job_id=batch_id,
+                                            _queue_name=keys.arq_queue(store.prefix))
+    return await _batch_object(store, batch_id)
+
+
+async def _batch_object(store, batch_id: str) -> dict:
+    record = await store.redis.hgetall(keys.batch_record(store.prefix, batch_id))
+    if not record:
+        raise ApiError(404, f"no batch {batch_id!r}", code="not_found")
+
+    def stamp(name):
+        return int(float(record[name])) if record.get(name) else None
+    return {"id": batch_id, "object": "batch", "endpoint": record["endpoint"], "status": record["status"],
+            "completion_window": "24h", "created_at": stamp("created_at"), "in_progress_at": stamp("started_at"),
+            "completed_at": stamp("completed_at"),
+            "request_counts": {"total": int(record["total"]), "completed": int(record["completed"]),
+                               "failed": int(record["failed"])},
+            "metadata": json.loads(record.get("metadata") or "{}"),
+            "results_url": f"/v1/batches/{batch_id}/results"}
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, store: StoreDep):
+    return await _batch_object(store, batch_id)
+
+
+@router.get("/v1/batches/{batch_id}/results")
+async def batch_results(batch_id: str, store: StoreDep):
+    """One JSON line per finished request, in submission order."""
+    await _batch_object(store, batch_id)
+    items = await store.redis.lrange(keys.batch_items(store.prefix, batch_id), 0, -1)
+    results = await store.redis.hgetall(keys.batch_results(store.prefix, batch_id))
+    lines = [results[cid] for cid in (json.loads(i)["custom_id"] for i in items) if cid in results]
+    return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""), media_type="application/jsonl")

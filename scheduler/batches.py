@@ -1,0 +1,91 @@
+"""The batch job: runs an offline batch's requests at a lower priority than interactive ones.
+
+It queues a batch request only while no request is waiting for a worker (the consumer group's
+lag is zero) and keeps at most `batch_concurrency` of them in flight, so interactive traffic is
+served first. Results are written as they finish, so a job that is run again (its scheduler
+died) skips what is done and does not queue a request twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared import keys
+from shared.messages import RequestPayload, RequestStatus, now
+from shared.store import RequestStore
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
+
+
+async def waiting(redis: Redis, stream: str) -> int:
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+    return int(group.get("lag") or 0) if group else 0
+
+
+def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tuple[dict, bool]:
+    """One line of the results, in OpenAI's batch output shape; and whether it succeeded."""
+    status = record.get("status")
+    if status != RequestStatus.DONE.value:
+        return {"id": f"batch_req_{rid}", "custom_id": item["custom_id"], "response": None,
+                "error": {"code": status, "message": record.get("error") or f"the request ended {status}"}}, False
+    usage = {"prompt_tokens": int(record.get("prompt_tokens", 0)),
+             "completion_tokens": int(record.get("completion_tokens", 0))}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    reason = record.get("finish_reason")
+    if item["endpoint"] == "/v1/chat/completions":
+        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(float(record["created_at"])),
+                "model": model, "usage": usage, "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": reason}]}
+    else:
+        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(float(record["created_at"])),
+                "model": model, "usage": usage, "choices": [
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+    return {"id": f"batch_req_{rid}", "custom_id": item["custom_id"],
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}, True
+
+
+async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
+    store = RequestStore(redis, prefix)
+    record_key, results_key = keys.batch_record(prefix, batch_id), keys.batch_results(prefix, batch_id)
+    stream = keys.request_stream(prefix, model)
+    await redis.hset(record_key, mapping={"status": "in_progress", "started_at": now()})
+    items = [json.loads(i) for i in await redis.lrange(keys.batch_items(prefix, batch_id), 0, -1)]
+    finished = set(await redis.hkeys(results_key))
+    todo = [i for i in items if i["custom_id"] not in finished]
+    in_flight: dict[str, dict] = {}
+    started = time.monotonic()
+    while todo or in_flight:
+        while todo and len(in_flight) < concurrency and await waiting(redis, stream) == 0:
+            item = todo.pop(0)
+            payload = RequestPayload.model_validate(item["payload"])
+            if not await store.record(payload.id):  # not queued by an earlier run of this job
+                await store.submit(payload)
+            in_flight[payload.id] = item
+        for rid, item in list(in_flight.items()):
+            record = await store.record(rid)
+            if record and RequestStatus(record["status"]).finished:
+                text = "".join(t.text for t in await store.output(rid))
+                line, ok = result_line(rid, item, record, text, model)
+                async with redis.pipeline(transaction=True) as pipe:
+                    pipe.hset(results_key, item["custom_id"], json.dumps(line, ensure_ascii=False))
+                    pipe.hincrby(record_key, "completed" if ok else "failed", 1)
+                    await pipe.execute()
+                del in_flight[rid]
+        await asyncio.sleep(POLL_S)
+    await redis.hset(record_key, mapping={"status": "completed", "completed_at": now()})
+    for key in (record_key, results_key, keys.batch_items(prefix, batch_id)):
+        await redis.expire(key, keys.RESULT_TTL_S)
+    log.info("batch %s: %d requests in %.1f s", batch_id, len(items), time.monotonic() - started)
+    return {"requests": len(items)}
