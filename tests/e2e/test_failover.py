@@ -88,3 +88,26 @@ def test_api_replica_crash_clients_resume_on_the_other(redis_url, tiny_llama, tm
         tok = Tokenizer(tiny_llama)
         assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, tok.encode("Once"), TOKENS,
                                                                     ignore_eos=True)
+
+
+def test_a_poison_request_is_dead_lettered_and_the_rest_are_served(redis_url, tiny_llama, tmp_path):
+    """A request whose workers keep dying: after max_attempts it fails with the reason, and the
+    workers that are left keep serving everything else."""
+    env = {**{"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"},
+           "STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": "5", "STREAMQ_MAX_ATTEMPTS": "2"}
+    with Stack(redis_url, tiny_llama, tmp_path, workers=3, scheduler=True, env=env) as stack, \
+            httpx.Client(timeout=60) as client:
+        api = stack.urls[0]
+        poison = client.post(f"{api}/v1/requests", json={"prompt": "poison", "max_tokens": 200}).json()["id"]
+        killed: set[str] = set()
+        for _attempt in range(2):  # kill whichever live worker runs it now
+            record = stack.wait_for_record(lambda r: r.get("status") == "running" and r.get("worker") not in killed
+                                           and '"max_tokens":200' in r["params"])
+            killed.add(record["worker"])
+            stack.kill_worker(record["worker"])
+        final = events_of(client, api, poison)[-1]["data"]
+        assert final["status"] == "failed" and "2 times" in final["error"]
+        state = client.get(f"{api}/v1/requests/{poison}").json()
+        assert state["status"] == "failed" and "dead-letter" in state["error"]
+        other = client.post(f"{api}/v1/requests", json={"prompt": "fine", "max_tokens": 3}).json()["id"]
+        assert events_of(client, api, other)[-1]["data"]["status"] == "done"

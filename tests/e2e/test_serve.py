@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from shared.redis_server import free_port
@@ -70,3 +71,44 @@ def test_serve_starts_everything_prints_curl_and_stops_cleanly(tiny_llama, tmp_p
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
         s.listen()
+
+
+def test_serve_restarts_a_worker_that_dies(tiny_llama, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
+    env.update(STREAMQ_MODEL=str(tiny_llama), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready, restarted = threading.Event(), threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C to stop" in line:
+                ready.set()
+            if "worker exited with code -9; restarting it in" in line:
+                restarted.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(180), "".join(lines)
+        workers = [pid for pid in _children(proc.pid)
+                   if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert restarted.wait(60), "".join(lines)
+        # A new worker comes up, and the service answers again.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            fresh = [pid for pid in _children(proc.pid)
+                     if _alive(pid) and b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            if fresh and fresh != workers and json.loads(subprocess.run(
+                    ["curl", "-s", f"http://127.0.0.1:{port}/readyz"], capture_output=True, text=True).stdout
+                    or "{}").get("status") == "ready":
+                break
+            time.sleep(0.2)  # polling the supervisor's children, not ordering events
+        else:
+            raise AssertionError("no new worker became ready:\n" + "".join(lines))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
