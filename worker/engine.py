@@ -15,6 +15,7 @@ from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
 from worker.sampler import make_generator, sample_batch
+from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
 
@@ -26,8 +27,8 @@ class Engine:
         self.batch_size = batcher.max_num_seqs
         self._generators: dict[str, torch.Generator | None] = {}
         self._refused: list[Sequence] = []  # requests that can never fit, ended at the next step
-        self._cancelled: set[str] = set()
-        self._lock = threading.Lock()  # add() and cancel() come from the event loop, step() from a thread
+        self.cancels = CancelInbox()
+        self._lock = threading.Lock()  # add() comes from the event loop, step() from the model thread
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -45,8 +46,7 @@ class Engine:
         return seq
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancelled.add(request_id)
+        self.cancels.add(request_id)
 
     @property
     def running(self) -> list[Sequence]:
@@ -88,7 +88,7 @@ class Engine:
         return outputs
 
     def _end_cancelled(self) -> list[StepOutput]:
-        cancelled, self._cancelled = self._cancelled, set()
+        cancelled = self.cancels.take()
         outputs = []
         for seq in self.running + self.waiting:
             if seq.id in cancelled:

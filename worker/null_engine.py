@@ -12,6 +12,7 @@ import time
 from collections import deque
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
+from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
@@ -23,7 +24,7 @@ class NullEngine:
         self.interval = 1.0 / tokens_per_s
         self._running: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()
-        self._cancelled: set[str] = set()
+        self.cancels = CancelInbox()
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
@@ -34,8 +35,7 @@ class NullEngine:
         return seq
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancelled.add(request_id)
+        self.cancels.add(request_id)
 
     @property
     def running(self) -> list[Sequence]:
@@ -62,7 +62,7 @@ class NullEngine:
         with self._lock:
             while self._waiting and len(self._running) < self.batch_size:
                 self._running.append(self._waiting.popleft())
-            cancelled, self._cancelled = self._cancelled, set()
+        cancelled = self.cancels.take()
         stamp = f"{time.time():.6f} "
         still = []
         for seq in self._running:

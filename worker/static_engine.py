@@ -7,7 +7,6 @@ models use the continuous engine (worker/engine.py) instead.
 """
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 import torch
@@ -16,6 +15,7 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
 from worker.sampler import make_generator, sample_batch
+from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
 
@@ -27,8 +27,7 @@ class StaticEngine:
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # the current batch, finished rows included
         self._generators: dict[str, torch.Generator | None] = {}
-        self._cancelled: set[str] = set()
-        self._lock = threading.Lock()  # cancel() comes from the event loop, step() from a thread
+        self.cancels = CancelInbox()
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -37,8 +36,7 @@ class StaticEngine:
         return seq
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancelled.add(request_id)
+        self.cancels.add(request_id)
 
     @property
     def free_slots(self) -> int:
@@ -75,8 +73,7 @@ class StaticEngine:
         return outputs
 
     def _apply_cancels(self) -> list[StepOutput]:
-        with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
+        cancelled = self.cancels.take()
         outputs = []
         for seq in self.running + list(self.waiting):
             if seq.id in cancelled:

@@ -35,21 +35,28 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_serve_starts_everything_prints_curl_and_stops_cleanly(tiny_llama, tmp_path):
+def _serve(model, cache: Path, watch: dict[str, threading.Event]):
+    """Start `streamq serve` with its own Redis; each event in `watch` is set when its text is printed."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
-    env.update(STREAMQ_MODEL=str(tiny_llama), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(tmp_path))
+    env.update(STREAMQ_MODEL=str(model), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(cache))
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    ready = threading.Event()
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if "Press Ctrl-C to stop" in line:
-                ready.set()
+            for text, event in watch.items():
+                if text in line:
+                    event.set()
     threading.Thread(target=read, daemon=True).start()
+    return proc, port, lines
+
+
+def test_serve_starts_everything_prints_curl_and_stops_cleanly(tiny_llama, tmp_path):
+    ready = threading.Event()
+    proc, port, lines = _serve(tiny_llama, tmp_path, {"Press Ctrl-C to stop": ready})
     try:
         assert ready.wait(180), "".join(lines)
         children = _children(proc.pid)
@@ -74,22 +81,9 @@ def test_serve_starts_everything_prints_curl_and_stops_cleanly(tiny_llama, tmp_p
 
 
 def test_serve_restarts_a_worker_that_dies(tiny_llama, tmp_path):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
-    env.update(STREAMQ_MODEL=str(tiny_llama), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     ready, restarted = threading.Event(), threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C to stop" in line:
-                ready.set()
-            if "worker exited with code -9; restarting it in" in line:
-                restarted.set()
-    threading.Thread(target=read, daemon=True).start()
+    proc, port, lines = _serve(tiny_llama, tmp_path, {"Press Ctrl-C to stop": ready,
+                                                      "worker exited with code -9; restarting it in": restarted})
     try:
         assert ready.wait(180), "".join(lines)
         workers = [pid for pid in _children(proc.pid)
