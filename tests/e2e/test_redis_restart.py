@@ -61,7 +61,9 @@ def test_streams_survive_a_redis_restart(tiny_llama, tmp_path):
                 assert [e["data"]["token_id"] for e in tokens] == hf_greedy(
                     tiny_llama, tok.encode(prompt), TOKENS, ignore_eos=True), prompt
             for name, proc in stack.processes:
-                assert proc.poll() is None, f"{name} died"
-            assert "redis unavailable" in (stack.folder / "worker0.log").read_text()
+                assert proc.poll() is None, f"{name} died"  # they reconnected (redis-py may retry unseen)
+            # And they still serve: a new request after the restart completes.
+            after = client.post(f"{api}/v1/requests", json={"prompt": "after", "max_tokens": 3}).json()["id"]
+            assert events_of(client, api, after)[-1]["data"]["status"] == "done"
     finally:
         redis.stop()
