@@ -158,7 +158,7 @@ streamq is ready: serving {model} at {url}
 
   Submit:  curl -s {url}/v1/requests -H 'Content-Type: application/json' \\
              -d '{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0, "max_tokens": 32}}'
-  Stream:  curl -N {url}/v1/requests -H 'Content-Type: application/json' \\
+  Stream:  curl -sN {url}/v1/requests -H 'Content-Type: application/json' \\
              -d '{{"prompt": "Once upon a time", "max_tokens": 48, "stream": true}}'
   Docs:    {url}/docs
 
