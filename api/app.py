@@ -13,12 +13,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.redis_client import connect
 
+from api.auth import auth_enabled
 from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
 from api.routes import batches, health, openai, requests, seed
 from shared import keys
+from shared.apikeys import KeyStore
 from shared.models import model_dir, served_name
 from shared.settings import ApiSettings
 from shared.store import RequestStore
@@ -45,6 +47,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         await backpressure.start()
         app.state.generation.backpressure = backpressure
         app.state.arq = await create_pool(RedisSettings.from_dsn(settings.redis_url))
+        app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
         try:
             yield
         finally:

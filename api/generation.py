@@ -80,11 +80,12 @@ class Generation:
                 raise ApiError(422, f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
                                param=field)
 
-    async def submit(self, payloads: list[RequestPayload]) -> None:
-        """Queue the requests (all or none: past the backlog limit, 503 before any is written)."""
+    async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
+        """Queue the requests for tenant `owner` (all or none: past the backlog limit, 503 first)."""
         if self.backpressure is not None:
             await self.backpressure.check(len(payloads))
         for payload in payloads:
+            payload.owner = owner
             await self.store.submit(payload)
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:

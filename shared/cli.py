@@ -22,6 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
     sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
     sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
+    keys_cmd = sub.add_parser("keys", help="API keys: create, list, revoke (stored hashed in Redis).")
+    keys_sub = keys_cmd.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="Create a key for a tenant; the key is printed once.")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--name", default="", help="a label, e.g. who holds the key")
+    keys_sub.add_parser("list", help="List the keys: tenant, label, creation time, hint (never the key).")
+    revoke = keys_sub.add_parser("revoke", help="Revoke a key, given the key or the hint that `list` shows.")
+    revoke.add_argument("key")
     from shared.bench import add_arguments  # noqa: PLC0415 - light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
@@ -30,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         from shared.serve import serve as run_serve  # noqa: PLC0415
         sys.exit(run_serve(args.host, args.port))
+    if args.command == "keys":
+        sys.exit(_keys(args))
     if args.command == "bench":
         from shared.bench import main as bench_main  # noqa: PLC0415
         sys.exit(bench_main(args))
@@ -46,6 +56,34 @@ def main(argv: list[str] | None = None) -> None:
         from shared.models import prepare_model  # noqa: PLC0415
         from shared.settings import CommonSettings  # noqa: PLC0415
         print(prepare_model(CommonSettings()))
+
+
+def _keys(args: argparse.Namespace) -> int:
+    import asyncio  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from shared.apikeys import KeyStore  # noqa: PLC0415
+    from shared.redis_client import connect  # noqa: PLC0415
+    from shared.settings import CommonSettings  # noqa: PLC0415
+
+    async def run() -> int:
+        settings = CommonSettings()
+        redis = connect(settings.redis_url)
+        store = KeyStore(redis, settings.prefix)
+        try:
+            if args.keys_command == "create":
+                print(await store.create(args.tenant, args.name))
+            elif args.keys_command == "list":
+                for entry in await store.list():
+                    created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["created_at"]))
+                    print(f"{entry['hint']}…  tenant={entry['tenant']}  name={entry['name']}  created={created}Z")
+            elif not await store.revoke(args.key):
+                print(f"no single key matches {args.key!r}", file=sys.stderr)
+                return 1
+            return 0
+        finally:
+            await redis.aclose()
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

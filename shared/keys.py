@@ -78,3 +78,8 @@ def batch_results(prefix: str, batch_id: str) -> str:
 def arq_queue(prefix: str) -> str:
     """The scheduler's arq job queue (batch jobs)."""
     return f"{prefix}:arq"
+
+
+def api_keys(prefix: str) -> str:
+    """Hash: sha256 of an api key -> its tenant, name and creation time, as JSON (never the key)."""
+    return f"{prefix}:apikeys"

@@ -64,6 +64,7 @@ class RequestPayload(BaseModel):
     params: SamplingParams
     created_at: float = Field(default_factory=now)
     expires_at: float | None = None  # not started by then: it expires instead of running
+    owner: str = ""  # the tenant that submitted it ("" when auth is off)
 
 
 class Usage(BaseModel):

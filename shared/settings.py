@@ -50,6 +50,8 @@ class ApiSettings(CommonSettings):
     """Settings of one api replica."""
 
     host: str = Field("127.0.0.1", description="Address to bind.")
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="API keys required: auto = on whenever the api binds beyond loopback.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
                          description="Name of this replica, unique in the deployment.")

@@ -66,14 +66,14 @@ class RequestStore:
         self._cancel = redis.register_script(_CANCEL)
         self._expire = redis.register_script(_EXPIRE)
 
-    async def submit(self, payload: RequestPayload, owner: str = "") -> None:
+    async def submit(self, payload: RequestPayload) -> None:
         """Write the record, then queue the request: both in one transaction."""
         record = keys.request_record(self.prefix, payload.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(record, mapping={
                 "status": RequestStatus.QUEUED.value,
                 "model": payload.model,
-                "owner": owner,
+                "owner": payload.owner,
                 "params": payload.params.model_dump_json(),
                 "prompt_tokens": len(payload.prompt_token_ids),
                 "created_at": payload.created_at,

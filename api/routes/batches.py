@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from api.auth import TenantDep
 from api.deps import GenerationDep, StoreDep
 from api.generation import ApiError
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -63,13 +64,15 @@ async def _plan(endpoint: str, item: BatchItem, generation) -> list:
 
 
 @router.post("/v1/batches")
-async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, request: Request):
+async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, request: Request,
+                       tenant: TenantDep):
     """Check every request now (a bad one fails the call with 400), then hand the batch to the scheduler."""
     if len({i.custom_id for i in body.requests}) != len(body.requests):
         raise ApiError(400, "custom_id must be unique within a batch", param="requests")
     items = []
     for item in body.requests:
         payloads = await _plan(body.endpoint, item, generation)
+        payloads[0].owner = tenant
         items.append(json.dumps({"custom_id": item.custom_id, "endpoint": body.endpoint,
                                  "payload": json.loads(payloads[0].model_dump_json())}))
     batch_id = f"batch_{uuid.uuid4().hex}"
@@ -78,17 +81,17 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.batch_record(store.prefix, batch_id), mapping={
             "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
-            "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {})})
+            "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
         pipe.rpush(keys.batch_items(store.prefix, batch_id), *items)
         await pipe.execute()
     await request.app.state.arq.enqueue_job("run_batch", batch_id, _job_id=batch_id,
                                             _queue_name=keys.arq_queue(store.prefix))
-    return await _batch_object(store, batch_id)
+    return await _batch_object(store, batch_id, tenant)
 
 
-async def _batch_object(store, batch_id: str) -> dict:
+async def _batch_object(store, batch_id: str, tenant: str) -> dict:
     record = await store.redis.hgetall(keys.batch_record(store.prefix, batch_id))
-    if not record:
+    if not record or record.get("owner", "") != tenant:
         raise ApiError(404, f"no batch {batch_id!r}", code="not_found")
 
     def stamp(name):
@@ -103,14 +106,14 @@ async def _batch_object(store, batch_id: str) -> dict:
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(batch_id: str, store: StoreDep):
-    return await _batch_object(store, batch_id)
+async def get_batch(batch_id: str, store: StoreDep, tenant: TenantDep):
+    return await _batch_object(store, batch_id, tenant)
 
 
 @router.get("/v1/batches/{batch_id}/results")
-async def batch_results(batch_id: str, store: StoreDep):
+async def batch_results(batch_id: str, store: StoreDep, tenant: TenantDep):
     """One JSON line per finished request, in submission order."""
-    await _batch_object(store, batch_id)
+    await _batch_object(store, batch_id, tenant)
     items = await store.redis.lrange(keys.batch_items(store.prefix, batch_id), 0, -1)
     results = await store.redis.hgetall(keys.batch_results(store.prefix, batch_id))
     lines = [results[cid] for cid in (json.loads(i)["custom_id"] for i in items) if cid in results]

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter
 
+from api.auth import TenantDep
 from api.deps import GenerationDep, ModelNameDep, TokenizerDep
 from api.generation import ApiError, Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -33,7 +34,7 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 
 @router.get("/v1/models")
-async def models(model_name: ModelNameDep, tokenizer: TokenizerDep):
+async def models(model_name: ModelNameDep, tokenizer: TokenizerDep, tenant: TenantDep):
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "streamq",
                                         "max_model_len": tokenizer.context_length}]}
 
@@ -140,9 +141,10 @@ async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tupl
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep,
+                      tenant: TenantDep):
     payloads = await plan_completion(body, generation)
-    await generation.submit(payloads)
+    await generation.submit(payloads, owner=tenant)
     prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
     ranking = samples > body.n
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
@@ -199,9 +201,10 @@ def _stream_reason(final: FinalEvent) -> str:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep):
+async def chat_completions(body: ChatCompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep,
+                           tenant: TenantDep):
     payloads, logprobs = await plan_chat(body, generation)
-    await generation.submit(payloads)
+    await generation.submit(payloads, owner=tenant)
     prompt_ids = payloads[0].prompt_token_ids
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
     if body.stream:

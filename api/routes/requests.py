@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
 
+from api.auth import TenantDep
 from api.deps import (
     GenerationDep,
     HubDep,
@@ -34,12 +35,13 @@ def _links(request_id: str) -> dict[str, str]:
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED)
-async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep, model_name: ModelNameDep):
+async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep, model_name: ModelNameDep,
+                 tenant: TenantDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation.check_model(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     payload = generation.build(await generation.encode(body.prompt, messages), body.sampling())
-    await generation.submit([payload])
+    await generation.submit([payload], owner=tenant)
     if body.stream:
         return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),
                                    headers={"X-Request-Id": payload.id})
@@ -59,9 +61,10 @@ def _valid_id(request_id: str) -> str:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}") from None
 
 
-async def _record(store: RequestStore, request_id: str) -> dict[str, str]:
+async def _record(store: RequestStore, request_id: str, tenant: str) -> dict[str, str]:
+    """The request's record, if it exists and belongs to `tenant`; 404 alike otherwise."""
     record = await store.record(_valid_id(request_id))
-    if not record:
+    if not record or record.get("owner", "") != tenant:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     return record
 
@@ -96,7 +99,7 @@ async def snapshot(store: RequestStore, request_id: str, record: dict[str, str])
 
 
 @router.get("/{request_id}")
-async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: SettingsDep,
+async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: SettingsDep, tenant: TenantDep,
                wait: Annotated[float, Query(ge=0, description="Seconds to wait for a change (long-poll).")] = 0):
     """Status, text so far, token counts, finish reason and timings.
 
@@ -106,7 +109,7 @@ async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: Settings
     if wait > settings.max_wait_s:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
                             f"wait={wait} is more than the server's limit of {settings.max_wait_s} s")
-    before = await snapshot(store, request_id, await _record(store, request_id))
+    before = await snapshot(store, request_id, await _record(store, request_id, tenant))
     if not wait or RequestStatus(before["status"]).finished:
         return before
     async with hub.subscribe(keys.request_channel(store.prefix, request_id)) as queue:
@@ -143,21 +146,21 @@ async def _sse(relay: Relay, request_id: str, after: int):
 
 
 @router.get("/{request_id}/events")
-async def events(request_id: str, store: StoreDep, relay: RelayDep,
+async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: TenantDep,
                  last_event_id: Annotated[int | None, Header(ge=-1)] = None):
     """SSE: one `token` event per token (`id:` is its index), then one `final` event.
 
     Send `Last-Event-ID` to resume after that index. Leaving this stream does not cancel
     the request (it was submitted to run detached).
     """
-    await _record(store, request_id)
+    await _record(store, request_id, tenant)
     return EventStreamResponse(_sse(relay, request_id, -1 if last_event_id is None else last_event_id))
 
 
 @router.delete("/{request_id}")
-async def cancel(request_id: str, store: StoreDep):
+async def cancel(request_id: str, store: StoreDep, tenant: TenantDep):
     """Cancel a queued or running request; a running one stops within one step."""
-    record = await _record(store, request_id)
+    record = await _record(store, request_id, tenant)
     before = await store.cancel(request_id, int(record.get("prompt_tokens", 0)))
     if before is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")

@@ -15,6 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
+from api.auth import TenantDep
 from api.deps import GenerationDep
 from api.generation import ApiError, Generation
 from api.sse import EventStreamResponse
@@ -48,10 +49,11 @@ class QueryRequest(BaseModel):
     seed: int | None = Field(None, ge=0)
 
 
-async def _texts(generation: Generation, prompts: list[str], params: SamplingParams) -> tuple[list[str], list[str]]:
+async def _texts(generation: Generation, prompts: list[str], params: SamplingParams,
+                 tenant: str) -> tuple[list[str], list[str]]:
     """Queue every prompt at once (the worker batches them), then gather each one's text."""
     payloads = [generation.build(await generation.encode(p), params) for p in prompts]
-    await generation.submit(payloads)
+    await generation.submit(payloads, owner=tenant)
     texts = await asyncio.gather(*(_text(generation, p) for p in payloads))
     return list(texts), [p.id for p in payloads]
 
@@ -67,27 +69,27 @@ async def _text(generation: Generation, payload: RequestPayload) -> str:
 
 
 @router.post("/basic_generate")
-async def basic_generate(body: GenerateRequest, generation: GenerationDep):
-    texts, _ = await _texts(generation, [body.prompt], GREEDY)
+async def basic_generate(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
+    texts, _ = await _texts(generation, [body.prompt], GREEDY, tenant)
     return {"generated_text": body.prompt + texts[0]}
 
 
 @router.post("/generate")
-async def generate(body: BatchGenerateRequest, generation: GenerationDep):
-    texts, ids = await _texts(generation, body.prompts, GREEDY)
+async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
+    texts, ids = await _texts(generation, body.prompts, GREEDY, tenant)
     return {"generated_texts": [p + t for p, t in zip(body.prompts, texts)], "request_ids": ids}
 
 
 @router.post("/generate_vllm")
-async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep):
-    texts, _ = await _texts(generation, body.prompts, VLLM_LIKE)
+async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
+    texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant)
     return {"generated_texts": texts}
 
 
 @router.post("/generate_stream")
-async def generate_stream(body: GenerateRequest, generation: GenerationDep):
+async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
     payload = generation.build(await generation.encode(body.prompt), GREEDY)
-    await generation.submit([payload])
+    await generation.submit([payload], owner=tenant)
 
     async def events():
         async for _, event in generation.follow([payload.id]):
@@ -100,21 +102,21 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep):
 
 
 @router.post("/generate/")
-async def generate_query(body: QueryRequest, generation: GenerationDep):
+async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
                             seed=body.seed)
-    texts, _ = await _texts(generation, [body.query], params)
+    texts, _ = await _texts(generation, [body.query], params, tenant)
     return {"response": texts[0]}
 
 
 @router.post("/generate_stream/")
-async def generate_query_stream(body: QueryRequest, generation: GenerationDep):
+async def generate_query_stream(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
     """Plain text as it is generated; with n > 1 the samples' texts follow one another."""
     prompt_ids = await generation.encode(body.query)
     payloads = [generation.build(prompt_ids, SamplingParams(
         temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
         seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
-    await generation.submit(payloads)
+    await generation.submit(payloads, owner=tenant)
 
     async def chunks():
         finished = False

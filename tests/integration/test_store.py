@@ -13,8 +13,8 @@ def _payload(rid="3f1c2a8e-1111-4222-8333-444455556666"):
 
 async def test_submit_writes_record_and_queues_entry(redis, prefix):
     store = RequestStore(redis, prefix)
-    payload = _payload()
-    await store.submit(payload, owner="alice")
+    payload = _payload().model_copy(update={"owner": "alice"})
+    await store.submit(payload)
     record = await store.record(payload.id)
     assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
     entries = await redis.xrange(keys.request_stream(prefix, "m"))

@@ -1,0 +1,44 @@
+"""Who is calling: the tenant of the Bearer key, when auth is on.
+
+Auth is on whenever the api binds beyond loopback (`auth=auto`), unless the operator turns it
+off explicitly (`STREAMQ_AUTH=off`). With auth off every caller is the anonymous tenant "".
+"""
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.generation import ApiError
+from shared.apikeys import KeyStore
+
+
+def auth_enabled(mode: str, host: str) -> bool:
+    if mode != "auto":
+        return mode == "on"
+    if host in ("localhost",):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: assume it is reachable from outside
+        return True
+
+
+async def tenant(request: Request) -> str:
+    store: KeyStore | None = request.app.state.keys
+    if store is None:
+        return ""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    found = await store.tenant_for(key.strip())
+    if found is None:
+        raise ApiError(401, "invalid or revoked API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return found
+
+
+TenantDep = Annotated[str, Depends(tenant)]

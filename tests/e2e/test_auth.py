@@ -1,0 +1,65 @@
+"""API keys and ownership across two replicas, with keys made by `streamq keys`."""
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.stack import ROOT, Stack
+
+
+@pytest.fixture(scope="module")
+def secured(redis_url, tiny_llama, tmp_path_factory):
+    with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("auth"), replicas=2,
+               env={"STREAMQ_AUTH": "on"}) as stack:
+        yield stack
+
+
+def keys_cli(stack, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", "keys", *args], cwd=ROOT, env=stack.env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_requests_need_a_key(secured):
+    api = secured.urls[0]
+    with httpx.Client(timeout=30) as client:
+        native = client.post(f"{api}/v1/requests", json={"prompt": "x", "max_tokens": 2})
+        assert native.status_code == 401 and native.headers["WWW-Authenticate"] == "Bearer"
+        chat = client.post(f"{api}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                           headers=bearer("sq-wrong"))
+        assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"
+        assert client.get(f"{api}/healthz").status_code == 200  # health needs no key
+
+
+def test_a_request_is_visible_only_to_its_tenant_on_every_replica(secured):
+    first, second = secured.urls
+    alice = keys_cli(secured, "create", "--tenant", "alice").stdout.strip()
+    bob = keys_cli(secured, "create", "--tenant", "bob", "--name", "bob's laptop").stdout.strip()
+    with httpx.Client(timeout=30) as client:
+        rid = client.post(f"{first}/v1/requests", json={"prompt": "mine", "max_tokens": 3},
+                          headers=bearer(alice)).json()["id"]
+        assert client.get(f"{second}/v1/requests/{rid}", headers=bearer(alice)).status_code == 200
+        for url in (first, second):
+            assert client.get(f"{url}/v1/requests/{rid}", headers=bearer(bob)).status_code == 404
+            assert client.get(f"{url}/v1/requests/{rid}/events", headers=bearer(bob)).status_code == 404
+            assert client.delete(f"{url}/v1/requests/{rid}", headers=bearer(bob)).status_code == 404
+        # Exactly as for an id that does not exist.
+        ghost = client.get(f"{second}/v1/requests/1b0c2a8e-1111-4222-8333-444455556666", headers=bearer(bob))
+        mine = client.get(f"{second}/v1/requests/{rid}", headers=bearer(bob))
+        assert ghost.json()["detail"].startswith("no request") and mine.json()["detail"].startswith("no request")
+        listed = keys_cli(secured, "list").stdout
+        assert "tenant=alice" in listed and "bob's laptop" in listed and alice not in listed
+
+
+def test_a_revoked_key_stops_working_on_every_replica_at_once(secured):
+    key = keys_cli(secured, "create", "--tenant", "carol").stdout.strip()
+    with httpx.Client(timeout=30) as client:
+        for url in secured.urls:
+            assert client.get(f"{url}/v1/models", headers=bearer(key)).status_code == 200
+        assert keys_cli(secured, "revoke", key).returncode == 0
+        for url in secured.urls:
+            assert client.get(f"{url}/v1/models", headers=bearer(key)).status_code == 401
