@@ -15,6 +15,7 @@ from shared.redis_client import connect
 
 from api.auth import auth_enabled
 from api.backpressure import Backpressure
+from api.limits import Limits
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
@@ -48,6 +49,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.generation.backpressure = backpressure
         app.state.arq = await create_pool(RedisSettings.from_dsn(settings.redis_url))
         app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
+        if app.state.keys is not None:
+            app.state.generation.limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600)
         try:
             yield
         finally:

@@ -36,6 +36,7 @@ class Generation:
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
         self.backpressure = None  # set by the app: an api.backpressure.Backpressure
+        self.limits = None  # set by the app when auth is on: an api.limits.Limits
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -82,6 +83,9 @@ class Generation:
 
     async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
         """Queue the requests for tenant `owner` (all or none: past the backlog limit, 503 first)."""
+        if self.limits is not None and owner:
+            tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
+            await self.limits.admit(owner, [p.id for p in payloads], tokens)
         if self.backpressure is not None:
             await self.backpressure.check(len(payloads))
         for payload in payloads:

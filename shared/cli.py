@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     keys_sub.add_parser("list", help="List the keys: tenant, label, creation time, hint (never the key).")
     revoke = keys_sub.add_parser("revoke", help="Revoke a key, given the key or the hint that `list` shows.")
     revoke.add_argument("key")
+    limits = keys_sub.add_parser("limits", help="Set a tenant's limits (0 = none), shared by all its keys.")
+    limits.add_argument("--tenant", required=True)
+    limits.add_argument("--rpm", type=int, default=0, help="requests per minute")
+    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (prompt + max_tokens)")
+    limits.add_argument("--concurrent", type=int, default=0, help="unfinished requests at once")
     from shared.bench import add_arguments  # noqa: PLC0415 - light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
@@ -73,6 +78,10 @@ def _keys(args: argparse.Namespace) -> int:
         try:
             if args.keys_command == "create":
                 print(await store.create(args.tenant, args.name))
+            elif args.keys_command == "limits":
+                from api.limits import Limits  # noqa: PLC0415
+
+                await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent)
             elif args.keys_command == "list":
                 for entry in await store.list():
                     created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["created_at"]))

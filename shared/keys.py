@@ -83,3 +83,13 @@ def arq_queue(prefix: str) -> str:
 def api_keys(prefix: str) -> str:
     """Hash: sha256 of an api key -> its tenant, name and creation time, as JSON (never the key)."""
     return f"{prefix}:apikeys"
+
+
+def tenant_limits(prefix: str, tenant: str) -> str:
+    """Hash: a tenant's limits (rpm, tpm, concurrent); 0 or absent means no limit."""
+    return f"{prefix}:limits:{{{tenant}}}"
+
+
+def tenant_usage(prefix: str, tenant: str, kind: str) -> str:
+    """Sorted set of a tenant's recent requests ('rpm', 'tpm') or its unfinished ones ('active')."""
+    return f"{prefix}:usage:{{{tenant}}}:{kind}"

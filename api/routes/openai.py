@@ -27,7 +27,8 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/ba
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
+    kind = ("rate_limit_error" if status == 429 else "invalid_request_error") if status < 500 else (
+        "overloaded_error" if status == 503 else "server_error")
     if status == 404 and code is None:
         code = "not_found"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

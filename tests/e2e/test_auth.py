@@ -63,3 +63,17 @@ def test_a_revoked_key_stops_working_on_every_replica_at_once(secured):
         assert keys_cli(secured, "revoke", key).returncode == 0
         for url in secured.urls:
             assert client.get(f"{url}/v1/models", headers=bearer(key)).status_code == 401
+
+
+def test_tenant_limits_apply_across_replicas(secured):
+    key = keys_cli(secured, "create", "--tenant", "dave").stdout.strip()
+    assert keys_cli(secured, "limits", "--tenant", "dave", "--rpm", "2").returncode == 0
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    with httpx.Client(timeout=30) as client:
+        codes = [client.post(f"{url}/v1/chat/completions", json=body, headers=bearer(key)).status_code
+                 for url in secured.urls]
+        assert codes == [200, 200]
+        limited = client.post(f"{secured.urls[0]}/v1/chat/completions", json=body, headers=bearer(key))
+        assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+        assert "requests per minute" in limited.json()["error"]["message"]

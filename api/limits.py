@@ -1,0 +1,89 @@
+"""Per-tenant limits, enforced across every replica through Redis: requests per minute, tokens
+per minute (prompt plus max_tokens, reserved at admission) and concurrent requests.
+
+One Lua script checks all three and records the admission atomically, so two replicas together
+never admit more than a limit. Past a limit: 429 with Retry-After (when the oldest request in
+the window leaves it) and OpenAI's error body. A tenant's unfinished requests are counted by
+looking at their records, so no finishing path has to remember to release a slot. (That look
+reads keys the script is not given: fine on one Redis; on Redis Cluster it needs the request
+records and the tenant's usage in one slot.)
+"""
+from __future__ import annotations
+
+import math
+
+from redis.asyncio import Redis
+
+from api.generation import ApiError
+from shared import keys
+from shared.messages import now
+
+# KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
+# tokens, record key prefix, record key suffix, active ttl.
+# Returns {0} when admitted, else {kind, seconds to wait}.
+_ADMIT = """
+local limits = redis.call('HGETALL', KEYS[1])
+local lim = {}
+for i = 1, #limits, 2 do lim[limits[i]] = tonumber(limits[i + 1]) end
+local now = tonumber(ARGV[1])
+local ids = {}
+for id in string.gmatch(ARGV[2], '%S+') do table.insert(ids, id) end
+local tokens = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - 60)
+local function wait_oldest(key)
+  local oldest = redis.call('ZRANGE', KEYS[key], 0, 0, 'WITHSCORES')
+  return tostring(math.max(1, math.ceil(tonumber(oldest[2]) + 60 - now)))
+end
+if (lim['rpm'] or 0) > 0 and redis.call('ZCARD', KEYS[2]) + #ids > lim['rpm'] then
+  return {'requests per minute', wait_oldest(2)}
+end
+if (lim['tpm'] or 0) > 0 then
+  local used = 0
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    used = used + tonumber(string.match(member, ':(%d+)$'))
+  end
+  if tokens > lim['tpm'] then return {'tokens per minute', '60'} end
+  if used + tokens > lim['tpm'] then return {'tokens per minute', wait_oldest(3)} end
+end
+if (lim['concurrent'] or 0) > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+    local status = redis.call('HGET', ARGV[4] .. id .. ARGV[5], 'status')
+    if not status or (status ~= 'queued' and status ~= 'running') then redis.call('ZREM', KEYS[4], id) end
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  if redis.call('ZCARD', KEYS[4]) + #ids > lim['concurrent'] then return {'concurrent requests', '1'} end
+end
+for i, id in ipairs(ids) do
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), id)
+end
+redis.call('ZADD', KEYS[3], now, ids[1] .. ':' .. tokens)
+for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[6]))) end
+return {0}
+"""
+
+
+class Limits:
+    def __init__(self, redis: Redis, prefix: str, active_ttl_s: float):
+        self.redis = redis
+        self.prefix = prefix
+        self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
+        self._admit = redis.register_script(_ADMIT)
+
+    async def set(self, tenant: str, rpm: int = 0, tpm: int = 0, concurrent: int = 0) -> None:
+        await self.redis.hset(keys.tenant_limits(self.prefix, tenant),
+                              mapping={"rpm": rpm, "tpm": tpm, "concurrent": concurrent})
+
+    async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> None:
+        """Record the admission of these requests, or raise 429 naming the limit and the wait."""
+        record_prefix, record_suffix = keys.request_record(self.prefix, "|").split("|")
+        result = await self._admit(
+            keys=[keys.tenant_limits(self.prefix, tenant)] +
+                 [keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
+            args=[now(), " ".join(request_ids), tokens, record_prefix, record_suffix, self.active_ttl_s])
+        if result[0] == 0:
+            return
+        kind, wait = result[0], max(1, math.ceil(float(result[1])))
+        raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(wait)})

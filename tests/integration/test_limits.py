@@ -1,0 +1,53 @@
+"""Per-tenant limits against a real Redis, from two 'replicas' at once."""
+import asyncio
+import uuid
+
+import pytest
+
+from api.generation import ApiError
+from api.limits import Limits
+from shared import keys
+
+
+def rid() -> str:
+    return str(uuid.uuid4())
+
+
+async def _try(limits: Limits, tenant: str, tokens: int = 10) -> bool:
+    try:
+        await limits.admit(tenant, [rid()], tokens)
+        return True
+    except ApiError as exc:
+        assert exc.status == 429 and int(exc.headers["Retry-After"]) >= 1
+        return False
+
+
+async def test_two_replicas_together_admit_no_more_than_the_rpm(redis, prefix):
+    one, two = Limits(redis, prefix, 600), Limits(redis, prefix, 600)
+    await one.set("acme", rpm=5)
+    results = await asyncio.gather(*(_try(r, "acme") for r in [one, two] * 10))
+    assert results.count(True) == 5
+    assert await _try(one, "other-tenant")  # limits are per tenant
+
+
+async def test_tokens_per_minute(redis, prefix):
+    limits = Limits(redis, prefix, 600)
+    await limits.set("acme", tpm=100)
+    assert await _try(limits, "acme", 60)
+    assert not await _try(limits, "acme", 50)
+    assert await _try(limits, "acme", 40)
+    with pytest.raises(ApiError, match="tokens per minute"):
+        await limits.admit("acme", [rid()], 1)
+
+
+async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
+    limits = Limits(redis, prefix, 600)
+    await limits.set("acme", concurrent=2)
+    first, second = rid(), rid()
+    for r in (first, second):
+        await limits.admit("acme", [r], 1)
+        await redis.hset(keys.request_record(prefix, r), "status", "running")
+    with pytest.raises(ApiError, match="concurrent"):
+        await limits.admit("acme", [rid()], 1)
+    await redis.hset(keys.request_record(prefix, first), "status", "done")
+    await limits.admit("acme", [rid()], 1)  # a finished request frees its slot
