@@ -43,6 +43,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.relay = Relay(store, hub)
         app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
                                           settings.default_max_tokens, settings.queue_timeout_s)
+        app.state.generation.max_tokens_cap = settings.max_tokens_cap
         backpressure = Backpressure(redis, keys.request_stream(settings.prefix, app.state.model_name),
                                     settings.max_queued_requests)
         await backpressure.start()
@@ -60,6 +61,17 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await redis.aclose()
 
     app = FastAPI(title="streamq", version="0.1.0", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        """413 for a body larger than max_body_bytes, before anything reads it."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            return JSONResponse(status_code=413, content={
+                "detail": f"the request body is {length} bytes; the limit is {settings.max_body_bytes}"})
+        if length is None and request.method in ("POST", "PUT", "PATCH"):
+            return JSONResponse(status_code=411, content={"detail": "send a Content-Length header"})
+        return await call_next(request)
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(seed.router)

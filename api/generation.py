@@ -35,6 +35,7 @@ class Generation:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
+        self.max_tokens_cap = 1_000_000  # set by the app from its settings
         self.backpressure = None  # set by the app: an api.backpressure.Backpressure
         self.limits = None  # set by the app when auth is on: an api.limits.Limits
 
@@ -61,6 +62,9 @@ class Generation:
             raise ApiError(400, f"the prompt has {n} tokens; the model's context is {context} tokens, "
                                 "which must also hold at least one generated token", param="prompt")
         self._check_token_ids(params)
+        if params.max_tokens is not None and params.max_tokens > self.max_tokens_cap:
+            raise ApiError(422, f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_cap}",
+                           param="max_tokens")
         if params.max_tokens is None:
             params = params.model_copy(update={"max_tokens": min(self.default_max_tokens, context - n)})
         elif n + params.max_tokens > context:

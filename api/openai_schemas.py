@@ -33,7 +33,7 @@ class _Common(BaseModel):
     # vLLM's extra sampling fields
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logits_processors: list[LogitsProcessor] | None = None

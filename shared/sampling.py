@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
 
 
 class BanTokens(BaseModel):
@@ -36,7 +37,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most likely.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0,
+    repetition_penalty: float = Field(1.0, ge=0.01, le=2.0,
                                       description="Divide positive (multiply negative) logits of tokens already seen.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from each generated token.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
@@ -71,7 +72,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing by the temperature overflows: it is greedy in all but name (as vLLM).
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_history(self) -> bool:

@@ -59,6 +59,9 @@ class ApiSettings(CommonSettings):
                                     description="max_tokens when a request gives none (capped by the context left).")
     max_wait_s: float = Field(60.0, gt=0, le=3600, description="Longest long-poll a client may ask for with ?wait=.")
     sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, le=100_000_000,
+                                description="Largest request body accepted (413 past it).")
+    max_tokens_cap: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_queued_requests: int = Field(1000, ge=1, le=10_000_000,
                                      description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
 

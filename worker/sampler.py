@@ -81,7 +81,14 @@ def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     # Keep the first k, and the smallest set reaching top_p (the most likely token always stays).
     drop = (rank >= top_k) | ((mass_before >= top_p) & (rank > 0))
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    # A row the arithmetic broke (inf/nan logits) keeps only its best token, so one request's
+    # odd parameters can never fail the draw for the whole batch.
+    broken = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    if broken.any():
+        best = torch.nan_to_num(x[broken], nan=float("-inf")).argmax(dim=-1, keepdim=True)
+        probs[broken] = torch.zeros_like(probs[broken]).scatter_(-1, best, 1.0)
+    return probs
 
 
 def _logprobs(raw: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:

@@ -188,3 +188,20 @@ def test_logprobs_and_penalties_through_the_stack(stack, client):
     tokens = [e["data"] for e in events if e["event"] == "token"]
     assert tokens and all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in tokens)
     assert not {7, 8, 9} & {t["token_id"] for t in tokens}
+
+
+def test_input_limits(stack, client):
+    api = stack.urls[0]
+    huge = client.post(f"{api}/v1/requests", content=b'{"prompt": "' + b"x" * 1_100_000 + b'"}',
+                       headers={"Content-Type": "application/json"})
+    assert huge.status_code == 413 and "limit is 1000000" in huge.text
+    capped = client.post(f"{api}/v1/requests", json={"prompt": "x", "max_tokens": 5000})
+    assert capped.status_code in (400, 422)
+    many_stops = client.post(f"{api}/v1/requests", json={"prompt": "x", "stop": ["a"] * 17})
+    assert many_stops.status_code == 422 and "stop" in many_stops.text
+    long_stop = client.post(f"{api}/v1/requests", json={"prompt": "x", "stop": ["a" * 300]})
+    assert long_stop.status_code == 422
+    bias = client.post(f"{api}/v1/requests", json={"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}})
+    assert bias.status_code == 422 and "logit_bias" in bias.text
+    n = client.post(f"{api}/v1/completions", json={"prompt": "x", "n": 17})
+    assert n.status_code == 400 and n.json()["error"]["param"] == "n"

@@ -87,3 +87,16 @@ def test_logprobs_are_the_raw_distribution():
     assert math.isclose(logprobs[0].logprob, float(expected[1]), rel_tol=1e-6)
     assert [t for t, _ in logprobs[0].top] == [1, 3]
     assert sample_batch(LOGITS[None], [seq(temperature=0)], [None])[1] == [None]
+
+
+def test_a_broken_row_cannot_fail_the_batch():
+    rows = [seq(temperature=1.0, seed=1), seq(temperature=1.0, seed=2)]
+    gens = [make_generator(r.payload.params, CPU) for r in rows]
+    logits = torch.stack([torch.tensor([float("nan")] * 5), LOGITS])
+    tokens, _ = sample_batch(logits, rows, gens)
+    assert len(tokens) == 2 and 0 <= tokens[0] < 5
+
+
+def test_a_tiny_temperature_is_greedy():
+    s = seq(temperature=1e-300)
+    assert s.payload.params.greedy and draw(s, 2) == [1, 1]
