@@ -81,8 +81,9 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if request.url.path.startswith(openai.OPENAI_PATHS):
-            return JSONResponse(status_code=exc.status, headers=exc.headers,
-                                content=openai.openai_error(exc.status, exc.message, exc.param, exc.code))
+            status = 400 if exc.status == 422 else exc.status  # OpenAI answers every invalid request 400
+            return JSONResponse(status_code=status, headers=exc.headers,
+                                content=openai.openai_error(status, exc.message, exc.param, exc.code))
         return JSONResponse(status_code=exc.status, content={"detail": exc.message}, headers=exc.headers)
 
     @app.exception_handler(RedisConnectionError)
