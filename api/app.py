@@ -16,6 +16,7 @@ from shared.redis_client import connect
 from api.auth import auth_enabled
 from api.backpressure import Backpressure
 from api.limits import Limits
+from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
@@ -61,17 +62,15 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await redis.aclose()
 
     app = FastAPI(title="streamq", version="0.1.0", lifespan=lifespan)
+    metrics = ApiMetrics()
+    app.state.metrics = metrics
+    app.add_middleware(CountRequests, metrics=metrics)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        """413 for a body larger than max_body_bytes, before anything reads it."""
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return JSONResponse(status_code=413, content={
-                "detail": f"the request body is {length} bytes; the limit is {settings.max_body_bytes}"})
-        if length is None and request.method in ("POST", "PUT", "PATCH"):
-            return JSONResponse(status_code=411, content={"detail": "send a Content-Length header"})
-        return await call_next(request)
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return metrics.response()
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(seed.router)

@@ -39,6 +39,9 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
+        metrics = getattr(scope["app"].state, "metrics", None)
+        if metrics is not None:
+            metrics.open_streams.inc()
 
         async def stream(cancel: anyio.CancelScope) -> None:
             nonlocal disconnected
@@ -63,6 +66,8 @@ class EventStreamResponse(Response):
                 group.start_soon(stream, group.cancel_scope)
                 group.start_soon(watch, group.cancel_scope)
         finally:
+            if metrics is not None:
+                metrics.open_streams.dec()
             with anyio.CancelScope(shield=True):
                 await self.events.aclose()
                 if disconnected and self.on_disconnect is not None:

@@ -205,3 +205,27 @@ def test_input_limits(stack, client):
     assert bias.status_code == 422 and "logit_bias" in bias.text
     n = client.post(f"{api}/v1/completions", json={"prompt": "x", "n": 17})
     assert n.status_code == 400 and n.json()["error"]["param"] == "n"
+
+
+def _counter(text: str, endpoint: str, method: str, status: int) -> float:
+    import re
+
+    pattern = (r'^streamq:api_requests_total\{endpoint="' + re.escape(endpoint) + r'",method="' + method +
+               r'",status="' + str(status) + r'"\} ([0-9.e+]+)$')
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_count_what_was_sent(stack, client):
+    api = stack.urls[1]
+    before = client.get(f"{api}/metrics").text
+    for _ in range(3):
+        submit(client, api, prompt="count me", max_tokens=1)
+    client.post(f"{api}/v1/requests", json={"prompt": "x", "temperature": -1})
+    client.get(f"{api}/v1/requests/5b0c2a8e-1111-4222-8333-444455556666")
+    after = client.get(f"{api}/metrics").text
+    assert _counter(after, "/v1/requests", "POST", 202) - _counter(before, "/v1/requests", "POST", 202) == 3
+    assert _counter(after, "/v1/requests", "POST", 422) - _counter(before, "/v1/requests", "POST", 422) == 1
+    assert _counter(after, "/v1/requests/{request_id}", "GET", 404) - \
+        _counter(before, "/v1/requests/{request_id}", "GET", 404) == 1
+    assert "streamq:api_open_streams " in after

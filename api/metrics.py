@@ -1,0 +1,74 @@
+"""Prometheus metrics of one api replica, served at /metrics; and the body-size guard.
+
+Both middlewares are plain ASGI (not BaseHTTPMiddleware), so they add nothing per SSE chunk.
+
+Each replica has its own registry (so several apps in one process, as in tests, never mix
+counts). Names follow vLLM's style with the streamq: prefix.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("streamq:api_requests", "HTTP requests answered, by route and status.",
+                                ["endpoint", "method", "status"], registry=self.registry)
+        self.open_streams = Gauge("streamq:api_open_streams", "SSE streams open on this replica.",
+                                  registry=self.registry)
+
+    def observe(self, scope: Scope, status: int) -> None:
+        endpoint = getattr(scope.get("route"), "path", None) or "unmatched"
+        self.requests.labels(endpoint, scope["method"], str(status)).inc()
+
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class CountRequests:
+    """Counts every answered HTTP request by route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def noting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, noting)
+        finally:
+            self.metrics.observe(scope, status)
+
+
+class BodyLimit:
+    """413 for a body larger than `limit` bytes (411 without Content-Length), before anything reads it."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.limit):
+                await JSONResponse(status_code=413, content={
+                    "detail": f"the request body is {length.decode(errors='replace')} bytes; "
+                              f"the limit is {self.limit}"})(scope, receive, send)
+                return
+            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                await JSONResponse(status_code=411, content={"detail": "send a Content-Length header"})(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
