@@ -14,10 +14,7 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,10 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import run_streamq  # noqa: E402
+from benchmarks.local_stack import local_stack  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.serve import wait_ready  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.runner import load_model  # noqa: E402
@@ -48,31 +44,15 @@ def in_process(batch: int, budget: int) -> dict:
 
 
 def through_stack(batch: int, budget: int) -> dict:
-    folder = Path(tempfile.mkdtemp(prefix="streamq-fullstack-"))
-    redis = RedisServer(folder)
-    env = {**os.environ, "REDIS_URL": redis.start(), "STREAMQ_BATCH_SIZE": str(batch), "STREAMQ_DTYPE": "float32",
-           "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096"}
-    port = free_port()
-    cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
-    procs = [subprocess.Popen(cli + ["worker"], env=env, cwd=ROOT),
-             subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_ready(url, 180):
-            raise SystemExit("the stack did not become ready")
+    settings = {"STREAMQ_BATCH_SIZE": str(batch), "STREAMQ_DTYPE": "float32",
+                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096"}
+    with local_stack("fullstack", settings) as url:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         common = ["--url", url, "--endpoint", "native", "--prompts", str(W), "--max-tokens", "64",
                   "--ignore-eos", "--quiet"]
         asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
         return asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32"])))
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(30)
-        redis.stop()
 
 
 def main() -> None:

@@ -15,19 +15,15 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.serve import wait_ready  # noqa: E402
+from benchmarks.local_stack import local_stack  # noqa: E402
 
 
 async def _stream(host: str, port: int, body: bytes, out: list, counts: list, firsts: list) -> None:
@@ -77,20 +73,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     args = parser.parse_args()
 
-    folder = Path(tempfile.mkdtemp(prefix="streamq-relay-"))
-    redis = RedisServer(folder / "redis")
-    env = {**os.environ, "REDIS_URL": redis.start(), "STREAMQ_BACKEND": "null",
-           "STREAMQ_NULL_TOKENS_PER_S": str(args.rate), "STREAMQ_BATCH_SIZE": str(min(1024, args.streams)),
-           "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(max(1024, args.streams)), "STREAMQ_LOG_LEVEL": "warning"}
-    port = free_port()
-    cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
-    subprocess.run(cli + ["prepare-model"], env=env, check=True, capture_output=True)
-    procs = [subprocess.Popen(cli + ["worker"], env=env, cwd=ROOT),
-             subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        if not wait_ready(f"http://127.0.0.1:{port}", 120):
-            raise SystemExit("the stack did not become ready")
+    settings = {"STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": str(args.rate),
+                "STREAMQ_BATCH_SIZE": str(min(1024, args.streams)),
+                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(max(1024, args.streams))}
+    with local_stack("relay", settings, timeout_s=120) as url:
+        port = int(url.rsplit(":", 1)[1])
         queue: mp.Queue = mp.Queue()
         per = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
         start = time.time()
@@ -130,13 +117,6 @@ def main() -> None:
                                       "p99": round(1000 * steady[int(0.99 * (len(steady) - 1))], 1) if steady else None}},
         }
         print(json.dumps(report, indent=1))
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(15)
-        redis.stop()
-
 
 if __name__ == "__main__":
     main()

@@ -78,10 +78,6 @@ class PagedRunner:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
 
-    @property
-    def pad_id(self) -> int:
-        return 0
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step's chunks; return the logits of each sampling chunk's last token."""

@@ -1,0 +1,41 @@
+"""A private redis-server, one worker and one api replica for a benchmark run, torn down after."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared.serve import wait_ready  # noqa: E402
+
+
+@contextmanager
+def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180) -> Iterator[str]:
+    """Yield the api's URL once it is ready; `settings` are STREAMQ_* variables for both processes."""
+    folder = Path(tempfile.mkdtemp(prefix=f"streamq-{name}-"))
+    redis = RedisServer(folder / "redis")
+    env = {**os.environ, "REDIS_URL": redis.start(), **settings}
+    port = free_port()
+    cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
+    subprocess.run(cli + ["prepare-model"], env=env, check=True, capture_output=True)
+    procs = [subprocess.Popen(cli + ["worker"], env=env, cwd=ROOT),
+             subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_ready(url, timeout_s):
+            raise SystemExit("the stack did not become ready")
+        yield url
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+        redis.stop()
