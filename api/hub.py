@@ -5,19 +5,27 @@ channel makes the hub SUBSCRIBE, the last one leaving makes it UNSUBSCRIBE. One 
 reads the connection and puts each message on the queues of that channel. Every
 `tick_s` the hub also puts TICK on every queue, so a quiet stream can send a keepalive
 without a timer per stream (a timeout per awaited message costs more than the message).
+
+When the connection drops (a Redis restart), redis-py reconnects it and subscribes again to
+every channel; what was published in between is lost. So once the connection is back the hub
+puts RESYNC on every queue, and each stream reads what it missed from the token log.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from redis.asyncio import Redis
+
+from shared.redis_client import REDIS_DOWN, until_redis_answers
 
 log = logging.getLogger(__name__)
 
 TICK = ""  # put on every queue each tick_s; never a real message (those are JSON)
+RESYNC = "resync"  # put on every queue after a reconnection: messages may have been lost
+OUTAGE_S = 60.0  # how long a stream waits for Redis to come back before it gives up
 
 
 class PubSubHub:
@@ -53,16 +61,30 @@ class PubSubHub:
         try:
             if len(subscribers) == 1:
                 self._confirmed[channel] = asyncio.get_running_loop().create_future()
-                await self._pubsub.subscribe(channel)
+                await until_redis_answers("subscribe", lambda: self._pubsub.subscribe(channel), log, OUTAGE_S)
             # Wait for Redis to confirm, so nothing published after this point is missed.
-            await asyncio.shield(self._confirmed[channel])
+            await asyncio.wait_for(asyncio.shield(self._confirmed[channel]), OUTAGE_S)
             yield queue
         finally:
             subscribers.discard(queue)
             if not subscribers and self._queues.get(channel) is subscribers:
                 del self._queues[channel]
                 self._confirmed.pop(channel, None)
-                await self._pubsub.unsubscribe(channel)
+                try:
+                    await self._pubsub.unsubscribe(channel)
+                except REDIS_DOWN:  # still subscribed after the reconnection: dropped at the resync
+                    pass
+
+    async def _resync(self) -> None:
+        for queues in list(self._queues.values()):
+            for queue in queues:
+                queue.put_nowait(RESYNC)
+        stale = [c for c in self._pubsub.channels if c != self._home and c not in self._queues]
+        if stale:  # left while Redis was down
+            try:
+                await self._pubsub.unsubscribe(*stale)
+            except REDIS_DOWN:
+                pass
 
     async def _tick(self) -> None:
         while True:
@@ -72,17 +94,24 @@ class PubSubHub:
                     queue.put_nowait(TICK)
 
     async def _read(self) -> None:
+        delay = 0.0  # > 0 while the connection is down
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)  # block: no timer per message
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep relaying; redis-py reconnects the pubsub
-                log.exception("pub/sub read failed; retrying")
-                await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - keep relaying; redis-py reconnects the pubsub
+                if not delay:
+                    log.warning("pub/sub connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
+                delay = min(2.0, delay * 2 or 0.1)
+                await asyncio.sleep(delay)
                 continue
             if message is None:
                 continue
+            if delay:  # the first answer on the new connection: resubscribed to every channel
+                delay = 0.0
+                log.info("pub/sub reconnected; %d streams catch up from their logs", len(self._queues))
+                await self._resync()
             channel = message["channel"]
             if message["type"] == "subscribe":
                 future = self._confirmed.get(channel)

@@ -3,16 +3,20 @@
 It subscribes to the request's channel BEFORE reading the log, and drops every token whose
 index it has already passed, so a client resuming from any index on any replica gets
 exactly the events after it. A gap in the live messages (a dropped pub/sub connection) is
-filled from the log.
+filled from the log. While Redis restarts, the stream waits for it (up to hub.OUTAGE_S).
 """
 from __future__ import annotations
 
-from typing import AsyncIterator
+import logging
+from collections.abc import AsyncIterator
 
-from api.hub import TICK, PubSubHub
+from api.hub import OUTAGE_S, RESYNC, TICK, PubSubHub
 from shared import keys
 from shared.messages import FinalEvent, StatusEvent, TokenEvent, decode_event
+from shared.redis_client import until_redis_answers
 from shared.store import RequestStore
+
+log = logging.getLogger(__name__)
 
 Event = TokenEvent | StatusEvent | FinalEvent
 
@@ -36,7 +40,8 @@ class Relay:
                 if data == TICK:
                     yield None
                     continue
-                for event in await cursor.accept(decode_event(data)):
+                events = await cursor.catch_up() if data == RESYNC else await cursor.accept(decode_event(data))
+                for event in events:
                     yield event
                     if isinstance(event, FinalEvent):
                         return
@@ -53,7 +58,9 @@ class _Cursor:
 
     async def catch_up(self) -> list[Event]:
         out: list[Event] = []
-        for entry_id, data in await self.store.events(self.request_id, self.entry):
+        entries = await until_redis_answers(
+            "catch-up", lambda: self.store.events(self.request_id, self.entry), log, OUTAGE_S)
+        for entry_id, data in entries:
             self.entry = entry_id
             out += self._fresh(decode_event(data))
         return out

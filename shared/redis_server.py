@@ -56,11 +56,14 @@ class RedisServer:
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
 
-    def crash_and_restart(self) -> None:
-        """SIGKILL the server, then start it again on the same port from its files (AOF)."""
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); start() brings it back on the same port from its files."""
         assert self.process is not None
         self.process.kill()
         self.process.wait()
+
+    def crash_and_restart(self) -> None:
+        self.kill()
         self.start()
 
     def stop(self) -> None:

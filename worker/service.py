@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
+from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine import Engine
@@ -75,15 +75,7 @@ class WorkerService:
                 return
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis call until Redis answers, backing off from 0.1 to 5 s (Redis restarts)."""
-        delay = 0.1
-        while True:
-            try:
-                return await call()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+        return await until_redis_answers(what, call, log)
 
     async def _step(self) -> None:
         try:
@@ -138,7 +130,7 @@ class WorkerService:
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self.engine.cancel(message["data"])
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
             finally:
@@ -153,6 +145,6 @@ class WorkerService:
                     "waiting": len(self.engine.waiting)}
             try:
                 await self.redis.set(key, json.dumps(beat), px=ttl_ms)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("heartbeat not written (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)

@@ -1,0 +1,116 @@
+"""A stream survives a Redis restart: it waits for Redis, then reads what it missed from the log.
+
+Each test runs its own redis-server (AOF, fsync always) so it can kill it.
+"""
+import asyncio
+
+import pytest
+
+from api.hub import PubSubHub
+from api.relay import Relay
+from shared import keys
+from shared.messages import (
+    FinalEvent,
+    FinishReason,
+    RequestStatus,
+    TokenEvent,
+    Usage,
+    encode_event,
+)
+from shared.redis_client import connect
+from shared.redis_server import RedisServer
+from shared.store import EVENT_FIELD, RequestStore
+from tests.waiting import until
+
+RID = "0b1c2d3e-1111-4222-8333-444455556666"
+PREFIX = "outage"
+
+
+@pytest.fixture
+async def server(tmp_path):
+    server = RedisServer(tmp_path / "redis", appendonly=True, appendfsync="always")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def relay(server):
+    client = connect(server.url)
+    hub = PubSubHub(client, keys.replica_channel(PREFIX, "test"), tick_s=30)
+    await hub.start()
+    yield Relay(RequestStore(client, PREFIX), hub)
+    await hub.close()
+    await client.aclose()
+
+
+async def _emit(server, event, publish=True):
+    """Write to the token log (and publish), as the worker does, on a fresh connection."""
+    client = connect(server.url)
+    data = encode_event(event)
+    await client.xadd(keys.token_log(PREFIX, RID), {EVENT_FIELD: data})
+    if publish:
+        await client.publish(keys.request_channel(PREFIX, RID), data)
+    await client.aclose()
+
+
+def _token(i):
+    return TokenEvent(index=i, token_id=100 + i, text=f"t{i} ")
+
+
+def _final(n):
+    return FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
+                      usage=Usage(prompt_tokens=1, completion_tokens=n))
+
+
+async def test_events_published_while_the_hub_was_disconnected_come_from_the_log(server, relay):
+    received: list = []
+
+    async def collect():
+        async for event in relay.events(RID):
+            if event is not None:
+                received.append(event)
+                if isinstance(event, FinalEvent):
+                    return
+
+    task = asyncio.create_task(collect())
+    await until(lambda: _subscribed(server), what="stream subscribed")
+    await _emit(server, _token(0))
+    await until(lambda: _true(len(received) == 1), what="token 0 delivered live")
+    await asyncio.to_thread(server.crash_and_restart)
+    # Published before the hub subscribed again: only the log has them.
+    for i in (1, 2):
+        await _emit(server, _token(i), publish=False)
+    await _emit(server, _final(3), publish=False)
+    await asyncio.wait_for(task, 30)
+    assert [e.index for e in received[:-1]] == [0, 1, 2]
+    assert isinstance(received[-1], FinalEvent)
+
+
+async def test_a_stream_opened_while_redis_is_down_waits_for_it(server, relay):
+    await _emit(server, _token(0))
+    server.kill()
+    task = asyncio.create_task(_collect(relay))
+    await until(lambda: _true(relay.hub.channels == 1), what="the stream is waiting for redis")
+    await asyncio.to_thread(server.start)
+    await _emit(server, _token(1))
+    await _emit(server, _final(2))
+    events = await asyncio.wait_for(task, 30)
+    assert [e.index for e in events[:-1]] == [0, 1]
+    assert isinstance(events[-1], FinalEvent)
+
+
+async def _collect(relay):
+    return [e async for e in relay.events(RID) if e is not None]
+
+
+async def _subscribed(server):
+    client = connect(server.url)
+    try:
+        return (await client.pubsub_numsub(keys.request_channel(PREFIX, RID)))[0][1] > 0
+    finally:
+        await client.aclose()
+
+
+async def _true(value):
+    return value
