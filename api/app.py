@@ -24,6 +24,7 @@ from api.routes import batches, health, openai, requests, seed
 from shared import keys
 from shared.apikeys import KeyStore
 from shared.models import model_dir, served_name
+from shared.queue import RequestQueue
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
@@ -45,7 +46,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
                                           settings.default_max_tokens, settings.queue_timeout_s)
         app.state.generation.max_tokens_cap = settings.max_tokens_cap
-        backpressure = Backpressure(redis, keys.request_stream(settings.prefix, app.state.model_name),
+        backpressure = Backpressure(RequestQueue(redis, settings.prefix, app.state.model_name),
                                     settings.max_queued_requests)
         await backpressure.start()
         app.state.generation.backpressure = backpressure

@@ -1,9 +1,9 @@
 """Backpressure: past `max_queued_requests` waiting requests, new ones get 503 with a
 Retry-After computed from how fast the workers are draining the queue.
 
-The backlog is the consumer group's lag (entries no worker has taken yet), read from Redis,
-so every replica sees the same queue. A sampler notes the group's `entries-read` once a second;
-the drain rate is its growth over the last few seconds.
+The backlog is the consumer group's lag (entries no worker has taken yet) summed over the
+model's lanes, read from Redis, so every replica sees the same queue. A sampler notes the
+groups' `entries-read` once a second; the drain rate is its growth over the last few seconds.
 """
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import math
 import time
 from collections import deque
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from api.generation import ApiError
-from shared import keys
+from shared.queue import RequestQueue
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +25,8 @@ MAX_RETRY_AFTER_S = 60
 
 
 class Backpressure:
-    def __init__(self, redis: Redis, stream: str, limit: int):
-        self.redis = redis
-        self.stream = stream
+    def __init__(self, queue: RequestQueue, limit: int):
+        self.queue = queue
         self.limit = limit
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, entries read by workers)
         self._task: asyncio.Task[None] | None = None
@@ -43,19 +41,7 @@ class Backpressure:
 
     async def backlog(self) -> tuple[int, int]:
         """(requests waiting for a worker, requests ever read by a worker)."""
-        try:
-            groups = await self.redis.xinfo_groups(self.stream)
-        except ResponseError:  # no stream yet: nothing waits
-            return 0, 0
-        group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
-        if group is None:
-            return await self.redis.xlen(self.stream), 0
-        read = group.get("entries-read") or 0
-        lag = group.get("lag")
-        if lag is None:  # Redis cannot tell after some deletions: count from the stream's totals
-            info = await self.redis.xinfo_stream(self.stream)
-            lag = max(0, info["entries-added"] - read)
-        return int(lag), int(read)
+        return await self.queue.backlog()
 
     def drain_rate(self) -> float:
         """Requests per second the workers took over the recent window (0 if unknown)."""

@@ -53,7 +53,7 @@ class Generation:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
-    def build(self, prompt_ids: list[int], params: SamplingParams) -> RequestPayload:
+    def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:
         """Check the request against the model and build what the worker runs."""
         context, n = self.tokenizer.context_length, len(prompt_ids)
         if n == 0:
@@ -73,7 +73,8 @@ class Generation:
                            param="max_tokens")
         created = now()
         return RequestPayload(id=str(uuid.uuid4()), model=self.model_name, prompt_token_ids=prompt_ids,
-                              params=params, created_at=created, expires_at=created + self.queue_timeout_s)
+                              params=params, created_at=created, expires_at=created + self.queue_timeout_s,
+                              priority=priority)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.tokenizer.vocab_size
@@ -87,13 +88,14 @@ class Generation:
 
     async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
         """Queue the requests for tenant `owner` (all or none: past the backlog limit, 503 first)."""
+        weight = 1.0
         if self.limits is not None and owner:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
-            await self.limits.admit(owner, [p.id for p in payloads], tokens)
+            weight = await self.limits.admit(owner, [p.id for p in payloads], tokens)
         if self.backpressure is not None:
             await self.backpressure.check(len(payloads))
         for payload in payloads:
-            payload.owner = owner
+            payload.owner, payload.weight = owner, weight
             await self.store.submit(payload)
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:

@@ -20,7 +20,7 @@ from shared.messages import now
 
 # KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
 # tokens, record key prefix, record key suffix, active ttl.
-# Returns {0} when admitted, else {kind, seconds to wait}.
+# Returns {0, weight} when admitted, else {kind, seconds to wait}.
 _ADMIT = """
 local limits = redis.call('HGETALL', KEYS[1])
 local lim = {}
@@ -60,7 +60,7 @@ for i, id in ipairs(ids) do
 end
 redis.call('ZADD', KEYS[3], now, ids[1] .. ':' .. tokens)
 for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[6]))) end
-return {0}
+return {0, tostring(lim['weight'] or 1)}
 """
 
 
@@ -71,19 +71,22 @@ class Limits:
         self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
         self._admit = redis.register_script(_ADMIT)
 
-    async def set(self, tenant: str, rpm: int = 0, tpm: int = 0, concurrent: int = 0) -> None:
+    async def set(self, tenant: str, rpm: int = 0, tpm: int = 0, concurrent: int = 0, weight: float = 1.0) -> None:
+        if weight <= 0:
+            raise ValueError(f"weight must be positive; got {weight}")
         await self.redis.hset(keys.tenant_limits(self.prefix, tenant),
-                              mapping={"rpm": rpm, "tpm": tpm, "concurrent": concurrent})
+                              mapping={"rpm": rpm, "tpm": tpm, "concurrent": concurrent, "weight": weight})
 
-    async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> None:
-        """Record the admission of these requests, or raise 429 naming the limit and the wait."""
+    async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
+        """Record the admission of these requests and return the tenant's scheduling weight,
+        or raise 429 naming the limit and the wait."""
         record_prefix, record_suffix = keys.request_record(self.prefix, "|").split("|")
         result = await self._admit(
             keys=[keys.tenant_limits(self.prefix, tenant)] +
                  [keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
             args=[now(), " ".join(request_ids), tokens, record_prefix, record_suffix, self.active_ttl_s])
         if result[0] == 0:
-            return
+            return float(result[1])
         kind, wait = result[0], max(1, math.ceil(float(result[1])))
         raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})

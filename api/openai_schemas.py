@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, LogitsProcessor, SamplingParams
 
 
@@ -37,6 +38,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logits_processors: list[LogitsProcessor] | None = None
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
 
     @field_validator("logit_bias")
     @classmethod

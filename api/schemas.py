@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.messages import MAX_PRIORITY
 from shared.sampling import SamplingParams
 
 
@@ -22,6 +23,8 @@ class SubmitRequest(SamplingParams):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     model: str | None = Field(None, description="Model to use; the served model when unset.")
     stream: bool = Field(False, description="Answer with the event stream; leaving it cancels the request.")
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+                          description="Lower runs first among this tenant's requests (tenants share workers fairly).")
 
     @model_validator(mode="after")
     def _one_input(self) -> "SubmitRequest":

@@ -14,23 +14,14 @@ import time
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.messages import RequestPayload, RequestStatus, now
+from shared.queue import RequestQueue
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
-
-
-async def waiting(redis: Redis, stream: str) -> int:
-    try:
-        groups = await redis.xinfo_groups(stream)
-    except ResponseError:
-        return 0
-    group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
-    return int(group.get("lag") or 0) if group else 0
 
 
 def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tuple[dict, bool]:
@@ -59,7 +50,7 @@ def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tu
 async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
     store = RequestStore(redis, prefix)
     record_key, results_key = keys.batch_record(prefix, batch_id), keys.batch_results(prefix, batch_id)
-    stream = keys.request_stream(prefix, model)
+    queue = RequestQueue(redis, prefix, model)
     await redis.hset(record_key, mapping={"status": "in_progress", "started_at": now()})
     items = [json.loads(i) for i in await redis.lrange(keys.batch_items(prefix, batch_id), 0, -1)]
     finished = set(await redis.hkeys(results_key))
@@ -67,7 +58,7 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
     in_flight: dict[str, dict] = {}
     started = time.monotonic()
     while todo or in_flight:
-        while todo and len(in_flight) < concurrency and await waiting(redis, stream) == 0:
+        while todo and len(in_flight) < concurrency and (await queue.backlog())[0] == 0:
             item = todo.pop(0)
             payload = RequestPayload.model_validate(item["payload"])
             if not await store.record(payload.id):  # not queued by an earlier run of this job

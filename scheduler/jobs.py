@@ -17,18 +17,22 @@ from shared.messages import (
     encode_event,
     now,
 )
+from shared.queue import RequestQueue
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
 
 
 async def trim_request_stream(redis: Redis, prefix: str, model: str) -> int:
-    """Drop request-stream entries that every worker is done with; return how many went.
+    """Drop request-stream entries that every worker is done with, in every lane; return how many went.
 
     An entry is kept while it is unread (after the group's last-delivered id) or pending (read,
     not yet acked: its request may still need reclaiming). Everything older than both goes.
     """
-    stream = keys.request_stream(prefix, model)
+    return sum([await _trim(redis, stream) for stream in await RequestQueue(redis, prefix, model).streams()])
+
+
+async def _trim(redis: Redis, stream: str) -> int:
     try:
         groups = await redis.xinfo_groups(stream)
     except ResponseError:  # no such stream yet
@@ -97,14 +101,23 @@ async def reclaim_dead_workers(redis: Redis, prefix: str, model: str, heartbeat_
     with no heartbeat (XCLAIM's min-idle-time makes the take atomic). It is queued again with
     status `queued`, and the next worker continues it after the tokens already in its log. A
     request that took down `max_attempts` workers goes to the dead-letter stream and fails.
+    Every lane is looked at; a request goes back to its own lane.
     """
-    stream = keys.request_stream(prefix, model)
+    script = redis.register_script(_REQUEUE)
+    outcomes: dict[str, int] = {}
+    for stream in await RequestQueue(redis, prefix, model).streams():
+        for outcome, count in (await _reclaim(redis, script, prefix, stream, heartbeat_ttl_s, max_attempts)).items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + count
+    return outcomes
+
+
+async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl_s: float,
+                   max_attempts: int) -> dict[str, int]:
     try:
         consumers = await redis.xinfo_consumers(stream, keys.WORKER_GROUP)
     except ResponseError:  # no stream or group yet
         return {}
     ttl_ms = int(heartbeat_ttl_s * 1000)
-    script = redis.register_script(_REQUEUE)
     outcomes: dict[str, int] = {}
     for consumer in consumers:
         name = consumer["name"]
@@ -151,22 +164,22 @@ async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
     Only entries not yet delivered to a worker are looked at (a worker expires what it reads
     itself). The entry stays in the stream: the worker that reads it later finds it expired.
     """
-    stream = keys.request_stream(prefix, model)
-    try:
-        groups = await redis.xinfo_groups(stream)
-    except ResponseError:
-        return 0
-    group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
-    start = f"({group['last-delivered-id']}" if group else "-"
     store = RequestStore(redis, prefix)
     expired, stamp = 0, now()
-    for _entry_id, fields in await redis.xrange(stream, min=start, count=10_000):
+    for stream in await RequestQueue(redis, prefix, model).streams():
         try:
-            payload = RequestPayload.model_validate_json(fields.get("payload", ""))
-        except ValidationError:
+            groups = await redis.xinfo_groups(stream)
+        except ResponseError:
             continue
-        if payload.expires_at is not None and stamp > payload.expires_at and await store.expire(payload):
-            expired += 1
+        group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+        start = f"({group['last-delivered-id']}" if group else "-"
+        for _entry_id, fields in await redis.xrange(stream, min=start, count=10_000):
+            try:
+                payload = RequestPayload.model_validate_json(fields.get("payload", ""))
+            except ValidationError:
+                continue
+            if payload.expires_at is not None and stamp > payload.expires_at and await store.expire(payload):
+                expired += 1
     if expired:
         log.warning("expired %d requests that waited past their queue timeout", expired)
     return expired

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--rpm", type=int, default=0, help="requests per minute")
     limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (prompt + max_tokens)")
     limits.add_argument("--concurrent", type=int, default=0, help="unfinished requests at once")
+    limits.add_argument("--weight", type=float, default=1.0,
+                        help="share of the workers' batches relative to other tenants (fair scheduling)")
     from shared.bench import add_arguments  # noqa: PLC0415 - light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
@@ -81,7 +83,7 @@ def _keys(args: argparse.Namespace) -> int:
             elif args.keys_command == "limits":
                 from api.limits import Limits  # noqa: PLC0415
 
-                await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent)
+                await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent, args.weight)
             elif args.keys_command == "list":
                 for entry in await store.list():
                     created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["created_at"]))

@@ -15,9 +15,23 @@ RESULT_TTL_S = 24 * 3600
 RECLAIMER = "reclaimer"
 
 
-def request_stream(prefix: str, model: str) -> str:
-    """Stream of requests to run for one served model (consumer group WORKER_GROUP)."""
-    return f"{prefix}:requests:{model}"
+def request_stream(prefix: str, model: str, lane: str) -> str:
+    """Stream of one lane's requests for one served model (consumer group WORKER_GROUP).
+
+    A lane is a tenant and a priority (shared/queue.py): one stream each, so a worker sees the
+    head of every tenant's queue and can share its batch fairly, whatever the backlogs."""
+    return f"{prefix}:requests:{model}:{lane}"
+
+
+def request_lanes(prefix: str, model: str) -> str:
+    """Set: the lanes that have a request stream for this model (they are never removed)."""
+    return f"{prefix}:lanes:{model}"
+
+
+def lane_doorbell(prefix: str, model: str) -> str:
+    """Stream with one entry per new lane (group WORKER_GROUP), so a worker blocked on the
+    lanes it knows wakes up and reads the new one at once."""
+    return f"{prefix}:lanes:{model}:new"
 
 
 def request_record(prefix: str, request_id: str) -> str:

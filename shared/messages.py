@@ -54,6 +54,9 @@ def now() -> float:
     return time.time()
 
 
+MAX_PRIORITY = 20  # priorities are -20..20: each one a lane (a stream) per tenant
+
+
 class RequestPayload(BaseModel):
     """A request to run, as written to the model's request stream."""
 
@@ -65,6 +68,8 @@ class RequestPayload(BaseModel):
     created_at: float = Field(default_factory=now)
     expires_at: float | None = None  # not started by then: it expires instead of running
     owner: str = ""  # the tenant that submitted it ("" when auth is off)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first, within its tenant's share
+    weight: float = Field(1.0, gt=0)  # the tenant's share of a worker's batch, relative to other tenants
 
 
 class Usage(BaseModel):

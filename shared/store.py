@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from shared import keys
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
+from shared.queue import RequestQueue, lane_of
 
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
@@ -22,6 +23,18 @@ if status == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then
 if status ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at', ARGV[2])
 return 1
+"""
+
+# KEYS: record, lane stream, lanes set, doorbell. ARGV: lane, payload, group, then the
+# record's fields and values. Writes the record and queues the request; a lane seen for the
+# first time gets the workers' group (before its first entry) and rings the doorbell.
+_SUBMIT = """
+if redis.call('SADD', KEYS[3], ARGV[1]) == 1 then
+  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'lane', ARGV[1])
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('XADD', KEYS[2], '*', 'payload', ARGV[2])
 """
 
 # KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl.
@@ -62,25 +75,28 @@ class RequestStore:
     def __init__(self, redis: Redis, prefix: str):
         self.redis = redis
         self.prefix = prefix
+        self._submit = redis.register_script(_SUBMIT)
         self._claim = redis.register_script(_CLAIM)
         self._cancel = redis.register_script(_CANCEL)
         self._expire = redis.register_script(_EXPIRE)
 
     async def submit(self, payload: RequestPayload) -> None:
-        """Write the record, then queue the request: both in one transaction."""
-        record = keys.request_record(self.prefix, payload.id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(record, mapping={
-                "status": RequestStatus.QUEUED.value,
-                "model": payload.model,
-                "owner": payload.owner,
-                "params": payload.params.model_dump_json(),
-                "prompt_tokens": len(payload.prompt_token_ids),
-                "created_at": payload.created_at,
-                **({"expires_at": payload.expires_at} if payload.expires_at else {}),
-            })
-            pipe.xadd(keys.request_stream(self.prefix, payload.model), {"payload": payload.model_dump_json()})
-            await pipe.execute()
+        """Write the record, then queue the request in its lane: both in one script."""
+        record = {
+            "status": RequestStatus.QUEUED.value,
+            "model": payload.model,
+            "owner": payload.owner,
+            "params": payload.params.model_dump_json(),
+            "prompt_tokens": len(payload.prompt_token_ids),
+            "created_at": payload.created_at,
+            **({"expires_at": payload.expires_at} if payload.expires_at else {}),
+        }
+        queue = RequestQueue(self.redis, self.prefix, payload.model)
+        await self._submit(
+            keys=[keys.request_record(self.prefix, payload.id), queue.stream_of(payload), queue.lanes_key,
+                  queue.doorbell],
+            args=[lane_of(payload), payload.model_dump_json(), keys.WORKER_GROUP,
+                  *[x for item in record.items() for x in item]])
 
     async def claim(self, request_id: str, worker: str) -> bool:
         """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""

@@ -95,12 +95,13 @@ class Stack:
         proc.wait()
 
     def queued(self) -> int:
-        """How many requests were ever written to the model's request stream."""
+        """How many requests were ever written to the model's request streams (all lanes)."""
         import redis
 
         with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
-            info = client.xinfo_stream(keys.request_stream(self.prefix, self.model_name))
-        return int(info["entries-added"])
+            lanes = client.smembers(keys.request_lanes(self.prefix, self.model_name))
+            return sum(int(client.xinfo_stream(keys.request_stream(self.prefix, self.model_name, lane))["entries-added"])
+                       for lane in lanes)
 
     def wait_for_record(self, match, timeout_s: float = 60.0) -> dict:
         """The first request record (a dict) for which `match(record)` holds, re-read until one does."""

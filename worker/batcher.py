@@ -6,13 +6,15 @@ When the KV cache has no block left for one, it preempts the newest running requ
 blocks are freed and it is recomputed later). Then, if nothing was preempted, it admits
 waiting requests while batch slots, the token budget and free blocks allow, sharing the
 cached blocks of their prefix. A finished request's slot is refilled at the very next step.
+Which waiting request goes next is the fair queue's choice: tenants share the batch by
+weight, whatever their backlogs (every token scheduled is charged to its tenant).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager
+from worker.fair_queue import FairQueue
 from worker.sequence import Sequence
 
 
@@ -49,12 +51,12 @@ class Batcher:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def max_tokens_per_request(self) -> int:
         """The most tokens (prompt + output) one request can ever hold in the cache."""
@@ -84,14 +86,14 @@ class Batcher:
             budget -= length
             i += 1
         while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             computed = self.blocks.allocate_prefix(seq.id, seq.token_ids)
             length = min(seq.num_tokens - computed, budget)
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
                 self.blocks.free(seq.id)  # not now: give back the shared prefix
                 break
             seq.num_computed = computed
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(seq)
             out.chunks.append(self._chunk(seq, computed, length))
             budget -= length
@@ -103,6 +105,7 @@ class Batcher:
             chunk.seq.num_computed = chunk.start + chunk.length
 
     def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
+        self.waiting.charge(seq, length)
         self.blocks.append_slots(seq.id, start + length)
         # Register the blocks this chunk fills now, not after the step: a request admitted later
         # in this same step may share them, since every layer writes the step's keys and values
@@ -116,7 +119,7 @@ class Batcher:
             victim = self.running.pop()
             self.blocks.free(victim.id)
             victim.num_computed = 0
-            self.waiting.appendleft(victim)
+            self.waiting.add(victim)
             out.preempted.append(victim)
             self.num_preemptions += 1
             if victim is seq:

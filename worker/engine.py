@@ -28,7 +28,7 @@ class Engine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._refused: list[Sequence] = []  # requests that can never fit, ended at the next step
         self.cancels = CancelInbox()
-        self._lock = threading.Lock()  # add() comes from the event loop, step() from the model thread
+        self._lock = threading.RLock()  # add() and the views come from the event loop, step() from the model thread
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -50,11 +50,13 @@ class Engine:
 
     @property
     def running(self) -> list[Sequence]:
-        return list(self.batcher.running)
+        with self._lock:
+            return list(self.batcher.running)
 
     @property
     def waiting(self) -> list[Sequence]:
-        return list(self.batcher.waiting)
+        with self._lock:
+            return list(self.batcher.waiting)
 
     @property
     def free_slots(self) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from worker.cancels import CancelInbox
+from worker.fair_queue import FairQueue
 from worker.sequence import Sequence, StepOutput, new_sequence
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
@@ -23,7 +23,7 @@ class NullEngine:
         self.batch_size = batch_size
         self.interval = 1.0 / tokens_per_s
         self._running: list[Sequence] = []
-        self._waiting: deque[Sequence] = deque()
+        self._waiting = FairQueue()  # tenants share the batch as in the real engine
         self.cancels = CancelInbox()
         self._lock = threading.Lock()
         self._next = time.monotonic()
@@ -31,7 +31,7 @@ class NullEngine:
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, stream_entry, lambda ids: "", resumed)
         with self._lock:
-            self._waiting.append(seq)
+            self._waiting.add(seq)
         return seq
 
     def cancel(self, request_id: str) -> None:
@@ -61,7 +61,7 @@ class NullEngine:
         outputs = []
         with self._lock:
             while self._waiting and len(self._running) < self.batch_size:
-                self._running.append(self._waiting.popleft())
+                self._running.append(self._waiting.pop())
         cancelled = self.cancels.take()
         stamp = f"{time.time():.6f} "
         still = []
@@ -71,6 +71,7 @@ class NullEngine:
                 outputs.append(StepOutput(seq, None, True))
                 continue
             seq.append(NULL_TOKEN)
+            self._waiting.charge(seq, 1)
             seq.detokenizer.text += stamp
             if len(seq.output_ids) >= (seq.payload.params.max_tokens or 1):
                 seq.finish_reason = FinishReason.LENGTH
@@ -86,5 +87,5 @@ class NullEngine:
         for seq in self._running + list(self._waiting):
             seq.finish_reason, seq.error = FinishReason.ERROR, error
             outputs.append(StepOutput(seq, None, True))
-        self._running, self._waiting = [], deque()
+        self._running, self._waiting = [], FairQueue()
         return outputs

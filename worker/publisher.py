@@ -5,15 +5,16 @@ from redis.asyncio import Redis
 
 from shared import keys
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
+from shared.queue import RequestQueue
 from shared.store import EVENT_FIELD
 from worker.sequence import StepOutput
 
 
 class Publisher:
-    def __init__(self, redis: Redis, prefix: str, model: str):
+    def __init__(self, redis: Redis, queue: RequestQueue):
         self.redis = redis
-        self.prefix = prefix
-        self.stream = keys.request_stream(prefix, model)
+        self.prefix = queue.prefix
+        self.queue = queue
 
     async def publish(self, outputs: list[StepOutput]) -> None:
         """Token log XADD + PUBLISH for each new token; on finish the record, final event and XACK."""
@@ -48,6 +49,6 @@ class Publisher:
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
         pipe.publish(channel, final)
-        pipe.xack(self.stream, keys.WORKER_GROUP, seq.stream_entry)
+        pipe.xack(self.queue.stream_of(seq.payload), keys.WORKER_GROUP, seq.stream_entry)
         pipe.expire(record, keys.RESULT_TTL_S)
         pipe.expire(log, keys.RESULT_TTL_S)

@@ -17,6 +17,7 @@ class Sequence:
     num_computed: int = 0  # leading token_ids whose keys and values are in the KV cache
     finish_reason: FinishReason | None = None
     error: str | None = None
+    arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -20,6 +22,7 @@ from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
+from shared.queue import RequestQueue
 from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
@@ -28,6 +31,7 @@ from worker.publisher import Publisher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LANES_REFRESH_S = 1.0  # a new lane is also announced on the doorbell stream; this is the fallback
 
 
 class WorkerService:
@@ -37,17 +41,19 @@ class WorkerService:
         self.settings = settings
         self.model = model
         self.name = settings.worker_name
-        self.stream = keys.request_stream(settings.prefix, model)
+        self.queue = RequestQueue(redis, settings.prefix, model)
         self.store = RequestStore(redis, settings.prefix)
-        self.publisher = Publisher(redis, settings.prefix, model)
+        self.publisher = Publisher(redis, self.queue)
         self._stopping = asyncio.Event()
+        self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
+        self._lanes_read_at = -math.inf
 
     def stop(self) -> None:
         """Stop taking requests; the running batch still finishes."""
         self._stopping.set()
 
     async def run(self) -> None:
-        await self._retry("start", self._ensure_group)
+        await self._retry("start", self.queue.ensure_groups)
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._listen_cancels())]
         try:
             await self._loop()
@@ -57,16 +63,9 @@ class WorkerService:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
 
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
     async def _loop(self) -> None:
         while True:
-            if self.engine.free_slots and not self._stopping.is_set():
+            if not self._stopping.is_set():
                 # Idle: wait for work. Busy: take what is there without waiting, then step.
                 await self._intake(block=not self.engine.has_work())
             if self.engine.has_work():
@@ -88,34 +87,66 @@ class WorkerService:
         await self._retry("publish", lambda: self.publisher.publish(outputs))
 
     async def _intake(self, block: bool) -> None:
-        """Hand up to `free_slots` queued requests to the engine, waiting for some if `block`."""
-        reply = await self._retry("intake", lambda: self.redis.xreadgroup(
-            keys.WORKER_GROUP, self.name, {self.stream: ">"}, count=self.engine.free_slots,
-            block=self.settings.intake_block_ms if block else None))
-        for _stream, entries in reply or []:
+        """Take queued requests: up to the free slots, spread over the lanes; with no free slot,
+        the head of each lane that has none waiting here, so the batcher can choose fairly
+        between tenants when a slot frees. Wait for some if `block`."""
+        lanes = await self._retry("lanes", self._lane_streams)
+        free = self.engine.free_slots
+        if free:
+            wanted, count = lanes, max(1, free // max(1, len(lanes)))
+        elif len(lanes) > 1:
+            here = {self.queue.stream_of(seq.payload) for seq in self.engine.waiting}
+            wanted, count = [lane for lane in lanes if lane not in here], 1
+        else:
+            return
+        if not wanted and not block:
+            return
+        streams = {self.queue.doorbell: ">", **{lane: ">" for lane in wanted}}
+        try:
+            reply = await self._retry("intake", lambda: self.redis.xreadgroup(
+                keys.WORKER_GROUP, self.name, streams, count=count,
+                block=self.settings.intake_block_ms if block else None))
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("a request stream had no consumer group (%s); creating them", exc)
+            await self._retry("groups", self.queue.ensure_groups)
+            return
+        for stream, entries in reply or []:
+            if stream == self.queue.doorbell:  # a new lane: read it from the next intake on
+                await self._retry("doorbell", lambda e=entries: self.redis.xack(
+                    stream, keys.WORKER_GROUP, *[entry_id for entry_id, _ in e]))
+                self._lanes_read_at = -math.inf
+                continue
             for entry_id, fields in entries:
                 # Every Redis call of _admit can be repeated; the engine gets the request last.
-                await self._retry("admission", lambda e=entry_id, f=fields: self._admit(e, f))
+                await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
 
-    async def _admit(self, entry_id: str, fields: dict[str, str]) -> None:
+    async def _lane_streams(self) -> list[str]:
+        if time.monotonic() - self._lanes_read_at > LANES_REFRESH_S:
+            self._lanes = await self.queue.streams()
+            self._lanes_read_at = time.monotonic()
+        return self._lanes
+
+    async def _admit(self, stream: str, entry_id: str, fields: dict[str, str]) -> None:
         try:
             payload = RequestPayload.model_validate_json(fields.get("payload", ""))
         except ValidationError as exc:
             log.error("dropping malformed request entry %s: %s", entry_id, exc)
-            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
             log.info("request %s expired in the queue", payload.id)
-            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         if not await self.store.claim(payload.id, self.name):
             # Cancelled (or otherwise ended) while queued: nothing to run.
-            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         # A request put back after its worker died continues after the tokens already delivered.
         delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
         if any(isinstance(e, FinalEvent) for e in delivered):
-            await self.redis.xack(self.stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
         if resumed:

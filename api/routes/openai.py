@@ -107,7 +107,8 @@ def _data(obj: Any) -> str:
 def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
            logprobs: int | None) -> list[RequestPayload]:
     try:
-        return [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i)) for i in range(samples)]
+        return [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i), body.priority)
+                for i in range(samples)]
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
 

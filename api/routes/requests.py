@@ -40,7 +40,7 @@ async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation.check_model(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    payload = generation.build(await generation.encode(body.prompt, messages), body.sampling())
+    payload = generation.build(await generation.encode(body.prompt, messages), body.sampling(), body.priority)
     await generation.submit([payload], owner=tenant)
     if body.stream:
         return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),

@@ -77,3 +77,25 @@ def test_tenant_limits_apply_across_replicas(secured):
         assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
         assert limited.json()["error"]["type"] == "rate_limit_error"
         assert "requests per minute" in limited.json()["error"]["message"]
+
+
+def test_each_tenant_and_priority_has_its_own_lane_with_the_tenants_weight(secured):
+    import redis
+
+    from shared import keys
+    from shared.messages import RequestPayload
+
+    key = keys_cli(secured, "create", "--tenant", "erin").stdout.strip()
+    assert keys_cli(secured, "limits", "--tenant", "erin", "--weight", "2.5").returncode == 0
+    with httpx.Client(timeout=30) as client:
+        reply = client.post(f"{secured.urls[1]}/v1/completions", headers=bearer(key), json={
+            "model": secured.model_name, "prompt": "x", "max_tokens": 2, "priority": -3})
+        assert reply.status_code == 200, reply.text
+        bad = client.post(f"{secured.urls[0]}/v1/requests", headers=bearer(key),
+                          json={"prompt": "x", "priority": 99})
+        assert bad.status_code == 422 and "priority" in bad.text
+    with redis.Redis.from_url(secured.env["REDIS_URL"], decode_responses=True) as client:
+        assert "-3:erin" in client.smembers(keys.request_lanes(secured.prefix, secured.model_name))
+        [(_, fields)] = client.xrange(keys.request_stream(secured.prefix, secured.model_name, "-3:erin"))
+    payload = RequestPayload.model_validate_json(fields["payload"])
+    assert (payload.owner, payload.priority, payload.weight) == ("erin", -3, 2.5)

@@ -11,8 +11,12 @@ from shared import keys
 from shared.settings import SchedulerSettings
 
 
+LANE = "0:-"  # priority 0, no tenant (auth off): where store.submit puts these tests' requests
+
+
 async def _setup(redis, prefix):
-    stream = keys.request_stream(prefix, "m")
+    stream = keys.request_stream(prefix, "m", LANE)
+    await redis.sadd(keys.request_lanes(prefix, "m"), LANE)
     await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
     ids = [await redis.xadd(stream, {"payload": str(i)}) for i in range(5)]
     await redis.xreadgroup(keys.WORKER_GROUP, "w1", {stream: ">"}, count=3)
@@ -42,8 +46,7 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
     """A request a worker took and delivered `tokens` tokens of, as a worker leaves it."""
     store = RequestStore(redis, prefix)
-    stream = keys.request_stream(prefix, "m")
-    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    stream = keys.request_stream(prefix, "m", LANE)
     payload = RequestPayload(id="7d1c2a8e-1111-4222-8333-444455556666", model="m", prompt_token_ids=[1, 2],
                              params=SamplingParams(max_tokens=8))
     await store.submit(payload)
@@ -100,8 +103,7 @@ async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix
 
 async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(redis, prefix):
     store = RequestStore(redis, prefix)
-    stream = keys.request_stream(prefix, "m")
-    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    stream = keys.request_stream(prefix, "m", LANE)
     past, future = now() - 10, now() + 600
 
     def payload(i, expires_at):

@@ -17,7 +17,8 @@ async def test_submit_writes_record_and_queues_entry(redis, prefix):
     await store.submit(payload)
     record = await store.record(payload.id)
     assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
-    entries = await redis.xrange(keys.request_stream(prefix, "m"))
+    assert await redis.smembers(keys.request_lanes(prefix, "m")) == {"0:alice"}
+    entries = await redis.xrange(keys.request_stream(prefix, "m", "0:alice"))
     assert len(entries) == 1
     assert RequestPayload.model_validate_json(entries[0][1]["payload"]) == payload
 

@@ -71,7 +71,7 @@ def test_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
     step(b)  # 5 tokens each now known; the next decode needs a third block each
     out = step(b)
     assert out.preempted == [new] and lengths(out) == {old.id: 1}
-    assert new.num_computed == 0 and b.waiting[0] is new and b.num_preemptions == 1
+    assert new.num_computed == 0 and b.waiting.peek() is new and b.num_preemptions == 1
     b.remove(old)
     known = new.num_tokens
     out = step(b)

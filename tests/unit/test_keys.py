@@ -18,15 +18,17 @@ def test_request_keys_share_one_hash_slot():
 
 
 def test_every_key_starts_with_the_prefix():
-    names = [keys.request_stream("pre", "m"), keys.request_record("pre", RID), keys.token_log("pre", RID),
+    names = [keys.request_stream("pre", "m", "0:a"), keys.request_lanes("pre", "m"), keys.lane_doorbell("pre", "m"),
+             keys.request_record("pre", RID), keys.token_log("pre", RID),
              keys.request_channel("pre", RID), keys.cancel_channel("pre"), keys.worker_heartbeat("pre", "w"),
              keys.replica_channel("pre", "r"), keys.dead_letter_stream("pre")]
     assert all(n.startswith("pre:") for n in names)
     assert len(set(names)) == len(names)
 
 
-def test_request_stream_is_per_model():
-    assert keys.request_stream("p", "a") != keys.request_stream("p", "b")
+def test_request_stream_is_per_model_and_lane():
+    streams = {keys.request_stream("p", m, lane) for m in ("a", "b") for lane in ("0:x", "0:y", "1:x")}
+    assert len(streams) == 6
 
 
 def test_heartbeat_pattern_matches_heartbeats():
