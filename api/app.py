@@ -4,14 +4,13 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from arq import create_pool
-from arq.connections import RedisSettings
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from shared.redis_client import connect
+from shared.redis_client import arq_settings, connect
 
 from api.auth import auth_enabled
 from api.backpressure import Backpressure
@@ -50,7 +49,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
                                     settings.max_queued_requests)
         await backpressure.start()
         app.state.generation.backpressure = backpressure
-        app.state.arq = await create_pool(RedisSettings.from_dsn(settings.redis_url))
+        app.state.arq = await create_pool(arq_settings(settings.redis_url))
         app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
         if app.state.keys is not None:
             app.state.generation.limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600)

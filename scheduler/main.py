@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from arq import cron, func
-from arq.connections import RedisSettings
 from arq.worker import run_worker
-from shared.redis_client import connect
+from shared.redis_client import arq_settings, connect
 
 from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
@@ -49,7 +48,7 @@ def worker_settings(settings: SchedulerSettings) -> type:
         await ctx["streamq_redis"].aclose()
 
     return type("StreamqScheduler", (), {
-        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "redis_settings": arq_settings(settings.redis_url),
         "queue_name": keys.arq_queue(settings.prefix),
         "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
         "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,

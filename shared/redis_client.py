@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import urlparse
 
-from redis.asyncio import Redis
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from arq.connections import RedisSettings
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -52,11 +53,33 @@ _CLASSES = {"redis": FastConnection, "rediss": FastSSLConnection, "unix": FastUn
 
 
 def connect(url: str) -> Redis:
-    """A client for `url` (redis://, rediss:// with TLS, unix://), answers decoded as str."""
+    """A client for `url` (redis://, rediss:// with TLS, unix://), answers decoded as str.
+
+    The URL's query options (ssl_ca_certs, ssl_cert_reqs, ...) and its percent-encoded password
+    are honoured as redis-py reads them; only the connection class is ours (hiredis packing)."""
+    options = parse_url(url)
     scheme = urlparse(url).scheme
-    if hiredis is None or scheme not in _CLASSES:
-        return Redis.from_url(url, decode_responses=True)
-    return Redis.from_url(url, decode_responses=True, connection_class=_CLASSES[scheme])
+    if hiredis is not None and scheme in _CLASSES:
+        options["connection_class"] = _CLASSES[scheme]
+    return Redis.from_pool(ConnectionPool(decode_responses=True, **options))
+
+
+def arq_settings(url: str) -> RedisSettings:
+    """arq's settings for the same URL. (arq's own from_dsn drops the query options, so a CA
+    given as ?ssl_ca_certs= would be ignored, and it does not decode the password.)"""
+    options = parse_url(url)
+    if urlparse(url).scheme == "unix":
+        return RedisSettings(unix_socket_path=options["path"], database=int(options.get("db", 0)),
+                             username=options.get("username"), password=options.get("password"))
+    ssl = {k: v for k, v in options.items() if k in _ARQ_SSL_OPTIONS}
+    if "ssl_check_hostname" in ssl:
+        ssl["ssl_check_hostname"] = str(ssl["ssl_check_hostname"]).lower() in ("1", "true", "yes")
+    return RedisSettings(host=options.get("host", "localhost"), port=int(options.get("port", 6379)),
+                         database=int(options.get("db", 0)), username=options.get("username"),
+                         password=options.get("password"), ssl=urlparse(url).scheme == "rediss", **ssl)
+
+
+_ARQ_SSL_OPTIONS = {"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data", "ssl_check_hostname"}
 
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError

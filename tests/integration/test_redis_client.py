@@ -22,3 +22,13 @@ async def test_round_trip_through_a_real_redis(redis_url):
     assert value == "안녕 😀"
     await client.delete("streamq-test:k", "streamq-test:s")
     await client.aclose()
+
+
+def test_arq_reads_the_url_as_redis_py_does():
+    from shared.redis_client import arq_settings
+
+    tls = arq_settings("rediss://app:p%40ss%2Fw@db.internal:6380/3?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=true")
+    assert (tls.host, tls.port, tls.database, tls.username, tls.password) == ("db.internal", 6380, 3, "app", "p@ss/w")
+    assert tls.ssl and tls.ssl_ca_certs == "/etc/ca.pem" and tls.ssl_check_hostname is True
+    plain = arq_settings("redis://127.0.0.1:6379/0")
+    assert not plain.ssl and plain.password is None and plain.database == 0
