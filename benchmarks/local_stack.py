@@ -17,11 +17,15 @@ from shared.serve import wait_ready  # noqa: E402
 
 
 @contextmanager
-def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180) -> Iterator[str]:
-    """Yield the api's URL once it is ready; `settings` are STREAMQ_* variables for both processes."""
+def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
+                env_out: dict[str, str] | None = None) -> Iterator[str]:
+    """Yield the api's URL once it is ready; `settings` are STREAMQ_* variables for both processes.
+    `env_out`, when given, receives the processes' environment (REDIS_URL included)."""
     folder = Path(tempfile.mkdtemp(prefix=f"streamq-{name}-"))
     redis = RedisServer(folder / "redis")
     env = {**os.environ, "REDIS_URL": redis.start(), **settings}
+    if env_out is not None:
+        env_out.update(env)
     port = free_port()
     cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
     subprocess.run(cli + ["prepare-model"], env=env, check=True, capture_output=True)
