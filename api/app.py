@@ -45,6 +45,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
                                           settings.default_max_tokens, settings.queue_timeout_s)
         app.state.generation.max_tokens_cap = settings.max_tokens_cap
+        app.state.generation.log_prompts = settings.log_prompts
         backpressure = Backpressure(RequestQueue(redis, settings.prefix, app.state.model_name),
                                     settings.max_queued_requests)
         await backpressure.start()

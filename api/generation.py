@@ -4,6 +4,7 @@ only in the shapes they accept and answer."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import Any, AsyncIterator
 
@@ -14,6 +15,9 @@ from shared.messages import FinalEvent, RequestPayload, now
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
+
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -38,6 +42,7 @@ class Generation:
         self.max_tokens_cap = 1_000_000  # set by the app from its settings
         self.backpressure = None  # set by the app: an api.backpressure.Backpressure
         self.limits = None  # set by the app when auth is on: an api.limits.Limits
+        self.log_prompts = False  # set by the app from its settings
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -97,6 +102,11 @@ class Generation:
         for payload in payloads:
             payload.owner, payload.weight = owner, weight
             await self.store.submit(payload)
+            fields = {"request_id": payload.id, "tenant": owner, "prompt_tokens": len(payload.prompt_token_ids),
+                      "max_tokens": payload.params.max_tokens, "priority": payload.priority}
+            if self.log_prompts:
+                fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
+            log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:
         for payload in payloads:

@@ -10,5 +10,6 @@ from shared.settings import ApiSettings
 def main(settings: ApiSettings | None = None) -> None:
     settings = settings or ApiSettings()
     # One event loop, no reload: a replica is one process; run more of them to scale.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's loggers go through the process's own set-up (text or JSON).
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=None, timeout_graceful_shutdown=5)

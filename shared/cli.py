@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
-def _log(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _log(level: str | None) -> None:
+    from shared.logs import setup  # noqa: PLC0415
+    from shared.settings import CommonSettings  # noqa: PLC0415
+
+    settings = CommonSettings()
+    setup(level or settings.log_level, settings.log_format)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="streamq", description="Serve a language model to many users at once.")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: STREAMQ_LOG_LEVEL, info)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Redis (unless REDIS_URL is set), a worker and the api, supervised.")
     serve.add_argument("--host", default="127.0.0.1")

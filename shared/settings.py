@@ -44,6 +44,9 @@ class CommonSettings(BaseSettings):
                                    description="A request not started this long after it was accepted expires.")
     heartbeat_ttl_s: float = Field(6.0, gt=0, le=600,
                                    description="Heartbeat lifetime; a worker silent this long counts as dead.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Least severe level logged.")
+    log_format: Literal["text", "json"] = Field("text", description="'json': one JSON object per line, with request ids and timings.")
+    log_prompts: bool = Field(False, description="Also log each request's prompt (off: prompts never reach the logs).")
 
 
 class ApiSettings(CommonSettings):
@@ -86,6 +89,13 @@ class WorkerSettings(CommonSettings):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
     intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
+    engine_stall_s: float = Field(120.0, gt=0, le=86_400,
+                                  description="A step running longer than this means the engine is stuck: the worker "
+                                              "stops heartbeating and exits (its requests are taken over).")
+    metrics_port: int = Field(0, ge=-1, le=65535,
+                              description="Port of the worker's Prometheus /metrics; 0 picks a free one "
+                                          "(logged, and in the heartbeat); -1 for none.")
+    metrics_host: str = Field("127.0.0.1", description="Address the worker's /metrics binds.")
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":

@@ -28,6 +28,7 @@ class Engine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._refused: list[Sequence] = []  # requests that can never fit, ended at the next step
         self.cancels = CancelInbox()
+        self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
         self._lock = threading.RLock()  # add() and the views come from the event loop, step() from the model thread
 
     # -- called from the asyncio side ------------------------------------------------------
@@ -73,6 +74,7 @@ class Engine:
             outputs = self._end_cancelled() + [StepOutput(s, None, True) for s in self._refused]
             self._refused = []
             scheduled = self.batcher.schedule()
+            self.last_step_size = len(scheduled.chunks)
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
             self.batcher.update(scheduled)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from shared.redis_client import connect
@@ -16,7 +17,7 @@ from worker.engine import Engine
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
 from worker.null_engine import NullEngine
-from worker.service import WorkerService
+from worker.service import EngineStalled, WorkerService
 from worker.static_engine import StaticEngine
 
 log = logging.getLogger("streamq.worker")
@@ -62,6 +63,11 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("worker %s serving %s (batch_size=%d)", settings.worker_name, served_name(settings), settings.batch_size)
     try:
         await service.run()
+    except EngineStalled:
+        # The stuck step's thread cannot be stopped, and asyncio.run would wait for it forever.
+        log.critical("exiting: the engine is stuck; the supervisor restarts this worker")
+        logging.shutdown()
+        os._exit(3)
     finally:
         await redis.aclose()
 

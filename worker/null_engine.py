@@ -27,6 +27,7 @@ class NullEngine:
         self.cancels = CancelInbox()
         self._lock = threading.Lock()
         self._next = time.monotonic()
+        self.last_step_size = 0
 
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, stream_entry, lambda ids: "", resumed)
@@ -62,6 +63,7 @@ class NullEngine:
         with self._lock:
             while self._waiting and len(self._running) < self.batch_size:
                 self._running.append(self._waiting.pop())
+        self.last_step_size = len(self._running)
         cancelled = self.cancels.take()
         stamp = f"{time.time():.6f} "
         still = []

@@ -27,6 +27,7 @@ from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine import Engine
+from worker.metrics import WorkerMetrics
 from worker.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -47,24 +48,41 @@ class WorkerService:
         self._stopping = asyncio.Event()
         self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
         self._lanes_read_at = -math.inf
+        self.metrics = WorkerMetrics()
+        self.metrics_port: int | None = None
+        self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
 
     def stop(self) -> None:
         """Stop taking requests; the running batch still finishes."""
         self._stopping.set()
 
     async def run(self) -> None:
+        """Serve until stopped. Raises EngineStalled (after removing the heartbeat) when a step
+        has run longer than engine_stall_s: the caller must then exit the process."""
         await self._retry("start", self.queue.ensure_groups)
-        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._listen_cancels())]
+        server = None
+        if self.settings.metrics_port >= 0:
+            server = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+            self.metrics_port = server.server_port
+            log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
+        loop = asyncio.create_task(self._loop())
+        heartbeat = asyncio.create_task(self._heartbeat())
+        tasks = [loop, heartbeat, asyncio.create_task(self._listen_cancels())]
         try:
-            await self._loop()
+            done, _ = await asyncio.wait({loop, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
+            if server is not None:
+                server.shutdown()
 
     async def _loop(self) -> None:
         while True:
+            self._progress = time.monotonic()
             if not self._stopping.is_set():
                 # Idle: wait for work. Busy: take what is there without waiting, then step.
                 await self._intake(block=not self.engine.has_work())
@@ -77,6 +95,7 @@ class WorkerService:
         return await until_redis_answers(what, call, log)
 
     async def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self.engine.step)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
@@ -85,6 +104,7 @@ class WorkerService:
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
         await self._retry("publish", lambda: self.publisher.publish(outputs))
+        self.metrics.step(outputs, time.perf_counter() - started, self.engine, self.name)
 
     async def _intake(self, block: bool) -> None:
         """Take queued requests: up to the free slots, spread over the lanes; with no free slot,
@@ -149,8 +169,11 @@ class WorkerService:
             await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
-        if resumed:
-            log.info("resuming %s after %d delivered tokens", payload.id, len(resumed))
+        log.info("request %s started", payload.id, extra={
+            "request_id": payload.id, "worker": self.name, "tenant": payload.owner,
+            "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
+            "resumed_after": len(resumed)})
+        self.metrics.taken(payload)
         self.engine.add(payload, entry_id, resumed)
 
     async def _listen_cancels(self) -> None:
@@ -168,14 +191,32 @@ class WorkerService:
                 await pubsub.aclose()
 
     async def _heartbeat(self) -> None:
+        """Announce this worker while its loop goes round; stop (and raise) if a step is stuck,
+        so readiness and the scheduler see it gone and its requests are taken over."""
         key = keys.worker_heartbeat(self.settings.prefix, self.name)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while True:
+            stalled = time.monotonic() - self._progress
+            if stalled > self.settings.engine_stall_s:
+                log.error("the engine loop has not gone round for %.0f s (engine_stall_s=%s): "
+                          "withdrawing this worker", stalled, self.settings.engine_stall_s)
+                raise EngineStalled(f"no progress for {stalled:.0f} s")
             beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                     "capacity": self.engine.batch_size, "running": len(self.engine.running),
-                    "waiting": len(self.engine.waiting)}
+                    "waiting": len(self.engine.waiting), "metrics_port": self.metrics_port,
+                    **self._kv_blocks()}
             try:
                 await self.redis.set(key, json.dumps(beat), px=ttl_ms)
             except REDIS_DOWN as exc:
                 log.warning("heartbeat not written (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _kv_blocks(self) -> dict[str, int]:
+        batcher = getattr(self.engine, "batcher", None)
+        if batcher is None:
+            return {}
+        return {"kv_blocks_free": batcher.blocks.num_free, "kv_blocks_total": len(batcher.blocks.blocks)}
+
+
+class EngineStalled(RuntimeError):
+    """A model step has run longer than engine_stall_s; the process must exit."""

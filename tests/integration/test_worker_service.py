@@ -72,3 +72,21 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
     service.stop()
     await asyncio.wait_for(run, 10)
     assert await redis.get(beat_key) is None  # a stopped worker removes its heartbeat
+
+
+async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
+    import pytest
+
+    from worker.service import EngineStalled
+
+    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                              intake_block_ms=50, served_model_name="m", engine_stall_s=0.5)
+    engine = BlockingEngine()  # its step never returns until released
+    service = WorkerService(redis, engine, settings, "m")
+    beat_key = keys.worker_heartbeat(prefix, settings.worker_name)
+    run = asyncio.create_task(service.run())
+    await until(lambda: redis.exists(beat_key), what="first heartbeat")
+    with pytest.raises(EngineStalled):
+        await asyncio.wait_for(run, 30)
+    assert not await redis.exists(beat_key)  # gone at once, not after its TTL
+    engine.release.set()

@@ -1,0 +1,48 @@
+"""The worker's own /metrics (its port is in its heartbeat): counts match what was sent."""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.helpers import submit, wait_done
+
+PROMPTS = ["one", "two words", "and three words"]
+MAX_TOKENS = [3, 5, 7]
+
+
+def scrape(client: httpx.Client, url: str) -> dict[tuple[str, tuple], float]:
+    samples = {}
+    for family in text_string_to_metric_families(client.get(url).text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_worker_metrics_count_what_was_sent(stack):
+    with httpx.Client(timeout=60) as client:
+        [worker] = client.get(f"{stack.urls[0]}/readyz").json()["workers"]
+        assert worker["kv_blocks_total"] > 0 and 0 <= worker["kv_blocks_free"] <= worker["kv_blocks_total"]
+        metrics = f"http://127.0.0.1:{worker['metrics_port']}/metrics"
+        before = scrape(client, metrics)
+        ids = [submit(client, stack.urls[0], prompt=p, max_tokens=n, ignore_eos=True)["id"]
+               for p, n in zip(PROMPTS, MAX_TOKENS)]
+        states = [wait_done(client, stack.urls[0], rid) for rid in ids]
+        after = scrape(client, metrics)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    n = len(PROMPTS)
+    assert delta("streamq:generation_tokens_total") == sum(MAX_TOKENS)
+    assert delta("streamq:prompt_tokens_total") == sum(s["prompt_tokens"] for s in states)
+    assert delta("streamq:request_success_total", finished_reason="length") == n
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"streamq:{histogram}_count") == n, histogram
+    assert delta("streamq:inter_token_latency_seconds_count") == sum(MAX_TOKENS) - n
+    assert delta("streamq:step_duration_seconds_count") >= max(MAX_TOKENS)
+    assert after[("streamq:num_requests_running", ())] == 0
+    used, free = after[("streamq:kv_cache_blocks_used", ())], after[("streamq:kv_cache_blocks_free", ())]
+    assert used + free == worker["kv_blocks_total"]
+    assert delta("streamq:prefix_cache_queries_total") >= delta("streamq:prefix_cache_hits_total") >= 0
+    assert ("streamq:num_preemptions_total", ()) in after

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one worker, on its own port; names in vLLM's style (streamq: prefix).
+Also the log line that ends each request, with its timings.
+
+Latencies are measured from the moment the api accepted the request (its `created_at`), so
+time to first token and end-to-end latency include the time spent queued in Redis, as a
+client sees them; queue time is accepted → taken by this worker.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from shared.messages import RequestPayload
+from worker.sequence import StepOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+log = logging.getLogger("worker.requests")
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("streamq:time_to_first_token_seconds", "Accepted by the api to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("streamq:inter_token_latency_seconds", "Between two tokens of one request.",
+                             buckets=STEP_BUCKETS, registry=r)
+        self.e2e = Histogram("streamq:e2e_request_latency_seconds", "Accepted by the api to finished.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("streamq:request_queue_time_seconds", "Accepted by the api to taken by a worker.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("streamq:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("streamq:num_requests_waiting", "Requests taken by this worker, not yet running.",
+                             registry=r)
+        self.batch_size = Histogram("streamq:step_batch_size", "Requests in one step (prefill chunks and decodes).",
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.step_time = Histogram("streamq:step_duration_seconds", "One engine step (schedule, forward, sample).",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("streamq:prompt_tokens", "Prompt tokens of requests taken.", registry=r)
+        self.generation_tokens = Counter("streamq:generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("streamq:request_success", "Requests ended, by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.kv_used = Gauge("streamq:kv_cache_blocks_used", "KV-cache blocks held by requests or the prefix cache.",
+                             registry=r)
+        self.kv_free = Gauge("streamq:kv_cache_blocks_free", "KV-cache blocks free.", registry=r)
+        self.kv_usage = Gauge("streamq:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+                              registry=r)
+        self.prefix_queries = Counter("streamq:prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("streamq:prefix_cache_hits", "... and found there.", registry=r)
+        self.preemptions = Counter("streamq:num_preemptions", "Requests preempted for lack of KV blocks.", registry=r)
+        self._last_token: dict[str, float] = {}  # request id -> when its last token was published
+        self._first_token: dict[str, float] = {}  # request id -> when its first token was published
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def serve(self, host: str, port: int) -> WSGIServer:
+        """Start the /metrics HTTP server in a thread (its server_port is the port it bound)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+    def taken(self, payload: RequestPayload) -> None:
+        self.queue_time.observe(max(0.0, time.time() - payload.created_at))
+        self.prompt_tokens.inc(len(payload.prompt_token_ids))
+
+    def step(self, outputs: list[StepOutput], duration_s: float, engine: Any, worker: str = "") -> None:
+        stamp = time.time()
+        self.step_time.observe(duration_s)
+        if scheduled := getattr(engine, "last_step_size", 0):
+            self.batch_size.observe(scheduled)
+        for out in outputs:
+            rid = out.seq.id
+            if out.token is not None:
+                self.generation_tokens.inc()
+                if out.token.index == 0:
+                    self.ttft.observe(max(0.0, stamp - out.seq.payload.created_at))
+                    self._first_token[rid] = stamp
+                elif rid in self._last_token:
+                    self.itl.observe(stamp - self._last_token[rid])
+                self._last_token[rid] = stamp
+            if out.finished:
+                self._last_token.pop(rid, None)
+                first = self._first_token.pop(rid, None)
+                created = out.seq.payload.created_at
+                self.e2e.observe(max(0.0, stamp - created))
+                self.finished.labels(out.seq.finish_reason.value).inc()
+                log.info("request %s finished (%s, %d tokens)", rid, out.seq.finish_reason.value,
+                         len(out.seq.output_ids), extra={
+                             "request_id": rid, "worker": worker, "finish_reason": out.seq.finish_reason.value,
+                             "prompt_tokens": len(out.seq.prompt_ids), "completion_tokens": len(out.seq.output_ids),
+                             "ttft_s": round(first - created, 4) if first else None,
+                             "e2e_s": round(stamp - created, 4), "error": out.seq.error})
+        self.gauges(engine)
+
+    def gauges(self, engine: Any) -> None:
+        """Batch and cache state, read from the engine after each step."""
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        batcher = getattr(engine, "batcher", None)
+        if batcher is None:  # the null and static engines have no paged cache
+            return
+        blocks = batcher.blocks
+        total, free = len(blocks.blocks), blocks.num_free
+        self.kv_used.set(total - free)
+        self.kv_free.set(free)
+        self.kv_usage.set((total - free) / total)
+        self._advance(self.prefix_queries, "queries", blocks.prefix_queries)
+        self._advance(self.prefix_hits, "hits", blocks.prefix_hits)
+        self._advance(self.preemptions, "preemptions", batcher.num_preemptions)
+
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        """Counters the engine keeps as running totals become Prometheus counters."""
+        if total > self._seen[name]:
+            counter.inc(total - self._seen[name])
+            self._seen[name] = total
