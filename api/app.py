@@ -19,7 +19,7 @@ from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
-from api.routes import batches, health, openai, requests, seed
+from api.routes import batches, health, openai, playground, requests, seed
 from shared import keys
 from shared.apikeys import KeyStore
 from shared.models import model_dir, served_name
@@ -77,6 +77,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     app.include_router(seed.router)
     app.include_router(batches.router)
     app.include_router(health.router)
+    app.include_router(playground.router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -1,0 +1,42 @@
+"""The playground: a chat page at `/` (static files, no build step) and the cluster view it polls."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, HTTPException, status
+from fastapi.responses import FileResponse
+
+from api.auth import TenantDep
+from api.deps import ModelNameDep, StoreDep
+from api.routes.health import live_workers
+from shared.queue import RequestQueue
+
+router = APIRouter()
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+# Served by name from this list only, so no path from a client ever reaches the file system.
+ASSETS = {"playground.js": "text/javascript", "playground.css": "text/css"}
+# The page loads nothing from elsewhere; the browser enforces it.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+                "Cache-Control": "no-cache"}
+
+
+@router.get("/", include_in_schema=False)
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "playground.html", media_type="text/html", headers=PAGE_HEADERS)
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def asset(name: str) -> FileResponse:
+    if name not in ASSETS:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
+    return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/v1/cluster", tags=["cluster"])
+async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep) -> dict:
+    """The live workers (their heartbeats) and how many requests for the model wait for one.
+
+    Needs a key when keys are on, as every /v1 call; the playground polls it every 2 s."""
+    waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
+    return {"model": model_name, "workers": await live_workers(store), "queue": {"waiting": waiting}}

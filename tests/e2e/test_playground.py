@@ -1,0 +1,175 @@
+"""The playground page at `/`, driven in headless chromium against real stacks: a reply streams in
+with its TTFT and tokens/s, the workers panel shows the worker, and Stop cancels a generation.
+
+Needs Debian's chromium and chromedriver (scripts/ensure-browser.sh, which `make test` runs); the
+test fails, never skips, without them. Screenshots are saved under the test's tmp_path and, when
+STREAMQ_ARTIFACTS is set, copied there.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.stack import ROOT, Stack
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+NUMBER = re.compile(r"^\d+(\.\d+)?( ms)?$")
+WAIT_S = 60  # an upper bound for the page to catch up, never a pause
+
+
+@pytest.fixture(scope="module")
+def browser() -> WebDriver:
+    binary = next((path for name in BROWSERS if (path := shutil.which(name))), None)
+    driver_path = shutil.which("chromedriver")
+    if binary is None or driver_path is None:
+        pytest.fail("the playground test needs chromium and chromedriver on PATH, and found "
+                    f"browser={binary}, chromedriver={driver_path}: run scripts/ensure-browser.sh "
+                    "(`make test` does) or `sudo apt-get install chromium chromium-driver`", pytrace=False)
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(flag)
+    # Both paths given, so selenium never tries to download a browser or a driver.
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def secured_null(redis_url, tiny_llama, tmp_path_factory) -> Stack:
+    """API keys on, and the null backend at 10 tokens/s: a 200-token request runs for 20 s, far
+    longer than it takes to press Stop, so the stop is never raced by the request's end."""
+    env = {"STREAMQ_AUTH": "on", "STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": "10"}
+    with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("playground-null"), env=env) as running:
+        yield running
+
+
+def wait(driver: WebDriver, condition, what: str):
+    def describe() -> str:
+        return f"{what}; page state {driver.find_element(By.TAG_NAME, 'body').get_attribute('data-state')!r}, " \
+               f"error {driver.find_element(By.ID, 'error').get_property('textContent')!r}"
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.02).until(condition)
+    except Exception as exc:
+        raise AssertionError(f"timed out waiting for: {describe()}") from exc
+
+
+def text_of(driver: WebDriver, element_id: str) -> str:
+    return driver.find_element(By.ID, element_id).get_property("textContent")
+
+
+def set_field(driver: WebDriver, element_id: str, value: str) -> None:
+    field = driver.find_element(By.ID, element_id)
+    field.clear()
+    field.send_keys(value)
+
+
+def send(driver: WebDriver, prompt: str) -> None:
+    set_field(driver, "prompt", prompt)
+    driver.find_element(By.ID, "send").click()
+
+
+def last_reply(driver: WebDriver) -> str:
+    replies = driver.find_elements(By.CSS_SELECTOR, "#messages li.assistant .text")
+    return replies[-1].get_property("textContent") if replies else ""
+
+
+def worker_rows(driver: WebDriver) -> list[list[str]]:
+    return [[cell.get_property("textContent") for cell in row.find_elements(By.TAG_NAME, "td")]
+            for row in driver.find_elements(By.CSS_SELECTOR, "#workers tr")]
+
+
+def screenshot(driver: WebDriver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    driver.save_screenshot(str(path))
+    if folder := os.environ.get("STREAMQ_ARTIFACTS"):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        path = Path(shutil.copy(path, Path(folder) / name))
+    print(f"playground screenshot: {path}")
+    return path
+
+
+def test_a_reply_streams_in_with_its_timings_and_the_worker_is_listed(browser, stack, tmp_path):
+    api = stack.urls[0]
+    page = httpx.get(f"{api}/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    paths = httpx.get(f"{api}/openapi.json", timeout=30).json()["paths"]
+    assert "/" not in paths and "/static/{name}" not in paths and "/v1/cluster" in paths
+
+    browser.get(f"{api}/")
+    try:
+        # The workers panel: one live worker, with its model, backend and free KV blocks.
+        wait(browser, lambda d: len(rows := worker_rows(d)) == 1 and rows[0][1] == stack.model_name
+             and re.match(r"^\d+/\d+$", rows[0][4]), "one worker row with the model and its free KV")
+        assert worker_rows(browser)[0][:3] == [stack.worker_name(0), stack.model_name, "hf"]
+        assert text_of(browser, "queue-waiting") == "0"
+        assert text_of(browser, "model") == stack.model_name
+
+        set_field(browser, "temperature", "0")
+        set_field(browser, "max_tokens", "24")
+        browser.find_element(By.ID, "ignore_eos").click()
+        send(browser, "What is the capital of France?")
+        wait(browser, lambda d: last_reply(d) != "", "the first token on the page")
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "done",
+             "the final event")
+        assert NUMBER.match(text_of(browser, "ttft")) and NUMBER.match(text_of(browser, "tps"))
+        assert text_of(browser, "tokens") == "24" and text_of(browser, "finish") == "length"
+
+        # What the page assembled from the stream is exactly the request's text on the server.
+        request_id = browser.find_element(By.TAG_NAME, "body").get_attribute("data-request-id")
+        state = httpx.get(f"{api}/v1/requests/{request_id}", timeout=30).json()
+        assert state["status"] == "done" and state["completion_tokens"] == 24
+        assert last_reply(browser) == state["text"]
+        # Everything the page loaded came from the api itself.
+        origins = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => new URL(e.name).origin)")
+        assert origins and set(origins) == {api}
+    finally:
+        screenshot(browser, tmp_path, "playground.png")
+
+
+def test_stop_cancels_the_generation_and_a_key_is_asked_for(browser, secured_null, tmp_path):
+    api = secured_null.urls[0]
+    key = subprocess.run([sys.executable, "-m", "shared.cli", "keys", "create", "--tenant", "playground"],
+                         cwd=ROOT, env=secured_null.env, capture_output=True, text=True, timeout=60,
+                         check=True).stdout.strip()
+    assert httpx.get(f"{api}/v1/cluster", timeout=30).status_code == 401
+    assert httpx.get(f"{api}/", timeout=30).status_code == 200  # the page itself needs no key
+
+    browser.get(f"{api}/")
+    try:
+        auth = browser.find_element(By.ID, "auth")
+        wait(browser, lambda d: auth.is_displayed(), "the API key form after a 401")
+        set_field(browser, "api-key", key)
+        auth.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait(browser, lambda d: [row[1:3] for row in worker_rows(d)] == [[secured_null.model_name, "null"]],
+             "the worker row once the key is sent")
+
+        set_field(browser, "max_tokens", "200")
+        send(browser, "Tell me a long story.")
+        wait(browser, lambda d: last_reply(d) != "", "the first token of the long reply")
+        request_id = browser.find_element(By.TAG_NAME, "body").get_attribute("data-request-id")
+        browser.find_element(By.ID, "stop").click()
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "cancelled",
+             "the page to show the request cancelled")
+
+        state = httpx.get(f"{api}/v1/requests/{request_id}", params={"wait": 10}, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}).json()
+        assert state["status"] == "cancelled" and state["finish_reason"] == "cancelled"
+        assert 1 <= state["completion_tokens"] < 200
+        assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
+    finally:
+        screenshot(browser, tmp_path, "playground-stopped.png")
