@@ -20,6 +20,7 @@ run: $(STAMP)
 ## make test: the whole test suite (starts its own redis-server on a free port)
 test: $(STAMP)
 	@scripts/ensure-redis.sh
+	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 

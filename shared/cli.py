@@ -13,6 +13,13 @@ def _log(level: str | None) -> None:
     setup(level or settings.log_level, settings.log_format)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="streamq", description="Serve a language model to many users at once.")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: STREAMQ_LOG_LEVEL, info)")
@@ -20,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="Redis (unless REDIS_URL is set), a worker and the api, supervised.")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-replicas", type=_positive, default=1,
+                       help="api processes; above 1, nginx listens on --port in front of them (like compose's lb)")
+    serve.add_argument("--workers", type=_positive, default=1, help="model worker processes sharing the request stream")
     sub.add_parser("api", help="One api replica (settings from STREAMQ_* variables).")
     sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
     sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
@@ -46,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.command == "serve":
         from shared.serve import serve as run_serve  # noqa: PLC0415
-        sys.exit(run_serve(args.host, args.port))
+        sys.exit(run_serve(args.host, args.port, args.api_replicas, args.workers))
     if args.command == "keys":
         sys.exit(_keys(args))
     if args.command == "bench":

@@ -1,15 +1,21 @@
 """`streamq serve`: everything on one machine, supervised.
 
-Starts a private redis-server unless REDIS_URL is set, converts the model if needed, then one
-worker, the scheduler and one api process. A child that dies is restarted with backoff. Ctrl-C (or SIGTERM)
-stops every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG).
+Starts a private redis-server unless REDIS_URL is set, converts the model if needed, then the
+workers (one by default), the scheduler and the api replicas (one by default). With several
+replicas, nginx listens on the public address in front of them, configured from
+deploy/nginx.conf (the load balancer of docker-compose.yml), so one machine runs the compose
+topology without Docker. A child that dies is restarted with backoff. Ctrl-C (or SIGTERM) stops
+every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +30,10 @@ from shared.settings import CommonSettings
 
 log = logging.getLogger("streamq.serve")
 _PR_SET_PDEATHSIG = 1
+NGINX_TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx.conf"
+NGINX_HINT = ("--api-replicas above 1 runs nginx in front of the replicas, and nginx is not installed. Install it "
+              "(Debian/Ubuntu: `sudo apt-get install nginx-light`; `make test` does this when run as root), "
+              "or run one replica.")
 
 
 def _die_with_parent() -> None:
@@ -86,49 +96,146 @@ def wait_ready(url: str, timeout_s: float, children: list[Child] | tuple = ()) -
     return False
 
 
-def serve(host: str, port: int) -> int:
+def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
+    nginx = find_nginx() if api_replicas > 1 else None
+    if api_replicas > 1 and (nginx is None or not NGINX_TEMPLATE.is_file()):
+        log.error(NGINX_HINT if nginx is None else f"{NGINX_TEMPLATE} is missing: run from a streamq checkout")
+        return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     settings = CommonSettings()
     redis: RedisServer | None = None
     children: list[Child] = []
+    folder = Path(tempfile.mkdtemp(prefix="streamq-serve-"))
     try:
         env = dict(os.environ)
         if not (os.environ.get("REDIS_URL") or os.environ.get("STREAMQ_REDIS_URL")):
-            redis = RedisServer(Path(tempfile.mkdtemp(prefix="streamq-redis-")), appendonly=True)
+            redis = RedisServer(folder / "redis", appendonly=True)
             env["REDIS_URL"] = redis.start()
             log.info("started a private redis-server at %s", env["REDIS_URL"])
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
         subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], env=env, check=True)
         cli = [sys.executable, "-m", "shared.cli"]
-        children = [
-            Child("worker", cli + ["worker"], env),
-            Child("scheduler", cli + ["scheduler"], env),
-            Child("api", cli + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)}),
-        ]
+        children = [Child("worker" if workers == 1 else f"worker{i}", cli + ["worker"], env) for i in range(workers)]
+        children.append(Child("scheduler", cli + ["scheduler"], env))
+        url = f"http://{_loopback_if_any(host)}:{port}"
+        if api_replicas == 1:
+            children.append(Child("api", cli + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)}))
+            replicas = [url]
+        else:
+            ports = _free_ports(api_replicas, avoid=port)
+            api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host)}
+            children += [Child(f"api{i}", cli + ["api"], {**api_env, "STREAMQ_PORT": str(p)})
+                         for i, p in enumerate(ports)]
+            children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
+            replicas = [f"http://127.0.0.1:{p}" for p in ports]
         for child in children:
             child.start()
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        if not wait_ready(url, 600, children):
-            log.error("streamq did not become ready; stopping")
-            return 1
-        _banner(url, served_name(settings))
+        deadline = time.monotonic() + 600
+        # Every replica first, then the public address (through nginx when there is one).
+        for address in replicas + ([url] if api_replicas > 1 else []):
+            if not wait_ready(address, max(0.0, deadline - time.monotonic()), children):
+                log.error("streamq did not become ready at %s; stopping", address)
+                return 1
+        _banner(url, served_name(settings), replicas if api_replicas > 1 else [], workers)
         _supervise(children)
         return 0
     except _Stop:
         log.info("stopping")
         return 0
     except subprocess.CalledProcessError as exc:
-        log.error("model preparation failed (exit code %s)", exc.returncode)
+        log.error("%s failed (exit code %s)", exc.cmd[-1] if exc.cmd else "a step", exc.returncode)
+        return 1
+    except RuntimeError as exc:
+        log.error("%s", exc)
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for child in reversed(children):
+        for child in reversed(children):  # nginx first, so no new request reaches a stopping replica
             child.stop()
         if redis is not None:
             redis.stop()
+        shutil.rmtree(folder, ignore_errors=True)
         log.info("all stopped")
+
+
+def find_nginx() -> str | None:
+    # Debian installs nginx in /usr/sbin, which is not on an ordinary user's PATH.
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+def nginx_config(template: str, host: str, port: int, upstream_ports: list[int], folder: Path) -> str:
+    """deploy/nginx.conf made to run as an ordinary user in front of replicas on this machine.
+
+    It listens on host:port and proxies to 127.0.0.1:`upstream_ports` (a fixed upstream with
+    keep-alive, instead of compose's DNS lookup); it stays in the foreground with one worker
+    process, and keeps its pid and temporary files in `folder`. Everything else (buffering off,
+    timeouts, headers, body limit) is the template's, as compose runs it.
+    """
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if host == "::":
+        listen += " ipv6only=off"  # every address, IPv4 too, as the api itself binds `::`
+    servers = "".join(f"        server 127.0.0.1:{p};\n" for p in upstream_ports)
+    paths = "".join(f"    {kind}_temp_path {folder / kind};\n"
+                    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    text = _swap(template, r"^worker_processes .*;$", f"worker_processes 1;\ndaemon off;\npid {folder / 'nginx.pid'};")
+    text = _swap(text, r"^\s*resolver .*;\n", "")
+    text = _swap(text, r"^http \{\n",
+                 f"http {{\n{paths}    upstream streamq_api {{\n{servers}        keepalive 16;\n    }}\n")
+    text = _swap(text, r"^(\s*)listen \d+;", rf"\g<1>listen {listen};")
+    return _swap(text, r"^(\s*)set \$api_upstream \S+;", r"\g<1>set $api_upstream streamq_api;")
+
+
+def _swap(text: str, pattern: str, replacement: str) -> str:
+    new, count = re.subn(pattern, replacement, text, flags=re.MULTILINE)
+    if count != 1:  # the template changed shape: fail here rather than run a half-rewritten config
+        raise RuntimeError(f"{NGINX_TEMPLATE}: expected one line matching {pattern!r}, found {count}")
+    return new
+
+
+def _nginx_child(binary: str, host: str, port: int, upstream_ports: list[int], folder: Path,
+                 env: dict[str, str]) -> Child:
+    """nginx in front of the replicas; its config checked with `nginx -t` before anything relies on it."""
+    folder.mkdir()
+    # Started as root, nginx runs its workers as nobody: they must reach their temp folders in here.
+    folder.parent.chmod(0o711)
+    folder.chmod(0o755)
+    config = folder / "nginx.conf"
+    config.write_text(nginx_config(NGINX_TEMPLATE.read_text(), host, port, upstream_ports, folder))
+    check = subprocess.run([binary, "-t", "-c", str(config)], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"nginx rejects the generated {config}:\n{check.stderr.strip()}")
+    return Child("nginx", [binary, "-c", str(config)], env)
+
+
+def _free_ports(count: int, avoid: int) -> list[int]:
+    """`count` distinct loopback ports free now (all held at once, so never the same one twice)."""
+    while True:
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for s in sockets:
+                s.bind(("127.0.0.1", 0))
+            ports = [s.getsockname()[1] for s in sockets]
+        finally:
+            for s in sockets:
+                s.close()
+        if avoid not in ports:
+            return ports
+
+
+def _replica_auth(env: dict[str, str], host: str) -> str:
+    """Replicas bind loopback behind nginx, so `auto` is decided for the address nginx listens on."""
+    from api.auth import auth_enabled  # noqa: PLC0415 - the api's own rule, not a copy of it
+
+    mode = env.get("STREAMQ_AUTH", "auto")
+    if mode != "auto":
+        return mode  # on, off, or a typo the api itself reports
+    return "on" if auth_enabled(mode, host) else "auto"
+
+
+def _loopback_if_any(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
 def _supervise(children: list[Child]) -> None:
@@ -152,10 +259,14 @@ def _supervise(children: list[Child]) -> None:
         time.sleep(0.5)
 
 
-def _banner(url: str, model: str) -> None:
+def _banner(url: str, model: str, replicas: list[str], workers: int) -> None:
+    topology = ""
+    if replicas or workers > 1:
+        behind = f"{len(replicas)} api replicas behind nginx: {' '.join(replicas)}" if replicas else "1 api replica"
+        topology = f"  ({behind}; {workers} worker{'s' if workers > 1 else ''})\n"
     print(f"""
 streamq is ready: serving {model} at {url}
-
+{topology}
   Submit:  curl -s {url}/v1/requests -H 'Content-Type: application/json' \\
              -d '{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0, "max_tokens": 32}}'
   Stream:  curl -sN {url}/v1/requests -H 'Content-Type: application/json' \\

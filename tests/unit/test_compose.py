@@ -1,19 +1,48 @@
-"""docker-compose.yml stays true to the code (no Docker engine runs here, so check what we can)."""
+"""docker-compose.yml and its nginx stay true to the code (no Docker engine runs here, so check what we can).
+
+The nginx config is checked by Debian's nginx itself (`nginx -t`; `make test` installs it).
+"""
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from shared import serve as serve_module
 from shared.cli import main as cli_main
+from shared.serve import find_nginx, nginx_config
 from shared.settings import ApiSettings, SchedulerSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
+NGINX_CONF = ROOT / "deploy" / "nginx.conf"
 SETTINGS = {"api": ApiSettings, "worker": WorkerSettings, "scheduler": SchedulerSettings}
+TEMP_PATHS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 @pytest.fixture(scope="module")
 def compose():
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def nginx() -> str:
+    binary = find_nginx()
+    if binary is None:
+        pytest.fail("nginx is not installed: run scripts/ensure-nginx.sh (make test does)")
+    return binary
+
+
+def _directive(text: str, name: str) -> str:
+    """The value of the one `name ...;` line of an nginx config."""
+    values = re.findall(rf"^\s*{re.escape(name)}\s+(.+?);", text, flags=re.MULTILINE)
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def _nginx_test(nginx: str, config: Path, folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([nginx, "-t", "-c", str(config), "-g", f"pid {folder / 'nginx.pid'};"],
+                          capture_output=True, text=True)
 
 
 def test_every_streamq_command_exists(compose, capsys):
@@ -36,10 +65,78 @@ def test_environment_names_real_settings(compose):
             assert var.removeprefix("STREAMQ_").lower() in cls.model_fields, f"{name}: {var}"
 
 
-def test_api_port_matches_its_setting(compose):
-    api = compose["services"]["api"]
-    assert api["ports"] == [f"8000:{api['environment']['STREAMQ_PORT']}"]
-    assert ApiSettings(port=int(api["environment"]["STREAMQ_PORT"])).port == 8000
+def test_only_the_load_balancer_publishes_a_port_and_it_reaches_the_api_port(compose):
+    api, lb = compose["services"]["api"], compose["services"]["lb"]
+    assert "ports" not in api  # replicas share nothing on the host; the lb is the way in
+    assert lb["ports"] == [f"8000:{_directive(NGINX_CONF.read_text(), 'listen')}"]
+    host, port = _directive(NGINX_CONF.read_text(), "set $api_upstream").split(":")
+    assert host == "api" and host in compose["services"]
+    assert port == api["environment"]["STREAMQ_PORT"]
+    assert ApiSettings(port=int(port)).port == int(port)
+
+
+def test_api_runs_several_replicas(compose):
+    assert compose["services"]["api"]["deploy"]["replicas"] >= 2
+
+
+def test_load_balancer_mounts_the_nginx_config(compose):
+    lb = compose["services"]["lb"]
+    assert lb["image"].startswith("nginx:")
+    assert "./deploy/nginx.conf:/etc/nginx/nginx.conf:ro" in lb["volumes"]
+    assert lb["depends_on"]["api"]["condition"] == "service_healthy"
+
+
+def test_nginx_passes_streams_through_as_the_api_needs():
+    text = NGINX_CONF.read_text()
+    assert _directive(text, "proxy_buffering") == "off" and _directive(text, "proxy_cache") == "off"
+    assert _directive(text, "proxy_http_version") == "1.1"
+    assert _directive(text, "proxy_set_header Connection") == '""'
+    assert _directive(text, "proxy_set_header Last-Event-ID") == "$http_last_event_id"
+    assert _directive(text, "proxy_set_header Authorization") == "$http_authorization"
+    # Longer than the longest long-poll a replica may be configured for, and than any SSE ping interval.
+    read_timeout = int(_directive(text, "proxy_read_timeout").removesuffix("s"))
+    longest_wait = next(m.le for m in ApiSettings.model_fields["max_wait_s"].metadata if hasattr(m, "le"))
+    assert read_timeout >= longest_wait
+    # The same body limit as the api (nginx answers 413 before a replica sees the body).
+    limit = ApiSettings.model_fields["max_body_bytes"].default
+    assert _directive(text, "client_max_body_size") == str(limit)
+    assert f"limit of {limit} bytes" in text
+
+
+def test_nginx_accepts_the_compose_config(nginx, tmp_path):
+    """`nginx -t` on deploy/nginx.conf as compose mounts it, but for where the files go.
+
+    `api` is looked up only while serving (resolver + variable), so `nginx -t` needs no Docker
+    DNS; only the temp folders move from nginx's built-in ones (root-only) to tmp_path.
+    """
+    paths = "".join(f"    {kind}_temp_path {tmp_path / kind};\n" for kind in TEMP_PATHS)
+    config = tmp_path / "nginx.conf"
+    config.write_text(NGINX_CONF.read_text().replace("http {\n", "http {\n" + paths, 1))
+    result = _nginx_test(nginx, config, tmp_path)
+    assert result.returncode == 0, result.stderr
+    # And nginx -t does read it: a wrong directive is refused.
+    config.write_text(config.read_text().replace("proxy_buffering off;", "proxy_buffering nope;"))
+    assert _nginx_test(nginx, config, tmp_path).returncode != 0
+
+
+def test_nginx_accepts_the_config_that_serve_renders(nginx, tmp_path):
+    template = NGINX_CONF.read_text()
+    text = nginx_config(template, "127.0.0.1", 18000, [18001, 18002], tmp_path)
+    assert "server 127.0.0.1:18001;" in text and "server 127.0.0.1:18002;" in text
+    assert "listen 127.0.0.1:18000;" in text and not re.search(r"^\s*resolver ", text, flags=re.MULTILINE)
+    # Everything about streams is the template's, untouched.
+    for name in ("proxy_buffering", "proxy_read_timeout", "client_max_body_size", "proxy_set_header Last-Event-ID"):
+        assert _directive(text, name) == _directive(template, name)
+    config = tmp_path / "nginx.conf"
+    config.write_text(text)
+    result = subprocess.run([nginx, "-t", "-c", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_serve_refuses_a_template_it_cannot_rewrite(tmp_path):
+    template = NGINX_CONF.read_text().replace("set $api_upstream", "set $upstream_of_the_api")
+    with pytest.raises(RuntimeError, match="api_upstream"):
+        nginx_config(template, "127.0.0.1", 18000, [18001], tmp_path)
 
 
 def test_redis_keeps_an_append_only_file_on_a_volume(compose):
@@ -57,3 +154,18 @@ def test_dockerfile_copies_every_package():
     text = (ROOT / "Dockerfile").read_text()
     for package in ("api", "worker", "scheduler", "shared"):
         assert f"COPY {package} " in text
+
+
+def test_nginx_listens_on_every_address_for_a_wildcard_host(nginx, tmp_path):
+    text = nginx_config(NGINX_CONF.read_text(), "::", 18000, [18001, 18002], tmp_path)
+    assert "listen [::]:18000 ipv6only=off;" in text
+    config = tmp_path / "nginx.conf"
+    config.write_text(text)
+    result = subprocess.run([nginx, "-t", "-c", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_serve_with_replicas_but_no_nginx_says_how_to_install_it(monkeypatch, caplog):
+    monkeypatch.setattr(serve_module, "find_nginx", lambda: None)
+    assert serve_module.serve("127.0.0.1", 18000, api_replicas=2) == 1  # before starting anything
+    assert "nginx is not installed" in caplog.text and "apt-get install nginx" in caplog.text
