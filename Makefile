@@ -17,12 +17,12 @@ run: $(STAMP)
 	@if [ -z "$$REDIS_URL" ]; then scripts/ensure-redis.sh; fi
 	$(VENV)/bin/streamq serve --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
-## make test: the whole test suite (starts its own redis-server on a free port)
+## make test: the whole test suite (starts its own redis-server on a free port); screenshots go to artifacts/
 test: $(STAMP)
 	@scripts/ensure-redis.sh
 	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
-	$(PY) -m pytest $(PYTEST_ARGS)
+	STREAMQ_ARTIFACTS=$${STREAMQ_ARTIFACTS:-$(CURDIR)/artifacts} $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

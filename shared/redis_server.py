@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from shared.children import die_with_parent
+
 INSTALL_HINT = ("redis-server is not installed. Install it (Debian/Ubuntu: `sudo apt-get install redis-server`; "
                 "`make run` and `make test` do this when run as root), or set REDIS_URL to a Redis you run.")
 
@@ -20,8 +22,12 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process bound to 127.0.0.1, with its files in `folder`."""
 
-    def __init__(self, folder: Path, appendonly: bool = False, appendfsync: str = "everysec"):
+    def __init__(self, folder: Path, appendonly: bool = False, appendfsync: str = "everysec",
+                 own_session: bool = False):
         self.folder = folder
+        # own_session: out of the terminal's process group, so a Ctrl-C reaches only the process
+        # that stops it last (after the workers have finished with it); it still dies with that one.
+        self.own_session = own_session
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.port = 0
@@ -41,7 +47,8 @@ class RedisServer:
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.folder),
              "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
              "--logfile", str(self.folder / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=self.own_session, preexec_fn=die_with_parent if self.own_session else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:  # wait until it accepts connections
             if self.process.poll() is not None:

@@ -9,7 +9,6 @@ every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -25,22 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.models import served_name
+from shared.children import die_with_parent
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings
 
 log = logging.getLogger("streamq.serve")
-_PR_SET_PDEATHSIG = 1
 NGINX_TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx.conf"
 NGINX_HINT = ("--api-replicas above 1 runs nginx in front of the replicas, and nginx is not installed. Install it "
               "(Debian/Ubuntu: `sudo apt-get install nginx-light`; `make test` does this when run as root), "
               "or run one replica.")
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -55,7 +47,7 @@ class Child:
 
     def start(self) -> None:
         # Own process group: the terminal's Ctrl-C reaches only the supervisor, which stops us in order.
-        self.process = subprocess.Popen(self.args, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(self.args, env=self.env, start_new_session=True, preexec_fn=die_with_parent)
         self.started_at = time.monotonic()
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -110,7 +102,7 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
     try:
         env = dict(os.environ)
         if not (os.environ.get("REDIS_URL") or os.environ.get("STREAMQ_REDIS_URL")):
-            redis = RedisServer(folder / "redis", appendonly=True)
+            redis = RedisServer(folder / "redis", appendonly=True, own_session=True)
             env["REDIS_URL"] = redis.start()
             log.info("started a private redis-server at %s", env["REDIS_URL"])
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
@@ -267,6 +259,7 @@ def _banner(url: str, model: str, replicas: list[str], workers: int) -> None:
     print(f"""
 streamq is ready: serving {model} at {url}
 {topology}
+  Chat:    open {url}/ in a browser (the playground)
   Submit:  curl -s {url}/v1/requests -H 'Content-Type: application/json' \\
              -d '{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0, "max_tokens": 32}}'
   Stream:  curl -sN {url}/v1/requests -H 'Content-Type: application/json' \\

@@ -150,6 +150,13 @@ def test_worker_reserves_a_gpu(compose):
     assert devices[0]["capabilities"] == ["gpu"]
 
 
+def test_worker_metrics_listen_on_the_network_at_the_exposed_port(compose):
+    worker = compose["services"]["worker"]
+    settings = WorkerSettings(**{k.removeprefix("STREAMQ_").lower(): v for k, v in worker["environment"].items()
+                                 if k.startswith("STREAMQ_METRICS")})
+    assert settings.metrics_host == "0.0.0.0" and [str(settings.metrics_port)] == [str(p) for p in worker["expose"]]
+
+
 def test_dockerfile_copies_every_package():
     text = (ROOT / "Dockerfile").read_text()
     for package in ("api", "worker", "scheduler", "shared"):
