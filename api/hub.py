@@ -103,6 +103,10 @@ class PubSubHub:
             except Exception as exc:  # noqa: BLE001 - keep relaying; redis-py reconnects the pubsub
                 if not delay:
                     log.warning("pub/sub connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
+                # Start the next try from a closed socket: a reconnect whose resubscription failed
+                # (Redis still loading its AOF) would otherwise look connected, subscribed to nothing.
+                if self._pubsub.connection is not None:
+                    await self._pubsub.connection.disconnect()
                 delay = min(2.0, delay * 2 or 0.1)
                 await asyncio.sleep(delay)
                 continue

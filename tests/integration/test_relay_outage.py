@@ -3,8 +3,10 @@
 Each test runs its own redis-server (AOF, fsync always) so it can kill it.
 """
 import asyncio
+import weakref
 
 import pytest
+from redis.exceptions import BusyLoadingError
 
 from api.hub import PubSubHub
 from api.relay import Relay
@@ -114,3 +116,44 @@ async def _subscribed(server):
 
 async def _true(value):
     return value
+
+
+class _FailOnce:
+    """A connect callback that fails the first reconnection, as Redis answers while it still
+    loads its AOF: the socket is open, but nothing was subscribed on it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def __call__(self, connection):
+        self.calls += 1
+        if self.calls == 1:
+            raise BusyLoadingError("Redis is loading the dataset in memory")
+
+
+async def test_a_reconnection_whose_resubscription_failed_is_made_again(server, relay):
+    received: list = []
+
+    async def collect():
+        async for event in relay.events(RID):
+            if event is not None:
+                received.append(event)
+                if isinstance(event, FinalEvent):
+                    return
+
+    task = asyncio.create_task(collect())
+    await until(lambda: _subscribed(server), what="stream subscribed")
+    await _emit(server, _token(0))
+    await until(lambda: _true(len(received) == 1), what="token 0 delivered live")
+    fail_once = _FailOnce()
+    fail_once.method = fail_once.__call__  # a bound method, kept alive: redis-py holds it weakly
+    relay.hub._pubsub.connection._connect_callbacks.insert(0, weakref.WeakMethod(fail_once.method))
+    admin = connect(server.url)
+    await admin.client_kill_filter(_type="pubsub")
+    await admin.aclose()
+    for i in (1, 2):
+        await _emit(server, _token(i), publish=False)
+    await _emit(server, _final(3), publish=False)
+    await asyncio.wait_for(task, 30)
+    assert fail_once.calls >= 2  # the failed reconnection was made again
+    assert [e.index for e in received[:-1]] == [0, 1, 2]
