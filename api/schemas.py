@@ -23,6 +23,8 @@ class SubmitRequest(SamplingParams):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     model: str | None = Field(None, description="Model to use; the served model when unset.")
     stream: bool = Field(False, description="Answer with the event stream; leaving it cancels the request.")
+    backend: Literal["hf", "vllm", "null"] | None = Field(
+        None, description="Run on a worker of this backend only (404 when none is live); any when unset.")
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                           description="Lower runs first among this tenant's requests (tenants share workers fairly).")
 

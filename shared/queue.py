@@ -1,4 +1,5 @@
-"""A model's request queue: one Redis stream per lane, a lane being a tenant and a priority.
+"""A model's request queue: one Redis stream per lane, a lane being a tenant and a priority
+(and, for a request only one backend may run, that backend: `@vllm/0:acme`).
 
 The api writes each request to its lane's stream (with the record, in one script); workers
 read the heads of all lanes with one XREADGROUP and the batcher chooses between them
@@ -18,8 +19,15 @@ ANONYMOUS = "-"  # the lane's tenant part when auth is off
 
 
 def lane_of(payload: RequestPayload) -> str:
-    """`<priority>:<tenant>`; the priority first, so a tenant name may contain ':'."""
-    return f"{payload.priority}:{payload.owner or ANONYMOUS}"
+    """`<priority>:<tenant>`, after `@<backend>/` when the request needs one backend; the
+    priority before the tenant, so a tenant name may contain ':'."""
+    lane = f"{payload.priority}:{payload.owner or ANONYMOUS}"
+    return f"@{payload.backend}/{lane}" if payload.backend else lane
+
+
+def served_by(lane: str, backend: str) -> bool:
+    """Whether a worker of `backend` reads this lane: untargeted lanes, and its own."""
+    return not lane.startswith("@") or lane.startswith(f"@{backend}/")
 
 
 class RequestQueue:
@@ -33,10 +41,11 @@ class RequestQueue:
     def stream_of(self, payload: RequestPayload) -> str:
         return keys.request_stream(self.prefix, self.model, lane_of(payload))
 
-    async def streams(self) -> list[str]:
-        """Every lane's stream, in a stable order."""
+    async def streams(self, backend: str | None = None) -> list[str]:
+        """Every lane's stream (only those a worker of `backend` reads, when given), in a stable order."""
         return sorted(keys.request_stream(self.prefix, self.model, lane)
-                      for lane in await self.redis.smembers(self.lanes_key))
+                      for lane in await self.redis.smembers(self.lanes_key)
+                      if backend is None or served_by(lane, backend))
 
     async def ensure_groups(self) -> None:
         """The workers' group on the doorbell and on every lane (the api creates them with each

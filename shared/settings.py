@@ -74,8 +74,9 @@ class WorkerSettings(CommonSettings):
 
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                              description="Consumer name in the request group; unique per process.")
-    backend: Literal["hf", "null"] = Field(
-        "hf", description="'hf': the built-in engine on transformers weights; 'null': no model, tokens at null_tokens_per_s.")
+    backend: Literal["hf", "vllm", "null"] = Field(
+        "hf", description="'hf': the built-in engine on transformers weights; 'vllm': vLLM's async engine "
+                          "(needs vLLM installed); 'null': no model, tokens at null_tokens_per_s.")
     null_tokens_per_s: float = Field(20.0, gt=0, le=10_000, description="Tokens per second per request (null backend).")
     batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one step (max_num_seqs).")
     max_num_batched_tokens: int = Field(512, ge=1, le=1_000_000,
@@ -96,6 +97,15 @@ class WorkerSettings(CommonSettings):
                               description="Port of the worker's Prometheus /metrics; 0 picks a free one "
                                           "(logged, and in the heartbeat); -1 for none.")
     metrics_host: str = Field("127.0.0.1", description="Address the worker's /metrics binds.")
+    # vLLM's engine settings (backend=vllm); max_num_seqs is batch_size, dtype and prefix_caching as above.
+    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
+    vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
+    vllm_enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs / torch.compile (faster start).")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM: GPUs one model is split over.")
+    vllm_quantization: str | None = Field(None, description="vLLM: quantization method (awq, gptq, fp8, ...).")
+    vllm_speculative_config: dict | None = Field(
+        None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4}.')
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":

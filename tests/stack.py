@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class Stack:
     def __init__(self, redis_url: str, model: Path | None, folder: Path, replicas: int = 1, batch_size: int = 8,
-                 workers: int = 1, env: dict[str, str] | None = None, scheduler: bool = False):
+                 workers: int = 1, env: dict[str, str] | None = None, scheduler: bool = False,
+                 worker_envs: list[dict[str, str]] | None = None, worker_python: list[str | None] | None = None):
+        """`worker_envs` and `worker_python`, when given, are per worker: extra environment, and
+        the Python to run it with (e.g. the vLLM virtualenv's)."""
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.prefix = f"e2e{uuid.uuid4().hex[:8]}"
@@ -32,11 +35,13 @@ class Stack:
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.urls: list[str] = []
         self.n_replicas, self.n_workers, self.with_scheduler = replicas, workers, scheduler
+        self.worker_envs = worker_envs or [{} for _ in range(workers)]
+        self.worker_python = worker_python or [None] * workers
         self.model_name = model.name if model else "SmolLM2-135M-Instruct"
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> subprocess.Popen:
         log = open(self.folder / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
+        proc = subprocess.Popen([python or sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
         self.processes.append((name, proc))
         return proc
@@ -47,7 +52,9 @@ class Stack:
             subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], cwd=ROOT, env=self.env,
                            check=True, capture_output=True)
             for i in range(self.n_workers):
-                self._spawn(f"worker{i}", ["worker"], {**self.env, "STREAMQ_WORKER_NAME": self.worker_name(i)})
+                self._spawn(f"worker{i}", ["worker"],
+                            {**self.env, "STREAMQ_WORKER_NAME": self.worker_name(i), **self.worker_envs[i]},
+                            self.worker_python[i])
             if self.with_scheduler:
                 self._spawn("scheduler", ["scheduler"], self.env)
             for i in range(self.n_replicas):
@@ -87,6 +94,11 @@ class Stack:
         proc = dict(self.processes)[f"worker{i}"]
         proc.kill()
         proc.wait()
+
+    def start_worker(self, i: int, name: str) -> None:
+        """Start worker i again (after kill_worker), with its own environment and Python."""
+        self._spawn(name, ["worker"], {**self.env, "STREAMQ_WORKER_NAME": f"{self.worker_name(i)}-{name}",
+                                       **self.worker_envs[i]}, self.worker_python[i])
 
     def kill_replica(self, i: int) -> None:
         """SIGKILL api replica i, as a crash would."""

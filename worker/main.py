@@ -11,6 +11,7 @@ from shared.redis_client import connect
 from shared.models import prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
+from worker.backend import Backend, Threaded
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.engine import Engine
@@ -19,6 +20,7 @@ from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
 from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
 from worker.static_engine import StaticEngine
+from worker.vllm_backend import VllmBackend, VllmUnavailable  # vLLM itself is imported only when chosen
 
 log = logging.getLogger("streamq.worker")
 
@@ -33,6 +35,7 @@ def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
 
 
 def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine:
+    """One of the built-in engines (they step synchronously: the service runs them in a thread)."""
     if settings.backend == "null":
         log.info("null backend: no model, %.1f tokens/s per request", settings.null_tokens_per_s)
         return NullEngine(settings.batch_size, settings.null_tokens_per_s)
@@ -53,8 +56,20 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     return Engine(runner, tokenizer, batcher)
 
 
+async def build_backend(settings: WorkerSettings) -> Backend:
+    if settings.backend == "vllm":
+        VllmBackend.require_vllm()  # before any model work: say at once what is missing
+        tokenizer = Tokenizer(await asyncio.to_thread(prepare_model, settings))
+        return await VllmBackend.start(settings, str(weights_dir(settings)), tokenizer)
+    return Threaded(await asyncio.to_thread(build_engine, settings), settings.backend)
+
+
 async def serve(settings: WorkerSettings) -> None:
-    engine = await asyncio.to_thread(build_engine, settings)
+    try:
+        engine = await build_backend(settings)
+    except VllmUnavailable as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from exc
     redis = connect(settings.redis_url)
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()
@@ -70,6 +85,8 @@ async def serve(settings: WorkerSettings) -> None:
         os._exit(3)
     finally:
         await redis.aclose()
+        if hasattr(engine, "close"):
+            await engine.close()
 
 
 def main(settings: WorkerSettings | None = None) -> None:

@@ -50,7 +50,7 @@ class WorkerMetrics:
         self.kv_free = Gauge("streamq:kv_cache_blocks_free", "KV-cache blocks free.", registry=r)
         self.kv_usage = Gauge("streamq:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                               registry=r)
-        self.prefix_queries = Counter("streamq:prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
+        self.prefix_queries = Counter("streamq:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter("streamq:prefix_cache_hits", "... and found there.", registry=r)
         self.preemptions = Counter("streamq:num_preemptions", "Requests preempted for lack of KV blocks.", registry=r)

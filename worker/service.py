@@ -3,8 +3,8 @@
 Between steps it takes newly queued requests (up to the engine's free slots), so a request
 that arrives mid-batch joins at the next step.
 
-The model step runs in a thread (asyncio.to_thread), so intake, cancels and heartbeats
-keep running while the model computes.
+The backend's step is awaited (the built-in engines compute in a thread, vLLM in its own
+process), so intake, cancels and heartbeats keep running while the model computes.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from shared.queue import RequestQueue
 from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
-from worker.engine import Engine
+from worker.backend import Backend
 from worker.metrics import WorkerMetrics
 from worker.publisher import Publisher
 
@@ -36,7 +36,7 @@ LANES_REFRESH_S = 1.0  # a new lane is also announced on the doorbell stream; th
 
 
 class WorkerService:
-    def __init__(self, redis: Redis, engine: Engine, settings: WorkerSettings, model: str):
+    def __init__(self, redis: Redis, engine: Backend, settings: WorkerSettings, model: str):
         self.redis = redis
         self.engine = engine
         self.settings = settings
@@ -97,7 +97,7 @@ class WorkerService:
     async def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
             log.exception("step failed")
             outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
@@ -144,7 +144,7 @@ class WorkerService:
 
     async def _lane_streams(self) -> list[str]:
         if time.monotonic() - self._lanes_read_at > LANES_REFRESH_S:
-            self._lanes = await self.queue.streams()
+            self._lanes = await self.queue.streams(self.settings.backend)
             self._lanes_read_at = time.monotonic()
         return self._lanes
 
@@ -212,10 +212,8 @@ class WorkerService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _kv_blocks(self) -> dict[str, int]:
-        batcher = getattr(self.engine, "batcher", None)
-        if batcher is None:
-            return {}
-        return {"kv_blocks_free": batcher.blocks.num_free, "kv_blocks_total": len(batcher.blocks.blocks)}
+        blocks = self.engine.kv_blocks()
+        return {} if blocks is None else {"kv_blocks_free": blocks[0], "kv_blocks_total": blocks[1]}
 
 
 class EngineStalled(RuntimeError):

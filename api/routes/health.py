@@ -1,13 +1,11 @@
 """Liveness and readiness."""
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import ModelNameDep, StoreDep
-from shared import keys
+from shared.workers import live_workers as shared_live_workers
 
 router = APIRouter(tags=["health"])
 
@@ -19,11 +17,7 @@ async def healthz():
 
 
 async def live_workers(store: StoreDep) -> list[dict]:
-    workers = []
-    async for key in store.redis.scan_iter(match=keys.worker_heartbeat_pattern(store.prefix), count=100):
-        if (beat := await store.redis.get(key)) is not None:
-            workers.append(json.loads(beat))
-    return workers
+    return await shared_live_workers(store.redis, store.prefix)
 
 
 @router.get("/readyz")

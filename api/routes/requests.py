@@ -41,6 +41,9 @@ async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep
     generation.check_model(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     payload = generation.build(await generation.encode(body.prompt, messages), body.sampling(), body.priority)
+    if body.backend is not None:
+        await generation.check_backend(body.backend)
+        payload.backend = body.backend
     await generation.submit([payload], owner=tenant)
     if body.stream:
         return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),

@@ -4,7 +4,8 @@ First tutorial (a hand-built server): /basic_generate, /generate (a batch of pro
 /generate_stream (SSE `data: {"token", "sequence_id"}`), /generate_vllm. Second tutorial
 (vLLM + FastAPI): /generate/ ({"query"} → {"response"}) and /generate_stream/, which streams
 plain text. All of them queue their prompts in Redis like any request, so the worker batches
-them with everything else; `/generate_vllm` is served by whatever backend the workers run.
+them with everything else; `/generate_vllm` goes to a vLLM-backed worker when one is live for
+the model, and to whatever backend the workers run otherwise.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from api.generation import ApiError, Generation
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
+from shared.workers import live_workers
 
 router = APIRouter(tags=["seed tutorials"])
 
@@ -50,9 +52,11 @@ class QueryRequest(BaseModel):
 
 
 async def _texts(generation: Generation, prompts: list[str], params: SamplingParams,
-                 tenant: str) -> tuple[list[str], list[str]]:
+                 tenant: str, backend: str | None = None) -> tuple[list[str], list[str]]:
     """Queue every prompt at once (the worker batches them), then gather each one's text."""
     payloads = [generation.build(await generation.encode(p), params) for p in prompts]
+    for payload in payloads:
+        payload.backend = backend
     await generation.submit(payloads, owner=tenant)
     texts = await asyncio.gather(*(_text(generation, p) for p in payloads))
     return list(texts), [p.id for p in payloads]
@@ -82,7 +86,9 @@ async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant
 
 @router.post("/generate_vllm")
 async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
-    texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant)
+    live = await live_workers(generation.store.redis, generation.store.prefix)
+    vllm = any(w.get("backend") == "vllm" and w.get("model") == generation.model_name for w in live)
+    texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant, backend="vllm" if vllm else None)
     return {"generated_texts": texts}
 
 

@@ -8,6 +8,7 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from tests.waiting import until
+from worker.backend import Threaded
 from worker.null_engine import NullEngine
 from worker.service import WorkerService
 
@@ -24,7 +25,7 @@ async def _statuses(store, payloads):
 async def _start(redis, redis_url, prefix, engine, **settings):
     config = WorkerSettings(redis_url=redis_url, prefix=prefix, served_model_name="m", heartbeat_interval_s=0.2,
                             **settings)
-    service = WorkerService(redis, engine, config, "m")
+    service = WorkerService(redis, Threaded(engine, "null"), config, "m")
     return service, asyncio.create_task(service.run())
 
 

@@ -6,6 +6,7 @@ import threading
 from shared import keys
 from shared.settings import WorkerSettings
 from tests.waiting import until
+from worker.backend import Threaded
 from worker.service import WorkerService
 
 
@@ -53,7 +54,7 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
     settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
                               intake_block_ms=50, served_model_name="m")
     engine = BlockingEngine()
-    service = WorkerService(redis, engine, settings, "m")
+    service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
     run = asyncio.create_task(service.run())
     await asyncio.to_thread(engine.stepping.wait, 30)  # the step is now blocking its thread
 
@@ -82,7 +83,7 @@ async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
     settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
                               intake_block_ms=50, served_model_name="m", engine_stall_s=0.5)
     engine = BlockingEngine()  # its step never returns until released
-    service = WorkerService(redis, engine, settings, "m")
+    service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
     beat_key = keys.worker_heartbeat(prefix, settings.worker_name)
     run = asyncio.create_task(service.run())
     await until(lambda: redis.exists(beat_key), what="first heartbeat")

@@ -1,0 +1,17 @@
+"""The live workers, as their heartbeats describe them (model, backend, capacity, load, KV)."""
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+from shared import keys
+
+
+async def live_workers(redis: Redis, prefix: str) -> list[dict]:
+    """Every worker whose heartbeat has not expired."""
+    workers = []
+    async for key in redis.scan_iter(match=keys.worker_heartbeat_pattern(prefix), count=100):
+        if (beat := await redis.get(key)) is not None:
+            workers.append(json.loads(beat))
+    return workers

@@ -1,0 +1,122 @@
+"""The vLLM backend, for real: vLLM's CPU build in its own virtualenv (`make vllm-env`) runs a
+worker next to a built-in one, on the default model, behind the same queue.
+
+Greedy output is compared with the built-in backend's on the same prompt (fp32, both on the CPU).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import events_of, submit, token_ids, wait_done
+from tests.stack import ROOT, Stack, stream_events
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+VLLM_ENV = {"STREAMQ_BACKEND": "vllm", "STREAMQ_VLLM_ENFORCE_EAGER": "true", "STREAMQ_VLLM_MAX_MODEL_LEN": "1024",
+            "STREAMQ_KV_CACHE_GB": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "STREAMQ_METRICS_PORT": "0"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` creates it (`make test` runs it)")
+    env = {"STREAMQ_MODEL_CACHE_DIR": "", "STREAMQ_HEARTBEAT_TTL_S": "4", "STREAMQ_HEARTBEAT_INTERVAL_S": "1",
+           "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+    with Stack(redis_url, None, tmp_path_factory.mktemp("vllm"), workers=2, scheduler=True, env=env,
+               worker_envs=[VLLM_ENV, {}], worker_python=[str(VLLM_PYTHON), None]) as running:
+        wait_for_backend(running, "vllm")
+        yield running
+
+
+def wait_for_backend(stack: Stack, backend: str, timeout_s: float = 300) -> dict:
+    """The live worker of `backend` (vLLM starts in tens of seconds, after the built-in one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, proc in stack.processes:
+            assert proc.poll() is None, f"{name} exited:\n{stack.logs()}"
+        workers = httpx.get(f"{stack.urls[0]}/readyz", timeout=5).json().get("workers", [])
+        if found := [w for w in workers if w["backend"] == backend]:
+            return found[0]
+        time.sleep(0.5)  # polling for start-up only
+    raise AssertionError(f"no live {backend} worker after {timeout_s} s:\n{stack.logs()}")
+
+
+def chat(backend: str, max_tokens: int, **extra) -> dict:
+    return {"messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "backend": backend,
+            **extra}
+
+
+def test_vllm_streams_what_the_built_in_engine_generates(stack):
+    with httpx.Client(timeout=300) as client:
+        vllm = stream_events(client, "POST", f"{stack.urls[0]}/v1/requests", json=chat("vllm", 24, stream=True))
+        hf = stream_events(client, "POST", f"{stack.urls[0]}/v1/requests", json=chat("hf", 24, stream=True))
+        assert [int(e["id"]) for e in vllm if e["event"] == "token"] == list(range(24))
+        assert token_ids(vllm) == token_ids(hf)
+        assert vllm[-1]["data"]["finish_reason"] == "length"
+        # Poll gives the same, and the record names the vLLM worker.
+        rid = submit(client, stack.urls[0], **chat("vllm", 8))["id"]
+        state = wait_done(client, stack.urls[0], rid)
+        assert state["status"] == "done" and state["completion_tokens"] == 8
+        assert state["worker"] == stack.worker_name(0)
+
+
+def test_cancel_aborts_in_vllm_and_frees_the_slot(stack):
+    with httpx.Client(timeout=300) as client:
+        rid = submit(client, stack.urls[0], **chat("vllm", 400))["id"]
+        first = stream_events(client, "GET", f"{stack.urls[0]}/v1/requests/{rid}/events", stop_after=1)
+        assert first
+        assert client.delete(f"{stack.urls[0]}/v1/requests/{rid}").status_code in (200, 202)
+        final = wait_done(client, stack.urls[0], rid)
+        assert final["status"] == "cancelled" and final["completion_tokens"] < 400
+        after = wait_done(client, stack.urls[0], submit(client, stack.urls[0], **chat("vllm", 4))["id"])
+        assert after["status"] == "done"
+
+
+def test_generate_vllm_goes_to_the_vllm_worker(stack):
+    with httpx.Client(timeout=300) as client:
+        worker = wait_for_backend(stack, "vllm")
+        metrics = f"http://127.0.0.1:{worker['metrics_port']}/metrics"
+        before = _finished(client.get(metrics).text)
+        reply = client.post(f"{stack.urls[0]}/generate_vllm", json={"prompts": ["Hello", "The sea is"]})
+        assert reply.status_code == 200 and len(reply.json()["generated_texts"]) == 2
+        assert _finished(client.get(metrics).text) - before == 2
+
+
+def test_a_request_asking_for_a_backend_nobody_runs_gets_404(stack):
+    reply = httpx.post(f"{stack.urls[0]}/v1/requests", json=chat("null", 4), timeout=30)
+    assert reply.status_code == 404 and "live backends: ['hf', 'vllm']" in reply.text
+
+
+def test_a_killed_vllm_worker_is_continued_by_the_next_one(stack):
+    with httpx.Client(timeout=300) as client:
+        reference = token_ids(stream_events(client, "POST", f"{stack.urls[0]}/v1/requests",
+                                            json=chat("hf", 40, stream=True)))
+        rid = submit(client, stack.urls[0], **chat("vllm", 40))["id"]
+        first = stream_events(client, "GET", f"{stack.urls[0]}/v1/requests/{rid}/events", stop_after=5)
+        stack.kill_worker(stack.worker_name(0))
+        delivered = len(token_ids(first))
+        stack.start_worker(0, "worker0-again")
+        events = events_of(client, stack.urls[0], rid)
+        assert token_ids(events) == reference  # the new vLLM worker prefilled prompt + delivered tokens
+        assert events[-1]["data"]["status"] == "done" and delivered >= 5
+
+
+def test_choosing_vllm_where_it_is_not_installed_fails_at_start_with_how_to_fix_it(redis_url, tmp_path):
+    env = {"REDIS_URL": redis_url, "STREAMQ_BACKEND": "vllm", "STREAMQ_PREFIX": "novllm",
+           "STREAMQ_METRICS_PORT": "-1"}
+    proc = subprocess.run([sys.executable, "-m", "shared.cli", "worker"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, **env})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "make vllm-env" in proc.stderr
+
+
+def _finished(text: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("streamq:request_success_total{"))
