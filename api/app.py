@@ -16,6 +16,7 @@ from api.auth import auth_enabled
 from api.backpressure import Backpressure
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
+from api.models import Models
 from api.generation import ApiError, Generation
 from api.hub import PubSubHub
 from api.relay import Relay
@@ -50,6 +51,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
                                     settings.max_queued_requests)
         await backpressure.start()
         app.state.generation.backpressure = backpressure
+        app.state.models = Models(app.state.generation, settings)
         app.state.arq = await create_pool(arq_settings(settings.redis_url))
         app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
         if app.state.keys is not None:
@@ -58,6 +60,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             yield
         finally:
             await app.state.arq.aclose()
+            await app.state.models.close()
             await backpressure.close()
             await hub.close()
             await redis.aclose()

@@ -6,6 +6,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.generation import Generation
+from api.models import Models
 from api.hub import PubSubHub
 from api.relay import Relay
 from shared.settings import ApiSettings
@@ -37,6 +38,10 @@ def _generation(request: Request) -> Generation:
     return request.app.state.generation
 
 
+def _models(request: Request) -> Models:
+    return request.app.state.models
+
+
 def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
@@ -48,3 +53,4 @@ RelayDep = Annotated[Relay, Depends(_relay)]
 TokenizerDep = Annotated[Tokenizer, Depends(_tokenizer)]
 ModelNameDep = Annotated[str, Depends(_model_name)]
 GenerationDep = Annotated[Generation, Depends(_generation)]
+ModelsDep = Annotated[Models, Depends(_models)]

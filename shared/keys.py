@@ -34,6 +34,12 @@ def lane_doorbell(prefix: str, model: str) -> str:
     return f"{prefix}:lanes:{model}:new"
 
 
+def model_files(prefix: str, model: str) -> str:
+    """Hash: file name -> content of a served model's tokenizer files, written by its workers
+    at start, so any api replica can take requests for any served model."""
+    return f"{prefix}:model:{model}:files"
+
+
 def request_record(prefix: str, request_id: str) -> str:
     """Hash: status, params, timestamps, worker, usage, finish reason, error."""
     return f"{prefix}:req:{{{request_id}}}"

@@ -6,9 +6,10 @@ import logging
 import os
 import signal
 
-from shared.redis_client import connect
+from shared.redis_client import connect, until_redis_answers
 
-from shared.models import prepare_model, served_name, weights_dir
+from shared import model_files
+from shared.models import model_dir, prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
 from worker.backend import Backend, Threaded
@@ -71,6 +72,8 @@ async def serve(settings: WorkerSettings) -> None:
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     redis = connect(settings.redis_url)
+    await until_redis_answers("model files", lambda: model_files.publish(
+        redis, settings.prefix, served_name(settings), model_dir(settings)), log)
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter
 
 from api.auth import TenantDep
-from api.deps import GenerationDep, ModelNameDep, TokenizerDep
+from api.deps import ModelsDep
 from api.generation import ApiError, Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import EventStreamResponse
@@ -35,9 +35,15 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 
 @router.get("/v1/models")
-async def models(model_name: ModelNameDep, tokenizer: TokenizerDep, tenant: TenantDep):
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "streamq",
-                                        "max_model_len": tokenizer.context_length}]}
+async def models(served: ModelsDep, tenant: TenantDep):
+    """The models that have a live worker."""
+    data = []
+    for name in sorted(await served.served()):
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "streamq"}
+        if (loaded := served.loaded(name)) is not None:
+            entry["max_model_len"] = loaded.tokenizer.context_length
+        data.append(entry)
+    return {"object": "list", "data": data}
 
 
 @dataclass
@@ -143,8 +149,9 @@ async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tupl
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep,
-                      tenant: TenantDep):
+async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    tokenizer = generation.tokenizer
     payloads = await plan_completion(body, generation)
     await generation.submit(payloads, owner=tenant)
     prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
@@ -203,8 +210,9 @@ def _stream_reason(final: FinalEvent) -> str:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, generation: GenerationDep, tokenizer: TokenizerDep,
-                           tenant: TenantDep):
+async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    tokenizer = generation.tokenizer
     payloads, logprobs = await plan_chat(body, generation)
     await generation.submit(payloads, owner=tenant)
     prompt_ids = payloads[0].prompt_token_ids

@@ -11,9 +11,8 @@ from fastapi.responses import JSONResponse
 
 from api.auth import TenantDep
 from api.deps import (
-    GenerationDep,
     HubDep,
-    ModelNameDep,
+    ModelsDep,
     RelayDep,
     SettingsDep,
     StoreDep,
@@ -35,10 +34,9 @@ def _links(request_id: str) -> dict[str, str]:
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED)
-async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep, model_name: ModelNameDep,
-                 tenant: TenantDep):
+async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
-    generation.check_model(body.model)
+    generation = await served.get(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
     payload = generation.build(await generation.encode(body.prompt, messages), body.sampling(), body.priority)
     if body.backend is not None:
@@ -51,7 +49,7 @@ async def submit(body: SubmitRequest, generation: GenerationDep, relay: RelayDep
     return JSONResponse(
         status_code=status.HTTP_202_ACCEPTED,
         headers={"Location": f"/v1/requests/{payload.id}"},
-        content={"id": payload.id, "status": RequestStatus.QUEUED.value, "model": model_name,
+        content={"id": payload.id, "status": RequestStatus.QUEUED.value, "model": generation.model_name,
                  "prompt_tokens": len(payload.prompt_token_ids), "max_tokens": payload.params.max_tokens,
                  "links": _links(payload.id)},
     )
