@@ -18,9 +18,10 @@ from shared.serve import wait_ready  # noqa: E402
 
 @contextmanager
 def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
-                env_out: dict[str, str] | None = None) -> Iterator[str]:
+                env_out: dict[str, str] | None = None, worker_python: str | None = None) -> Iterator[str]:
     """Yield the api's URL once it is ready; `settings` are STREAMQ_* variables for both processes.
-    `env_out`, when given, receives the processes' environment (REDIS_URL included)."""
+    `env_out`, when given, receives the processes' environment (REDIS_URL included);
+    `worker_python` runs the worker with another Python (the vLLM virtualenv's)."""
     folder = Path(tempfile.mkdtemp(prefix=f"streamq-{name}-"))
     redis = RedisServer(folder / "redis")
     env = {**os.environ, "REDIS_URL": redis.start(), **settings}
@@ -29,7 +30,8 @@ def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
     port = free_port()
     cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
     subprocess.run(cli + ["prepare-model"], env=env, check=True, capture_output=True)
-    procs = [subprocess.Popen(cli + ["worker"], env=env, cwd=ROOT),
+    worker_cli = [worker_python or sys.executable, *cli[1:]]
+    procs = [subprocess.Popen(worker_cli + ["worker"], env=env, cwd=ROOT),
              subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     url = f"http://127.0.0.1:{port}"

@@ -9,6 +9,7 @@ every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -60,6 +61,13 @@ class Child:
             log.warning("%s did not stop in %.0f s; killing it", self.name, timeout_s)
             self.process.kill()
             self.process.wait()
+        self.reap()
+
+    def reap(self) -> None:
+        """Kill what the child left behind in its process group (e.g. vLLM's engine process)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
 
 class _Stop(Exception):
@@ -243,6 +251,7 @@ def _supervise(children: list[Child]) -> None:
                 delay = min(30.0, 2.0 ** child.restarts)
                 log.error("%s exited with code %s; restarting it in %.0f s", child.name,
                           child.process.returncode, delay)
+                child.reap()
                 child.next_start = now + delay
             elif now >= child.next_start:
                 child.restarts += 1

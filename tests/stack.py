@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,8 +42,9 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> subprocess.Popen:
         log = open(self.folder / f"{name}.log", "wb")
+        # Own process group: tearing down (or killing) a process also ends what it started.
         proc = subprocess.Popen([python or sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append((name, proc))
         return proc
 
@@ -94,6 +96,7 @@ class Stack:
         proc = dict(self.processes)[f"worker{i}"]
         proc.kill()
         proc.wait()
+        _kill_group(proc)  # the machine went: vLLM's engine process with it
 
     def start_worker(self, i: int, name: str) -> None:
         """Start worker i again (after kill_worker), with its own environment and Python."""
@@ -142,6 +145,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            _kill_group(proc)
 
 
 def parse_sse(lines) -> list[dict]:
@@ -159,6 +163,13 @@ def parse_sse(lines) -> list[dict]:
             field, _, value = line.partition(":")
             current[field] = value[1:] if value.startswith(" ") else value
     return events
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def stream_events(client: httpx.Client, method: str, url: str, stop_after: int | None = None, **kwargs) -> list[dict]:
