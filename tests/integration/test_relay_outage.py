@@ -66,19 +66,7 @@ def _final(n):
 
 
 async def test_events_missed_by_pubsub_come_from_the_log_once_the_connection_is_back(server, relay):
-    received: list = []
-
-    async def collect():
-        async for event in relay.events(RID):
-            if event is not None:
-                received.append(event)
-                if isinstance(event, FinalEvent):
-                    return
-
-    task = asyncio.create_task(collect())
-    await until(lambda: _subscribed(server), what="stream subscribed")
-    await _emit(server, _token(0))
-    await until(lambda: _true(len(received) == 1), what="token 0 delivered live")
+    task, received = await _follow(server, relay)
     # Logged, never seen on the channel (as when published while the connection was down) ...
     for i in (1, 2):
         await _emit(server, _token(i), publish=False)
@@ -91,6 +79,18 @@ async def test_events_missed_by_pubsub_come_from_the_log_once_the_connection_is_
 
 
 async def test_streams_carry_on_after_redis_restarts(server, relay):
+    task, received = await _follow(server, relay)
+    await asyncio.to_thread(server.crash_and_restart)
+    await _emit(server, _token(1), publish=False)  # written before or after the hub is back: either way
+    await until(lambda: _subscribed(server), what="subscribed again")
+    await _emit(server, _token(2))
+    await _emit(server, _final(3))
+    await asyncio.wait_for(task, 30)
+    assert [e.index for e in received[:-1]] == [0, 1, 2]
+
+
+async def _follow(server, relay) -> tuple[asyncio.Task, list]:
+    """A stream of RID that has received token 0 live; the task ends at the final event."""
     received: list = []
 
     async def collect():
@@ -104,13 +104,7 @@ async def test_streams_carry_on_after_redis_restarts(server, relay):
     await until(lambda: _subscribed(server), what="stream subscribed")
     await _emit(server, _token(0))
     await until(lambda: _true(len(received) == 1), what="token 0 delivered live")
-    await asyncio.to_thread(server.crash_and_restart)
-    await _emit(server, _token(1), publish=False)  # written before or after the hub is back: either way
-    await until(lambda: _subscribed(server), what="subscribed again")
-    await _emit(server, _token(2))
-    await _emit(server, _final(3))
-    await asyncio.wait_for(task, 30)
-    assert [e.index for e in received[:-1]] == [0, 1, 2]
+    return task, received
 
 
 async def _kill_pubsub_connections(server):
@@ -162,19 +156,7 @@ class _FailOnce:
 
 
 async def test_a_reconnection_whose_resubscription_failed_is_made_again(server, relay):
-    received: list = []
-
-    async def collect():
-        async for event in relay.events(RID):
-            if event is not None:
-                received.append(event)
-                if isinstance(event, FinalEvent):
-                    return
-
-    task = asyncio.create_task(collect())
-    await until(lambda: _subscribed(server), what="stream subscribed")
-    await _emit(server, _token(0))
-    await until(lambda: _true(len(received) == 1), what="token 0 delivered live")
+    task, received = await _follow(server, relay)
     fail_once = _FailOnce()
     fail_once.method = fail_once.__call__  # a bound method, kept alive: redis-py holds it weakly
     relay.hub._pubsub.connection._connect_callbacks.insert(0, weakref.WeakMethod(fail_once.method))
