@@ -13,18 +13,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.redis_client import arq_settings, connect
 
 from api.auth import auth_enabled
-from api.backpressure import Backpressure
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.models import Models
-from api.generation import ApiError, Generation
+from api.generation import ApiError
 from api.hub import PubSubHub
 from api.relay import Relay
 from api.routes import batches, health, openai, playground, requests, seed
 from shared import keys
 from shared.apikeys import KeyStore
 from shared.models import model_dir, served_name
-from shared.queue import RequestQueue
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
@@ -43,25 +41,16 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         app.state.store = store
         app.state.hub = hub
         app.state.relay = Relay(store, hub)
-        app.state.generation = Generation(store, app.state.relay, app.state.tokenizer, app.state.model_name,
-                                          settings.default_max_tokens, settings.queue_timeout_s)
-        app.state.generation.max_tokens_cap = settings.max_tokens_cap
-        app.state.generation.log_prompts = settings.log_prompts
-        backpressure = Backpressure(RequestQueue(redis, settings.prefix, app.state.model_name),
-                                    settings.max_queued_requests)
-        await backpressure.start()
-        app.state.generation.backpressure = backpressure
-        app.state.models = Models(app.state.generation, settings)
         app.state.arq = await create_pool(arq_settings(settings.redis_url))
         app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
-        if app.state.keys is not None:
-            app.state.generation.limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600)
+        limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if app.state.keys is not None else None
+        app.state.models = Models(store, app.state.relay, settings, limits)
+        app.state.generation = await app.state.models.add(app.state.model_name, app.state.tokenizer)
         try:
             yield
         finally:
             await app.state.arq.aclose()
             await app.state.models.close()
-            await backpressure.close()
             await hub.close()
             await redis.aclose()
 

@@ -45,13 +45,17 @@ class Generation:
         self.limits = None  # set by the app when auth is on: an api.limits.Limits
         self.log_prompts = False  # set by the app from its settings
 
+    async def live_backends(self) -> set[str]:
+        """The backends of the live workers that serve this model."""
+        return {w["backend"] for w in await live_workers(self.store.redis, self.store.prefix)
+                if w.get("model") == self.model_name and w.get("backend")}
+
     async def check_backend(self, backend: str) -> None:
         """404 unless a live worker of `backend` serves the model (a request for it would wait forever)."""
-        live = [w for w in await live_workers(self.store.redis, self.store.prefix) if w.get("model") == self.model_name]
-        if not any(w.get("backend") == backend for w in live):
-            served = sorted({w.get("backend") for w in live if w.get("backend")})
+        live = await self.live_backends()
+        if backend not in live:
             raise ApiError(404, f"no live worker of backend {backend!r} serves {self.model_name!r}; "
-                                f"live backends: {served}", param="backend", code="backend_not_found")
+                                f"live backends: {sorted(live)}", param="backend", code="backend_not_found")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -10,60 +10,72 @@ import asyncio
 
 from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
+from api.limits import Limits
+from api.relay import Relay
 from shared import model_files
 from shared.queue import RequestQueue
 from shared.settings import ApiSettings
+from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
 from shared.workers import live_workers
 
 
 class Models:
-    def __init__(self, default: Generation, settings: ApiSettings):
-        self.default = default
+    """Every model's Generation, built the same way: this api's own at start (`add`), any other
+    on its first request (`get`)."""
+
+    def __init__(self, store: RequestStore, relay: Relay, settings: ApiSettings, limits: Limits | None):
+        self.store = store
+        self.relay = relay
         self.settings = settings
-        self._loaded: dict[str, Generation] = {default.model_name: default}
+        self.limits = limits
+        self.default: Generation | None = None  # the first model added: requests without `model`
+        self._loaded: dict[str, Generation] = {}
         self._backpressure: list[Backpressure] = []
         self._lock = asyncio.Lock()
 
+    async def add(self, name: str, tokenizer: Tokenizer) -> Generation:
+        """Serve `name` with this tokenizer (its limits and backpressure from the settings)."""
+        generation = Generation(self.store, self.relay, tokenizer, name, self.settings.default_max_tokens,
+                                self.settings.queue_timeout_s)
+        generation.max_tokens_cap, generation.log_prompts = self.settings.max_tokens_cap, self.settings.log_prompts
+        generation.limits = self.limits
+        backpressure = Backpressure(RequestQueue(self.store.redis, self.settings.prefix, name),
+                                    self.settings.max_queued_requests)
+        await backpressure.start()
+        self._backpressure.append(backpressure)
+        generation.backpressure = backpressure
+        self._loaded[name] = generation
+        self.default = self.default or generation
+        return generation
+
     async def get(self, name: str | None) -> Generation:
         """The model's Generation; 404 naming the served models when nobody serves `name`."""
-        if name is None or name in self._loaded:
-            return self._loaded[name or self.default.model_name]
+        if name is None:
+            return self.default
+        if name in self._loaded:
+            return self._loaded[name]
         async with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
             served = await self.served()
             folder = None
             if name in served:
-                folder = await model_files.fetch(self.default.store.redis, self.settings.prefix, name,
+                folder = await model_files.fetch(self.store.redis, self.settings.prefix, name,
                                                  self.settings.model_cache_dir)
             if folder is None:
                 raise ApiError(404, f"model {name!r} is not served here; served models: {sorted(served)}",
                                param="model", code="model_not_found")
-            self._loaded[name] = await self._generation(name, Tokenizer(folder))
-            return self._loaded[name]
+            return await self.add(name, Tokenizer(folder))
 
     async def served(self) -> set[str]:
         """Models with a live worker. (This api's own model takes requests even before its
         worker is up: they wait in its queue, as at start-up.)"""
-        live = await live_workers(self.default.store.redis, self.settings.prefix)
+        live = await live_workers(self.store.redis, self.settings.prefix)
         return {w["model"] for w in live if w.get("model")}
 
     def loaded(self, name: str) -> Generation | None:
         return self._loaded.get(name)
-
-    async def _generation(self, name: str, tokenizer: Tokenizer) -> Generation:
-        base = self.default
-        generation = Generation(base.store, base.relay, tokenizer, name, self.settings.default_max_tokens,
-                                self.settings.queue_timeout_s)
-        generation.max_tokens_cap, generation.log_prompts = base.max_tokens_cap, base.log_prompts
-        generation.limits = base.limits
-        backpressure = Backpressure(RequestQueue(base.store.redis, self.settings.prefix, name),
-                                    self.settings.max_queued_requests)
-        await backpressure.start()
-        self._backpressure.append(backpressure)
-        generation.backpressure = backpressure
-        return generation
 
     async def close(self) -> None:
         for backpressure in self._backpressure:

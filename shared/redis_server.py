@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from shared.children import die_with_parent
+from shared.children import die_with_parent, terminate
 
 INSTALL_HINT = ("redis-server is not installed. Install it (Debian/Ubuntu: `sudo apt-get install redis-server`; "
                 "`make run` and `make test` do this when run as root), or set REDIS_URL to a Redis you run.")
@@ -74,10 +74,4 @@ class RedisServer:
         self.start()
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, 5)

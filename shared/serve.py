@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.models import served_name
-from shared.children import die_with_parent
+from shared.children import die_with_parent, terminate
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings
 
@@ -54,13 +54,8 @@ class Child:
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0f s; killing it", self.name, timeout_s)
-            self.process.kill()
-            self.process.wait()
+        if terminate(self.process, timeout_s):
+            log.warning("%s did not stop in %.0f s; killed it", self.name, timeout_s)
         self.reap()
 
     def reap(self) -> None:

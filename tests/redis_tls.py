@@ -12,6 +12,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
+from shared.children import terminate
 from shared.redis_server import free_port
 
 _SERVER_EXT = ("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
@@ -101,10 +102,4 @@ class SecureRedis:
                     time.sleep(0.05)  # readiness polling only
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, 5)

@@ -100,16 +100,16 @@ class WorkerMetrics:
         """Batch and cache state, read from the engine after each step."""
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
+        if (kv := engine.kv_blocks()) is not None:
+            free, total = kv
+            self.kv_used.set(total - free)
+            self.kv_free.set(free)
+            self.kv_usage.set((total - free) / total)
         batcher = getattr(engine, "batcher", None)
-        if batcher is None:  # the null and static engines have no paged cache
+        if batcher is None:  # only the paged engine has a prefix cache and preempts
             return
-        blocks = batcher.blocks
-        total, free = len(blocks.blocks), blocks.num_free
-        self.kv_used.set(total - free)
-        self.kv_free.set(free)
-        self.kv_usage.set((total - free) / total)
-        self._advance(self.prefix_queries, "queries", blocks.prefix_queries)
-        self._advance(self.prefix_hits, "hits", blocks.prefix_hits)
+        self._advance(self.prefix_queries, "queries", batcher.blocks.prefix_queries)
+        self._advance(self.prefix_hits, "hits", batcher.blocks.prefix_hits)
         self._advance(self.preemptions, "preemptions", batcher.num_preemptions)
 
     def _advance(self, counter: Counter, name: str, total: int) -> None:

@@ -5,7 +5,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import ModelNameDep, StoreDep
-from shared.workers import live_workers as shared_live_workers
+from shared.workers import live_workers
 
 router = APIRouter(tags=["health"])
 
@@ -16,16 +16,12 @@ async def healthz():
     return {"status": "ok"}
 
 
-async def live_workers(store: StoreDep) -> list[dict]:
-    return await shared_live_workers(store.redis, store.prefix)
-
-
 @router.get("/readyz")
 async def readyz(store: StoreDep, model_name: ModelNameDep):
     """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
     try:
         await store.redis.ping()
-        workers = [w for w in await live_workers(store) if w.get("model") == model_name]
+        workers = [w for w in await live_workers(store.redis, store.prefix) if w.get("model") == model_name]
     except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
         return JSONResponse(status_code=503, content={"status": "unavailable", "reason": f"redis: {exc}"})
     if not workers:

@@ -8,8 +8,8 @@ from fastapi.responses import FileResponse
 
 from api.auth import TenantDep
 from api.deps import ModelNameDep, StoreDep
-from api.routes.health import live_workers
 from shared.queue import RequestQueue
+from shared.workers import live_workers
 
 router = APIRouter()
 
@@ -39,4 +39,4 @@ async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep)
 
     Needs a key when keys are on, as every /v1 call; the playground polls it every 2 s."""
     waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
-    return {"model": model_name, "workers": await live_workers(store), "queue": {"waiting": waiting}}
+    return {"model": model_name, "workers": await live_workers(store.redis, store.prefix), "queue": {"waiting": waiting}}

@@ -22,7 +22,6 @@ from api.generation import ApiError, Generation
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
-from shared.workers import live_workers
 
 router = APIRouter(tags=["seed tutorials"])
 
@@ -86,8 +85,7 @@ async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant
 
 @router.post("/generate_vllm")
 async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
-    live = await live_workers(generation.store.redis, generation.store.prefix)
-    vllm = any(w.get("backend") == "vllm" and w.get("model") == generation.model_name for w in live)
+    vllm = "vllm" in await generation.live_backends()
     texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant, backend="vllm" if vllm else None)
     return {"generated_texts": texts}
 
