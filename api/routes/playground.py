@@ -39,4 +39,5 @@ async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep)
 
     Needs a key when keys are on, as every /v1 call; the playground polls it every 2 s."""
     waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
-    return {"model": model_name, "workers": await live_workers(store.redis, store.prefix), "queue": {"waiting": waiting}}
+    workers = await live_workers(store.redis, store.prefix)
+    return {"model": model_name, "workers": workers, "queue": {"waiting": waiting}}
