@@ -39,6 +39,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     logits_processors: list[LogitsProcessor] | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
+    speculative: bool = True  # streamq's: false opts this request out of speculative decoding
 
     @field_validator("logit_bias")
     @classmethod
@@ -57,7 +58,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            logprobs=logprobs, logits_processors=self.logits_processors or [])
+            logprobs=logprobs, logits_processors=self.logits_processors or [], speculative=self.speculative)
 
 
 class CompletionRequest(_Common):

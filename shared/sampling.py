@@ -46,6 +46,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Return the chosen token's log-probability and this many alternatives.")
     logits_processors: list[LogitsProcessor] = Field(default_factory=list, max_length=4)
+    speculative: bool = Field(True, description="false: no speculative decoding for this request, "
+                                                "where the worker has it on (greedy output is the same either way).")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -97,6 +97,15 @@ class WorkerSettings(CommonSettings):
                               description="Port of the worker's Prometheus /metrics; 0 picks a free one "
                                           "(logged, and in the heartbeat); -1 for none.")
     metrics_host: str = Field("127.0.0.1", description="Address the worker's /metrics binds.")
+    speculative_method: Literal["off", "ngram", "draft"] = Field(
+        "off", description="Speculative decoding in the built-in engine: 'ngram' proposes by prompt lookup, "
+                           "'draft' with speculative_model; the output is the model's either way.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per request per step.")
+    ngram_min: int = Field(2, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
+    speculative_model: str | None = Field(
+        None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
+                          "as a folder or a Hugging Face id in the local cache.")
     # vLLM's engine settings (backend=vllm); max_num_seqs is batch_size, dtype and prefix_caching as above.
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
     vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
@@ -112,6 +121,17 @@ class WorkerSettings(CommonSettings):
         if self.max_num_batched_tokens < self.batch_size:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
                              f"batch_size={self.batch_size}, or running decodes could starve")
+        return self
+
+    @model_validator(mode="after")
+    def _speculation_is_complete(self) -> "WorkerSettings":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min} must not exceed ngram_max={self.ngram_max}")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method='draft' needs speculative_model (a smaller model with the same tokenizer)")
+        if self.speculative_method != "off" and self.backend == "vllm":
+            raise ValueError(f"speculative_method={self.speculative_method!r} is the built-in engine's; "
+                             "with backend='vllm' use vllm_speculative_config")
         return self
 
     @model_validator(mode="after")

@@ -59,6 +59,10 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token and its id (two models share a tokenizer when these are equal)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -26,11 +26,23 @@ class Chunk:
     start: int
     length: int
     block_table: list[int]
+    draft: list[int] = field(default_factory=list)  # proposed tokens after the known ones, to verify
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the known tokens, so its last logits pick the next one."""
-        return self.start + self.length == self.seq.num_tokens
+        return self.start + self.length - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def input_ids(self) -> list[int]:
+        known = self.seq.token_ids[self.start:self.start + self.length - len(self.draft)]
+        return known + self.draft if self.draft else known
+
+    @property
+    def num_logits(self) -> int:
+        """Trailing positions whose logits the step needs: the last known token's, and one per
+        proposed token (the model's choice after each)."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -99,10 +111,31 @@ class Batcher:
             budget -= length
         return out
 
+    def speculate(self, out: SchedulerOutput, chunk: Chunk, draft: list[int]) -> int:
+        """Add proposed tokens to a decode chunk, as many as the step's leftover budget and the
+        free blocks allow without preempting anyone; return how many were added."""
+        seq, end = chunk.seq, chunk.start + chunk.length
+        n = min(len(draft), self.max_num_batched_tokens - out.num_tokens)
+        while n and self.blocks.blocks_needed(seq.id, end + n) > self.blocks.num_free:
+            n -= 1
+        if n:
+            self.waiting.charge(seq, n)
+            self.blocks.append_slots(seq.id, end + n)
+            chunk.draft, chunk.length = list(draft[:n]), chunk.length + n
+            chunk.block_table = self.blocks.table(seq.id)
+        return n
+
     def update(self, out: SchedulerOutput) -> None:
-        """The step ran: its chunks' keys and values are in the cache now."""
+        """The step ran: its chunks' known tokens have keys and values in the cache now (the
+        proposed ones count once verified, see `verified`)."""
         for chunk in out.chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length
+            chunk.seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
+
+    def verified(self, seq: Sequence, kept: int) -> None:
+        """`kept` proposed tokens were accepted: their cache entries stand; the blocks that held
+        only rejected ones go back (the slots of rejected ones in a kept block are overwritten)."""
+        seq.num_computed += kept
+        self.blocks.truncate(seq.id, seq.num_computed + 1)
 
     def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
         self.waiting.charge(seq, length)

@@ -97,6 +97,19 @@ class BlockManager:
             self._take(block_id)
             table.blocks.append(block_id)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Shrink `seq_id`'s table to what `num_tokens` tokens need (speculative tokens that were
+        rejected). The blocks given back were never registered: they go first in line for reuse."""
+        table = self._tables[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        assert table.hashed <= keep, f"{seq_id}: cannot drop registered blocks"
+        while len(table.blocks) > keep:
+            block = self.blocks[table.blocks.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.key is None, f"block {block.id} was shared"
+            self._free[block.id] = None
+            self._free.move_to_end(block.id, last=False)
+
     def register(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Add `seq_id`'s blocks that are now full and computed to the prefix cache."""
         if not self.prefix_caching:

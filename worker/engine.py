@@ -1,8 +1,9 @@
 """The continuous-batching engine: schedule, execute, update, once per step.
 
-The batcher picks each step's requests and token counts, the paged runner runs them in one
-forward, and the update samples each request's next token and decides whether it ends. A
-finished or cancelled request leaves the batch at once and its slot is refilled next step.
+The batcher picks each step's requests and token counts, the speculator (when on) adds
+proposed tokens to decodes, the paged runner runs them all in one forward, and the update
+samples each request's next tokens and decides whether it ends. A finished or cancelled
+request leaves the batch at once and its slot is refilled next step.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
-from worker.sampler import make_generator, sample_batch
+from worker.sampler import make_generator, sample_verify
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
+from worker.speculation import Speculator
 
 
 class Engine:
-    def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher):
+    def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
+                 speculator: Speculator | None = None):
         self.runner = runner
+        self.speculator = speculator
         self.tokenizer = tokenizer
         self.batcher = batcher
         self.batch_size = batcher.max_num_seqs
@@ -75,6 +79,8 @@ class Engine:
             self._refused = []
             scheduled = self.batcher.schedule()
             self.last_step_size = len(scheduled.chunks)
+            if self.speculator:
+                self.speculator.plan(scheduled, self.batcher, self.runner.context_length)
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
             self.batcher.update(scheduled)
@@ -104,16 +110,26 @@ class Engine:
     def _remove(self, seq: Sequence) -> None:
         self.batcher.remove(seq)
         self._generators.pop(seq.id, None)
+        if self.speculator:
+            self.speculator.forget(seq.id)
 
     def _update(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
-        sampling = [c.seq for c in scheduled.chunks if c.samples]
-        tokens, logprobs = sample_batch(logits, sampling, [self._generators[s.id] for s in sampling])
+        chunks = [c for c in scheduled.chunks if c.samples]
+        spec = self.speculator
+        picked = sample_verify(logits, [c.seq for c in chunks], [c.draft for c in chunks],
+                               [self._generators[c.seq.id] for c in chunks],
+                               [spec.draft_probs(c) if spec else None for c in chunks])
         outputs = []
         eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
-        for seq, token, lp in zip(sampling, tokens, logprobs):
-            text = seq.accept(token, eos, context)
-            if seq.finished:
-                self._remove(seq)
-            outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
+        for chunk, (tokens, logprobs) in zip(chunks, picked):
+            seq = chunk.seq
+            if chunk.draft:  # every emitted token but the last was a proposed one, kept
+                self.batcher.verified(seq, len(tokens) - 1)
+                spec.verified(chunk, len(tokens) - 1)
+            for token, lp in zip(tokens, logprobs):
+                text = seq.accept(token, eos, context)
+                outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
+                if seq.finished:
+                    self._remove(seq)
+                    break
         return outputs
-

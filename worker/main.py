@@ -15,11 +15,13 @@ from shared.tokenizer import Tokenizer
 from worker.backend import Backend, Threaded
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
+from worker.drafter import DraftProposer
 from worker.engine import Engine
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
 from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
+from worker.speculation import NgramProposer, Speculator
 from worker.static_engine import StaticEngine
 from worker.vllm_backend import VllmBackend, VllmUnavailable  # vLLM itself is imported only when chosen
 
@@ -54,7 +56,30 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     runner = PagedRunner(model, device, blocks, settings.block_size)
     batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
                       settings.batch_size, settings.max_num_batched_tokens)
-    return Engine(runner, tokenizer, batcher)
+    return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
+
+
+def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: Tokenizer) -> Speculator | None:
+    k = settings.num_speculative_tokens
+    if settings.speculative_method == "off":
+        return None
+    if settings.speculative_method == "ngram":
+        log.info("speculative decoding: prompt lookup, up to %d tokens, n-grams %d..%d",
+                 k, settings.ngram_min, settings.ngram_max)
+        return Speculator(NgramProposer(k, settings.ngram_min, settings.ngram_max), k)
+    draft_settings = settings.model_copy(update={"model": settings.speculative_model})
+    draft_tokenizer = Tokenizer(prepare_model(draft_settings))
+    if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
+        raise ValueError(f"the draft model {settings.speculative_model!r} has another tokenizer than "
+                         f"{settings.model!r}; speculative decoding needs the same one")
+    model = load_model(weights_dir(draft_settings), target.device, next(target.model.parameters()).dtype)
+    if not supports(model):
+        raise ValueError(f"no paged runner for the draft model's model_type={model.config.model_type!r}")
+    runner = PagedRunner(model, target.device, target.num_blocks, target.block_size)
+    log.info("speculative decoding: draft model %s (%s), up to %d tokens", settings.speculative_model,
+             model.config.model_type, k)
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    return Speculator(DraftProposer(runner, BlockManager(target.num_blocks, target.block_size, False), vocab), k)
 
 
 async def build_backend(settings: WorkerSettings) -> Backend:

@@ -2,9 +2,9 @@
 
 Prefill chunks and decodes run in the same forward, each request at its own positions. The
 projections and MLPs run on all the step's tokens at once; attention reads each request's
-keys and values from the paged KV cache through its block table. Requests are grouped into
-decodes (one query each) and prefill chunks, so attention is two batched calls per layer at
-most: no per-request Python loop inside a layer.
+keys and values from the paged KV cache through its block table. Requests are grouped by
+chunk length (decodes, short chunks such as speculative verifies, long prefill chunks), so
+attention is at most three batched calls per layer: no per-request Python loop inside a layer.
 
 The KV cache is allocated once, at start, and never grows. The weights are transformers'
 own modules; this file only decides how they are called. Llama-family models (Llama,
@@ -43,7 +43,7 @@ def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int
 
 @dataclass
 class _Group:
-    """Index tensors of one attention group (decodes, or prefill chunks), built once per step."""
+    """Index tensors of one attention group (chunks of like length), built once per step."""
 
     tokens: torch.Tensor  # [n] flat indices of the group's tokens
     query_index: torch.Tensor  # [S, Q] flat token index of each padded query (T = padding row)
@@ -58,7 +58,7 @@ class _Step:
     positions: torch.Tensor
     slots: torch.Tensor
     groups: list[_Group]
-    logits_index: torch.Tensor  # flat index of each sampling chunk's last token
+    logits_index: torch.Tensor  # flat index of each token whose logits the step needs, chunk by chunk
 
 
 class PagedRunner:
@@ -80,7 +80,8 @@ class PagedRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step's chunks; return the logits of each sampling chunk's last token."""
+        """Run the step's chunks; return the logits the chunks need (Chunk.num_logits each: a
+        sampling chunk's last token, and one row per proposed token), in chunk order."""
         step = self._prepare(out)
         if self.arch == "opt":
             hidden = self._opt(step)
@@ -92,21 +93,20 @@ class PagedRunner:
     def _prepare(self, out: SchedulerOutput) -> _Step:
         bs = self.block_size
         ids, positions, slots, logits_index = [], [], [], []
-        decodes, prefills = [], []
+        groups: dict[int, list] = {}
         for chunk in out.chunks:
             first = len(ids)
             span = range(chunk.start, chunk.start + chunk.length)
-            ids += chunk.seq.token_ids[chunk.start:chunk.start + chunk.length]
+            ids += chunk.input_ids
             positions += span
             slots += [chunk.block_table[p // bs] * bs + p % bs for p in span]
-            (decodes if chunk.length == 1 else prefills).append((first, chunk))
-            if chunk.samples:
-                logits_index.append(len(ids) - 1)
+            groups.setdefault(_size_class(chunk.length), []).append((first, chunk))
+            logits_index += range(len(ids) - chunk.num_logits, len(ids))
         total = len(ids)
-        groups = [self._group(g, total) for g in (decodes, prefills) if g]
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
-        return _Step(tensor(ids), tensor(positions), tensor(slots), groups, tensor(logits_index))
+        return _Step(tensor(ids), tensor(positions), tensor(slots),
+                     [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index))
 
     def _group(self, members: list, total: int) -> _Group:
         bs = self.block_size
@@ -198,6 +198,12 @@ class PagedRunner:
         if getattr(dec, "project_out", None) is not None:
             h = dec.project_out(h)
         return self.model.lm_head(h)
+
+
+def _size_class(length: int) -> int:
+    """Chunks attend in groups of like length, so few queries are padding: decodes (1), short
+    chunks (speculative verifies, prompt tails: up to 32) and longer prefill chunks."""
+    return 0 if length == 1 else 1 if length <= 32 else 2
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

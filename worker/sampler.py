@@ -11,6 +11,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from worker.sequence import Logprobs, Sequence
+from worker.speculation import accept_greedy
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -28,22 +29,102 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
                  generators: list[torch.Generator | None]) -> tuple[list[int], list[Logprobs | None]]:
     """Next token of each row of `logits` ([rows, vocab]) for the matching request."""
-    params = [s.payload.params for s in seqs]
+    picked = sample_verify(logits, seqs, [[] for _ in seqs], generators, [None] * len(seqs))
+    return [tokens[0] for tokens, _ in picked], [lps[0] for _, lps in picked]
+
+
+def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                  generators: list[torch.Generator | None],
+                  draft_probs: list[torch.Tensor | None]) -> list[tuple[list[int], list[Logprobs | None]]]:
+    """The tokens each request emits this step, with their log-probabilities.
+
+    Request i owns 1 + len(drafts[i]) consecutive rows of `logits`: the model's scores after
+    its known tokens, then after each proposed token. With nothing proposed this is plain
+    sampling. Greedy keeps the agreeing prefix and the model's next token. Sampling draws each
+    position from the model's own distribution p with the request's random stream and goes on
+    while the draw equals the proposal: for a proposal made with certainty (prompt lookup) this
+    is the rejection rule exactly, and it emits what plain seeded sampling would. A draft
+    model's proposal x, drawn from its q (`draft_probs[i]`, one row per proposed token), is kept
+    with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
+    max(0, p - q), renormalised. Either way the output is distributed as the model's.
+    """
+    counts = [1 + len(d) for d in drafts]
+    row_params = [s.payload.params for s, n in zip(seqs, counts) for _ in range(n)]
     raw = logits.float()
     x = raw
-    if any(p.logit_bias or p.logits_processors or p.needs_history for p in params):
+    if any(p.logit_bias or p.logits_processors or p.needs_history for p in row_params):
         x = raw.clone()
-        for row, (seq, p) in enumerate(zip(seqs, params)):
-            _adjust(x[row], seq, p)
-    tokens = x.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+        row = 0
+        for seq, n in zip(seqs, counts):
+            for r in range(row, row + n):  # a request with penalties is never given proposals
+                _adjust(x[r], seq, seq.payload.params)
+            row += n
+    choices = x.argmax(dim=-1).tolist()
+    sampled = [r for r, p in enumerate(row_params) if not p.greedy]
+    probs: dict[int, torch.Tensor] = {}
     if sampled:
-        rows = torch.tensor(sampled, device=x.device)
-        probs = _filtered_probs(x[rows], [params[i] for i in sampled])
+        filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [row_params[r] for r in sampled])
+        probs = {r: filtered[j] for j, r in enumerate(sampled)}
+    picked, row = [], 0
+    for seq, draft, gen, q in zip(seqs, drafts, generators, draft_probs):
+        if seq.payload.params.greedy:
+            tokens = accept_greedy(draft, choices[row:row + len(draft) + 1])
+        elif q is None:
+            tokens = _sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], gen)
+        else:
+            tokens = _sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, gen)
+        picked.append((tokens, _logprobs(raw[row:row + len(tokens)], tokens,
+                                         [seq.payload.params] * len(tokens))))
+        row += len(draft) + 1
+    return picked
+
+
+def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
+                 vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft model's next token for each row: its argmax for greedy requests, else a draw
+    from its distribution q under the request's parameters (q is returned, `vocab` wide, for
+    the acceptance rule)."""
+    x = logits[:, :vocab].float().clone()
+    for row, seq in enumerate(seqs):
+        _adjust(x[row], seq, seq.payload.params)
+    tokens = x.argmax(dim=-1).tolist()
+    q: list[torch.Tensor | None] = [None] * len(seqs)
+    sampled = [i for i, s in enumerate(seqs) if not s.payload.params.greedy]
+    if sampled:
+        probs = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [seqs[i].payload.params for i in sampled])
+        probs = torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))
         for j, i in enumerate(sampled):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    token_list = tokens.tolist()
-    return token_list, _logprobs(raw, token_list, params)
+            q[i] = probs[j]
+            tokens[i] = _draw(probs[j], generators[i])
+    return tokens, q
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen)[0])
+
+
+def _sample_lookup(draft: list[int], p: list[torch.Tensor], gen: torch.Generator | None) -> list[int]:
+    out = []
+    for i, probs in enumerate(p):
+        token = _draw(probs, gen)
+        out.append(token)
+        if i == len(draft) or token != draft[i]:
+            return out
+    return out
+
+
+def _sample_draft(draft: list[int], p: list[torch.Tensor], q: torch.Tensor, gen: torch.Generator | None) -> list[int]:
+    out = []
+    for i, token in enumerate(draft):
+        u = float(torch.rand((), generator=gen, device=q.device))
+        if u * float(q[i, token]) < float(p[i][token]):
+            out.append(token)
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        out.append(_draw(residual if float(residual.sum()) > 0 else p[i], gen))
+        return out
+    out.append(_draw(p[len(draft)], gen))
+    return out
 
 
 def _adjust(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> None:

@@ -87,7 +87,8 @@ def token_event(seq: Sequence, token: int, text: str, lp: Logprobs | None) -> To
 
 @dataclass
 class StepOutput:
-    """What one step did to one request: at most one new token, and maybe its end."""
+    """One new token of a request, or none, and maybe its end. A step may emit several tokens
+    of one request (speculative decoding): one StepOutput each, in order."""
 
     seq: Sequence
     token: TokenEvent | None

@@ -1,41 +1,57 @@
-"""Speculative decoding's two pure pieces: proposing tokens, and accepting them (no torch).
+"""Speculative decoding's plan for a step (pure Python): which decoding requests get proposed
+tokens, how many, and what was kept.
 
-Proposing, by prompt lookup: the k tokens that followed the latest earlier occurrence of the
-request's last n tokens (the longest n that matches, from max_n down to min_n), in its prompt
-or output. No second model: it pays off where the output repeats its input (edits, quotes,
-summaries with names and numbers).
+Proposals come from prompt lookup (the tokens that followed the latest earlier occurrence of
+the request's last n tokens, in its prompt or output; no second model) or from a draft model
+(worker/drafter.py). The proposed tokens ride on the request's decode chunk, the target model
+scores them all in one forward, and the sampler keeps the longest acceptable prefix plus one
+token of its own (worker/sampler.py). Rejected tokens' KV-cache slots are given back.
 
-Accepting: the model scores the proposed tokens in one forward. Greedy keeps the longest prefix
-that agrees with the model's own choices, plus the model's next token (the correction, or a
-bonus one when all agree), so the output is exactly plain greedy decoding's. With temperature,
-the standard rejection rule keeps the output distribution the model's: a proposed token x is
-kept with probability min(1, p(x) / q(x)) (q = the proposer's distribution; a lookup proposes
-one token for certain, q(x) = 1), and at the first rejection the replacement is drawn from
-max(0, p - q), renormalised.
-
-Not wired into the engine yet: the step, the KV-cache roll-back and the settings come next.
+Each request's proposal length adapts to its own acceptance, as in transformers' assisted
+generation: +2 when every proposed token was kept, -1 otherwise (never below 1), so text
+that does not repeat costs little extra compute.
 """
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from worker.batcher import Batcher, Chunk, SchedulerOutput
+from worker.sequence import Sequence
 
 
-def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
+def propose_ngram(tokens: Tokens[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram
+    (min_n <= n <= max_n)."""
     if k < 1 or min_n < 1 or max_n < min_n:
         raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n; got k={k}, min_n={min_n}, max_n={max_n}")
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, the suffix itself excluded
-            if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + k])
-    return []
+    end = len(tokens)
+    if end < 2:
+        return []
+    last = tokens[-1]
+    best_n, best_at = 0, -1
+    # One pass from the latest candidate back: at each earlier occurrence of the last token,
+    # count how far the match reaches backwards (up to max_n); keep the longest, latest first.
+    for i in range(end - 2, -1, -1):
+        if tokens[i] != last:
+            continue
+        n = 1
+        while n < max_n and n <= i and tokens[i - n] == tokens[end - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_at = n, i
+            if n == max_n:
+                break
+    if best_n < min_n:
+        return []
+    return list(tokens[best_at + 1:best_at + 1 + k])
 
 
-def accept_greedy(proposed: Sequence[int], choices: Sequence[int]) -> list[int]:
+def accept_greedy(proposed: Tokens[int], choices: Tokens[int]) -> list[int]:
     """The tokens a greedy step emits: `choices[i]` is the model's argmax after the prefix plus
-    proposed[:i] (len(proposed) + 1 of them); the agreeing prefix, then the model's own token."""
+    proposed[:i] (len(proposed) + 1 of them); the agreeing prefix, then the model's own token.
+    Exactly what plain greedy decoding would emit, several steps' worth."""
     if len(choices) != len(proposed) + 1:
         raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} choices, got {len(choices)}")
     out = []
@@ -47,36 +63,95 @@ def accept_greedy(proposed: Sequence[int], choices: Sequence[int]) -> list[int]:
     return out
 
 
-def accept_sampled(proposed: Sequence[int], target: Sequence[Sequence[float]], rng: random.Random,
-                   draft: Sequence[Sequence[float]] | None = None) -> list[int]:
-    """The tokens a sampling step emits. `target[i]` is the model's distribution after the prefix
-    plus proposed[:i] (len(proposed) + 1 of them), `draft[i]` the proposer's (None: a lookup,
-    certain of its token). Each emitted token is distributed as plain sampling's would be."""
-    if len(target) != len(proposed) + 1:
-        raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} distributions")
-    out = []
-    for i, token in enumerate(proposed):
-        p = target[i][token]
-        q = 1.0 if draft is None else draft[i][token]
-        if rng.random() * q < p:  # kept with probability min(1, p / q)
-            out.append(token)
-            continue
-        residual = [max(0.0, pi - (0.0 if draft is None else draft[i][j])) for j, pi in enumerate(target[i])]
-        if draft is None:
-            residual[token] = 0.0
-        out.append(_draw(residual, rng))
+class Proposer(Protocol):
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], Any]]:
+        """For (request, most tokens) pairs: request id -> (proposed tokens, the proposer's
+        distributions over them or None when it proposes with certainty)."""
+
+    def forget(self, seq_id: str) -> None: ...
+
+    def verified(self, seq: Sequence) -> None:
+        """The request's tokens and num_computed are final for this step."""
+
+
+@dataclass
+class NgramProposer:
+    max_k: int
+    min_n: int = 2
+    max_n: int = 4
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], Any]]:
+        out = {}
+        for seq, k in wanted:
+            if tokens := propose_ngram(seq.token_ids, k, self.max_n, self.min_n):
+                out[seq.id] = (tokens, None)
         return out
-    out.append(_draw(target[len(proposed)], rng))  # all kept: one more from the model
-    return out
+
+    def forget(self, seq_id: str) -> None:
+        pass
+
+    def verified(self, seq: Sequence) -> None:
+        pass
 
 
-def _draw(weights: Sequence[float], rng: random.Random) -> int:
-    total = sum(weights)
-    if total <= 0:
-        raise ValueError("nothing left to draw from")
-    x = rng.random() * total
-    for token, w in enumerate(weights):
-        x -= w
-        if x < 0:
-            return token
-    return max(range(len(weights)), key=weights.__getitem__)
+@dataclass
+class SpecStats:
+    """Running totals, read by the worker's metrics."""
+
+    drafts: int = 0  # decode chunks that carried proposed tokens
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Speculator:
+    proposer: Proposer
+    max_k: int
+    stats: SpecStats = field(default_factory=SpecStats)
+    _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
+    _q: dict[str, Any] = field(default_factory=dict)  # this step's proposer distributions
+
+    def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> None:
+        """Put proposed tokens on this step's decode chunks, within the step's leftover budget
+        and the free KV blocks (speculation never preempts anyone)."""
+        for seq in out.preempted:
+            self.proposer.forget(seq.id)
+        chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
+        wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
+        self._q = {}
+        for seq_id, (tokens, q) in self.proposer.propose(wanted).items():
+            added = batcher.speculate(out, chunks[seq_id], tokens)
+            if not added:
+                self.proposer.verified(chunks[seq_id].seq)  # none will run: the proposer forgets them now
+            else:
+                self._q[seq_id] = None if q is None else q[:added]
+                self.stats.drafts += 1
+                self.stats.proposed += added
+
+    def draft_probs(self, chunk: Chunk) -> Any:
+        return self._q.get(chunk.seq.id)
+
+    def verified(self, chunk: Chunk, kept: int) -> None:
+        """`kept` of the chunk's proposed tokens were accepted; the rest are already rolled back."""
+        proposed = len(chunk.draft)
+        self.stats.accepted += kept
+        k = self._k.get(chunk.seq.id, self.max_k)
+        self._k[chunk.seq.id] = min(self.max_k, k + 2) if kept == proposed else max(1, k - 1)
+        self.proposer.verified(chunk.seq)
+
+    def forget(self, seq_id: str) -> None:
+        self._k.pop(seq_id, None)
+        self.proposer.forget(seq_id)
+
+    @staticmethod
+    def _eligible(chunk: Chunk) -> bool:
+        # A decode (one new token to score), of a request that wants speculation and whose
+        # sampling does not depend on its history (penalties would differ at each position).
+        p = chunk.seq.payload.params
+        return chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
+
+    def _room(self, seq: Sequence, context_length: int) -> int:
+        """Tokens worth proposing: no more than the request may still emit, less its own token."""
+        p = seq.payload.params
+        left = min((p.max_tokens or context_length) - len(seq.output_ids), context_length - seq.num_tokens)
+        return min(self._k.get(seq.id, self.max_k), left - 1)

@@ -1,11 +1,12 @@
 import math
 
+import pytest
 import torch
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from worker.detokenizer import Detokenizer
-from worker.sampler import make_generator, sample_batch
+from worker.sampler import make_generator, sample_batch, sample_verify
 from worker.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])
@@ -100,3 +101,60 @@ def test_a_broken_row_cannot_fail_the_batch():
 def test_a_tiny_temperature_is_greedy():
     s = seq(temperature=1e-300)
     assert s.payload.params.greedy and draw(s, 2) == [1, 1]
+
+
+# -- verifying proposed tokens (speculative decoding) ----------------------------------------
+P = torch.tensor([0.5, 0.3, 0.2])
+UNIFORM = torch.full((3,), 1 / 3)
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_adds_the_models_token():
+    s = seq(temperature=0)
+    onehot = torch.eye(3) * 5  # row i: the model picks token i
+    [(tokens, lps)] = sample_verify(onehot[[2, 0, 1]], [s], [[2, 1]], [None], [None])
+    assert tokens == [2, 0] and lps == [None, None]  # 2 agreed, 1 did not: the model's 0 instead
+    [(tokens, _)] = sample_verify(onehot[[2, 0, 1]], [s], [[2, 0]], [None], [None])
+    assert tokens == [2, 0, 1]  # all agreed, plus a bonus token
+
+
+def test_verification_reports_each_emitted_tokens_own_logprob():
+    s = seq(temperature=0, logprobs=1)
+    logits = torch.log(torch.stack([P, UNIFORM]))
+    [(tokens, lps)] = sample_verify(logits, [s], [[0]], [None], [None])
+    assert tokens == [0, 0]
+    assert math.isclose(lps[0].logprob, math.log(0.5), rel_tol=1e-5)
+    assert math.isclose(lps[1].logprob, math.log(1 / 3), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["lookup", "draft"])
+def test_sampled_verification_keeps_the_models_distribution(with_draft):
+    """The first emitted token, over many seeded trials, is distributed as the model's p, whether
+    a lookup proposed token 2 for certain or a draft model drew its proposal from its own q."""
+    q = torch.tensor([0.1, 0.1, 0.8])
+    s = seq(temperature=1.0, seed=20261130)
+    gen = make_generator(s.payload.params, CPU)
+    proposals = torch.multinomial(q, TRIALS, replacement=True, generator=torch.Generator().manual_seed(7)).tolist()
+    logits = torch.log(torch.stack([P, UNIFORM]))
+    counts = [0, 0, 0]
+    for proposal in proposals:
+        draft = [proposal] if with_draft else [2]
+        [(tokens, _)] = sample_verify(logits, [s], [draft], [gen], [q[None] if with_draft else None])
+        counts[tokens[0]] += 1
+    for token, prob in enumerate(P.tolist()):
+        # The binomial standard deviation is ~0.0065 at this size; the seed makes the result fixed.
+        assert abs(counts[token] / TRIALS - prob) < 0.025, counts
+
+
+TRIALS = 6_000
+
+
+def test_lookup_verification_emits_what_plain_seeded_sampling_would():
+    """Each position is drawn from p with the request's own stream, once per emitted token, so
+    proposals change how many tokens a step emits, never which."""
+    s = seq(temperature=1.0, seed=5)
+    rows = torch.log(torch.tensor([[0.4, 0.3, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4], [0.6, 0.2, 0.2]]))
+    plain_gen = make_generator(s.payload.params, CPU)
+    plain = [sample_batch(rows[i][None], [s], [plain_gen])[0][0] for i in range(4)]
+    gen = make_generator(s.payload.params, CPU)
+    [(tokens, _)] = sample_verify(rows, [s], [plain[:3]], [gen], [None])  # a lookup that guessed right
+    assert tokens == plain
