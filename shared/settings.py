@@ -101,8 +101,11 @@ class WorkerSettings(CommonSettings):
         "off", description="Speculative decoding in the built-in engine: 'ngram' proposes by prompt lookup, "
                            "'draft' with speculative_model; the output is the model's either way.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per request per step.")
-    ngram_min: int = Field(2, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
-    ngram_max: int = Field(4, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
+    ngram_min: int = Field(3, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
+    ngram_max: int = Field(5, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
+    speculative_disable_by_batch_size: int = Field(
+        8, ge=0, le=1024, description="Speculation pauses in steps with more running requests than this "
+                                      "(a big batch is compute-bound); 0: never pauses.")
     speculative_model: str | None = Field(
         None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
                           "as a folder or a Hugging Face id in the local cache.")

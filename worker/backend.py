@@ -62,6 +62,11 @@ class Threaded:
         return getattr(self.engine, "batcher", None)
 
     @property
+    def speculator(self) -> Any:
+        """The paged engine's speculator when speculative decoding is on (its counts feed metrics)."""
+        return getattr(self.engine, "speculator", None)
+
+    @property
     def last_step_size(self) -> int:
         return getattr(self.engine, "last_step_size", 0)
 

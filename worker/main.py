@@ -66,7 +66,8 @@ def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: T
     if settings.speculative_method == "ngram":
         log.info("speculative decoding: prompt lookup, up to %d tokens, n-grams %d..%d",
                  k, settings.ngram_min, settings.ngram_max)
-        return Speculator(NgramProposer(k, settings.ngram_min, settings.ngram_max), k)
+        return Speculator(NgramProposer(k, settings.ngram_min, settings.ngram_max), k,
+                          settings.speculative_disable_by_batch_size)
     draft_settings = settings.model_copy(update={"model": settings.speculative_model})
     draft_tokenizer = Tokenizer(prepare_model(draft_settings))
     if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
@@ -79,7 +80,8 @@ def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: T
     log.info("speculative decoding: draft model %s (%s), up to %d tokens", settings.speculative_model,
              model.config.model_type, k)
     vocab = target.model.get_output_embeddings().weight.shape[0]
-    return Speculator(DraftProposer(runner, BlockManager(target.num_blocks, target.block_size, False), vocab), k)
+    return Speculator(DraftProposer(runner, BlockManager(target.num_blocks, target.block_size, False), vocab), k,
+                      settings.speculative_disable_by_batch_size)
 
 
 async def build_backend(settings: WorkerSettings) -> Backend:

@@ -54,9 +54,14 @@ class WorkerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("streamq:prefix_cache_hits", "... and found there.", registry=r)
         self.preemptions = Counter("streamq:num_preemptions", "Requests preempted for lack of KV blocks.", registry=r)
+        self.spec_drafts = Counter("streamq:spec_decode_num_drafts", "Decodes that carried proposed tokens.", registry=r)
+        self.spec_proposed = Counter("streamq:spec_decode_num_draft_tokens", "Tokens proposed (speculative decoding).",
+                                     registry=r)
+        self.spec_accepted = Counter("streamq:spec_decode_num_accepted_tokens", "Proposed tokens the model kept.",
+                                     registry=r)
         self._last_token: dict[str, float] = {}  # request id -> when its last token was published
         self._first_token: dict[str, float] = {}  # request id -> when its first token was published
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "proposed": 0, "accepted": 0}
 
     def serve(self, host: str, port: int) -> WSGIServer:
         """Start the /metrics HTTP server in a thread (its server_port is the port it bound)."""
@@ -105,6 +110,10 @@ class WorkerMetrics:
             self.kv_used.set(total - free)
             self.kv_free.set(free)
             self.kv_usage.set((total - free) / total)
+        if spec := getattr(engine, "speculator", None):
+            self._advance(self.spec_drafts, "drafts", spec.stats.drafts)
+            self._advance(self.spec_proposed, "proposed", spec.stats.proposed)
+            self._advance(self.spec_accepted, "accepted", spec.stats.accepted)
         batcher = getattr(engine, "batcher", None)
         if batcher is None:  # only the paged engine has a prefix cache and preempts
             return

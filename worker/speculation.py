@@ -9,7 +9,9 @@ token of its own (worker/sampler.py). Rejected tokens' KV-cache slots are given 
 
 Each request's proposal length adapts to its own acceptance, as in transformers' assisted
 generation: +2 when every proposed token was kept, -1 otherwise (never below 1), so text
-that does not repeat costs little extra compute.
+that does not repeat costs little extra compute. Above a batch size (vLLM's
+disable_by_batch_size) speculation pauses: a big batch already keeps the hardware busy, and
+every proposed token then costs about as much as a generated one.
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class SpecStats:
 class Speculator:
     proposer: Proposer
     max_k: int
+    disable_by_batch_size: int = 0  # pause while more requests than this run (0: never)
     stats: SpecStats = field(default_factory=SpecStats)
     _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
     _q: dict[str, Any] = field(default_factory=dict)  # this step's proposer distributions
@@ -116,9 +119,11 @@ class Speculator:
         and the free KV blocks (speculation never preempts anyone)."""
         for seq in out.preempted:
             self.proposer.forget(seq.id)
+        self._q = {}
+        if self.disable_by_batch_size and len(batcher.running) > self.disable_by_batch_size:
+            return  # a big batch is compute-bound: proposed tokens would cost nearly full price
         chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
         wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
-        self._q = {}
         for seq_id, (tokens, q) in self.proposer.propose(wanted).items():
             added = batcher.speculate(out, chunks[seq_id], tokens)
             if not added:

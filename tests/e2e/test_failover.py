@@ -6,17 +6,23 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
+from tests.e2e.test_speculative import SPEC_ENV
 from tests.stack import Stack, parse_sse
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
 TOKENS = 200
 
 
-def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path):
-    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+@pytest.mark.parametrize("speculation", [{}, SPEC_ENV], ids=["plain", "speculative"])
+def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path, speculation):
+    """With speculative decoding, steps emit several tokens at once: the takeover still resumes
+    after exactly the last token delivered."""
+    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1",
+           **speculation}
     tok = Tokenizer(tiny_llama)
     with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=True, env=env) as stack, \
             httpx.Client(timeout=120) as client:

@@ -32,6 +32,18 @@ def test_heartbeat_check_names_both_values():
     assert "heartbeat_ttl_s=10" in message and "heartbeat_interval_s=6" in message
 
 
+@pytest.mark.parametrize("values,names", [
+    ({"speculative_method": "ngram", "ngram_min": 5, "ngram_max": 3}, ["ngram_min=5", "ngram_max=3"]),
+    ({"speculative_method": "draft"}, ["speculative_model"]),
+    ({"speculative_method": "ngram", "backend": "vllm"}, ["vllm_speculative_config"]),
+    ({"num_speculative_tokens": 0}, ["num_speculative_tokens"]),
+])
+def test_speculation_settings_are_checked(values, names):
+    with pytest.raises(ValidationError) as info:
+        WorkerSettings(**values)
+    assert all(name in str(info.value) for name in names)
+
+
 def test_prefix_must_be_a_plain_name():
     with pytest.raises(ValidationError):
         ApiSettings(prefix="a b:{c}")

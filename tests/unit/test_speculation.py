@@ -146,3 +146,19 @@ def test_requests_that_opt_out_or_use_penalties_decode_plainly():
     out = batcher.schedule()
     spec.plan(out, batcher, context_length=256)
     assert [len(c.draft) for c in out.chunks] == [0, 0, 4]
+
+
+def test_speculation_pauses_while_the_batch_is_bigger_than_its_limit():
+    batcher = Batcher(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    spec = Speculator(NgramProposer(4, min_n=1), max_k=4, disable_by_batch_size=1)
+    a, b = seq(REPEATING), seq(REPEATING)
+    decoding(batcher, a, b)
+    out = batcher.schedule()
+    spec.plan(out, batcher, context_length=256)
+    assert [len(c.draft) for c in out.chunks] == [0, 0]  # two running, more than 1
+    batcher.remove(b)
+    batcher.update(out)
+    a.append(12)
+    out = batcher.schedule()
+    spec.plan(out, batcher, context_length=256)
+    assert [len(c.draft) for c in out.chunks] == [4]  # alone again: it speculates

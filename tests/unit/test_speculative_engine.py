@@ -136,7 +136,7 @@ def test_draft_sampling_is_reproducible_and_respects_limits(tiny_llama, other_ll
         assert len(s.output_ids) <= NEW_TOKENS and (s.finish_reason.value == "stop" or len(s.output_ids) == NEW_TOKENS)
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
+def test_the_worker_builds_the_speculator_its_settings_ask_for(tiny_llama, tmp_path):
     from shared.settings import WorkerSettings
     from tests.tiny_models import build_tokenizer
     from worker.main import build_engine
@@ -149,3 +149,9 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama, tmp_path):
         build_engine(settings)
     ngram = build_engine(settings.model_copy(update={"speculative_method": "ngram", "num_speculative_tokens": 5}))
     assert isinstance(ngram.speculator.proposer, NgramProposer) and ngram.speculator.max_k == 5
+    assert build_engine(settings.model_copy(update={"speculative_method": "off"})).speculator is None
+    draft = build_engine(settings.model_copy(update={"speculative_model": str(tiny_llama)}))
+    assert isinstance(draft.speculator.proposer, DraftProposer)
+    seqs = run(draft, ECHO)
+    _check(tiny_llama, seqs)
+    assert draft.speculator.stats.accepted == draft.speculator.stats.proposed > 0

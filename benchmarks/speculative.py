@@ -1,0 +1,125 @@
+"""Speculative decoding benchmark: tokens/s and acceptance with and without prompt lookup, on
+the default model, in ONE process run (so the ratios compare like with like).
+
+    .venv/bin/python benchmarks/speculative.py
+    .venv/bin/python benchmarks/speculative.py --k 6 --ngram-min 2 --single-requests 4
+
+Workloads, greedy, chat-templated:
+  lookup  benchmarks/workload_lookup.json: 16 requests that repeat or edit a ~230-token passage
+          (128 new tokens at most; the model may stop earlier, the same way in both modes)
+  W       benchmarks/workload_w.json: the first 16 of its prompts, 64 new tokens, ignore_eos
+Each at concurrency 1 (--single-requests of them, one after another, batch 1) and 16 (all 16
+at once, batch 16), speculation off and on (prompt lookup with the worker's defaults, which
+pause speculation above a batch of 8); at concurrency 16 also with the pause off, to show what
+speculating in a full batch costs. Greedy output must be identical in every mode; the report
+says so per row. Prints a JSON report and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared.messages import RequestPayload  # noqa: E402
+from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from worker.batcher import Batcher  # noqa: E402
+from worker.block_manager import BlockManager  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.model_runner import PagedRunner  # noqa: E402
+from worker.runner import load_model  # noqa: E402
+from worker.speculation import NgramProposer, Speculator  # noqa: E402
+
+BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
+
+
+def run(model, tok, prompts, params: SamplingParams, concurrency: int, spec: Speculator | None) -> dict:
+    """All prompts, `concurrency` at a time (batch = concurrency); tokens/s over the whole run."""
+    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), concurrency, BUDGET), spec)
+    outputs: list[list[int]] = []
+    steps = 0
+    start = time.perf_counter()
+    for group in range(0, len(prompts), concurrency):
+        seqs = [engine.add(RequestPayload(id=f"r{group + i}", model="m", prompt_token_ids=p, params=params), "0-0")
+                for i, p in enumerate(prompts[group:group + concurrency])]
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        outputs += [s.output_ids for s in seqs]
+    wall = time.perf_counter() - start
+    tokens = sum(map(len, outputs))
+    result = {"requests": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 2),
+              "tok_per_s": round(tokens / wall, 1), "steps": steps, "outputs": outputs}
+    if spec:
+        s = spec.stats
+        result |= {"proposed": s.proposed, "accepted": s.accepted,
+                   "acceptance": round(s.accepted / s.proposed, 3) if s.proposed else None,
+                   "tokens_per_verify": round((s.accepted + s.drafts) / s.drafts, 2) if s.drafts else None}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = WorkerSettings.model_fields
+    parser.add_argument("--k", type=int, default=defaults["num_speculative_tokens"].default,
+                        help="num_speculative_tokens")
+    parser.add_argument("--ngram-min", type=int, default=defaults["ngram_min"].default)
+    parser.add_argument("--ngram-max", type=int, default=defaults["ngram_max"].default)
+    parser.add_argument("--disable-by-batch-size", type=int, default=defaults["speculative_disable_by_batch_size"].default)
+    parser.add_argument("--single-requests", type=int, default=16, help="requests run one after another at concurrency 1")
+    parser.add_argument("--workloads", default="lookup,W")
+    args = parser.parse_args()
+
+    settings = WorkerSettings(_env_file=None)
+    tok = Tokenizer(prepare_model(settings))
+    model = load_model(weights_dir(settings), torch.device("cpu"), torch.float32)
+    workloads = {}
+    for name in args.workloads.split(","):
+        data = json.loads((ROOT / "benchmarks" / f"workload_{name.lower()}.json").read_text())
+        prompts = [tok.encode_chat(m) for m in data["messages"]][:16]
+        ignore_eos = name == "W"
+        workloads[name] = (prompts, SamplingParams(temperature=0, max_tokens=data["max_tokens"], ignore_eos=ignore_eos))
+    report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max], "disable_by_batch_size": args.disable_by_batch_size,
+              "threads": torch.get_num_threads(), "dtype": "float32", "results": []}
+    run(model, tok, workloads[next(iter(workloads))][0][:2], SamplingParams(temperature=0, max_tokens=8), 2, None)  # warm-up
+    for name, (prompts, params) in workloads.items():
+        for concurrency in (1, 16):
+            subset = prompts[:args.single_requests] if concurrency == 1 else prompts
+            modes = {"off": None, "lookup": args.disable_by_batch_size}
+            if concurrency > args.disable_by_batch_size > 0:
+                modes["lookup, no pause"] = 0
+            off = None
+            for mode, pause in modes.items():
+                print(f"# {name}, concurrency {concurrency}, {mode}", file=sys.stderr)
+                spec = None if mode == "off" else Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max),
+                                                             args.k, pause)
+                result = run(model, tok, subset, params, concurrency, spec)
+                off = off or result
+                row = {"workload": name, "concurrency": concurrency, "mode": mode, "requests": len(subset),
+                       **{k: v for k, v in result.items() if k != "outputs"},
+                       "vs_off": round(result["tok_per_s"] / off["tok_per_s"], 2),
+                       "identical": result["outputs"] == off["outputs"]}
+                report["results"].append(row)
+                print(json.dumps(row), file=sys.stderr)
+    print(json.dumps(report, indent=1))
+    print("\n| workload | concurrency | speculation | tok/s | vs off | acceptance | tokens per verify | steps | "
+          "identical to off |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in report["results"]:
+        print(f"| {r['workload']} | {r['concurrency']} | {r['mode']} | {r['tok_per_s']} | {r['vs_off']}× | "
+              f"{r.get('acceptance', '')} | {r.get('tokens_per_verify', '')} | {r['steps']} | "
+              f"{'yes' if r['identical'] else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
