@@ -9,15 +9,18 @@ Workloads, greedy, chat-templated:
           (128 new tokens at most; the model may stop earlier, the same way in both modes)
   W       benchmarks/workload_w.json: the first 16 of its prompts, 64 new tokens, ignore_eos
 Each at concurrency 1 (--single-requests of them, one after another, batch 1) and 16 (all 16
-at once, batch 16), speculation off and on (prompt lookup with the worker's defaults, which
-pause speculation above a batch of 8); at concurrency 16 also with the pause off, to show what
-speculating in a full batch costs. Greedy output must be identical in every mode; the report
-says so per row. Prints a JSON report and a markdown table.
+at once, batch 16), speculation off and on (prompt lookup with the worker's defaults); with
+--disable-by-batch-size N below 16, concurrency 16 also runs lookup paused above batch N.
+Modes are interleaved (request by request at concurrency 1, round by round at 16, median of
+--rounds) so the machine's drift hits them alike. Greedy output
+must be identical in every mode; the report says so per row. Prints a JSON report and a
+markdown table.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,30 +45,47 @@ from worker.speculation import NgramProposer, Speculator  # noqa: E402
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 
 
-def run(model, tok, prompts, params: SamplingParams, concurrency: int, spec: Speculator | None) -> dict:
-    """All prompts, `concurrency` at a time (batch = concurrency); tokens/s over the whole run."""
+def run(model, tok, prompts, params: SamplingParams, spec: Speculator | None) -> dict:
+    """The prompts all at once (batch = their number), to the end."""
     runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
-    engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), concurrency, BUDGET), spec)
-    outputs: list[list[int]] = []
+    engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
     steps = 0
     start = time.perf_counter()
-    for group in range(0, len(prompts), concurrency):
-        seqs = [engine.add(RequestPayload(id=f"r{group + i}", model="m", prompt_token_ids=p, params=params), "0-0")
-                for i, p in enumerate(prompts[group:group + concurrency])]
-        while engine.has_work():
-            engine.step()
-            steps += 1
-        outputs += [s.output_ids for s in seqs]
-    wall = time.perf_counter() - start
-    tokens = sum(map(len, outputs))
-    result = {"requests": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 2),
-              "tok_per_s": round(tokens / wall, 1), "steps": steps, "outputs": outputs}
-    if spec:
-        s = spec.stats
-        result |= {"proposed": s.proposed, "accepted": s.accepted,
-                   "acceptance": round(s.accepted / s.proposed, 3) if s.proposed else None,
-                   "tokens_per_verify": round((s.accepted + s.drafts) / s.drafts, 2) if s.drafts else None}
-    return result
+    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=params), "0-0")
+            for i, p in enumerate(prompts)]
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return {"wall_s": time.perf_counter() - start, "steps": steps, "outputs": [s.output_ids for s in seqs],
+            "stats": spec.stats if spec else None}
+
+
+def measure(model, tok, prompts, params, concurrency: int, modes: dict, rounds: int) -> dict:
+    """Every mode on the same requests, interleaved so the machine's drift hits all alike:
+    at concurrency 1 request by request (each mode in turn), at 16 round by round (median wall)."""
+    groups = [[p] for p in prompts] if concurrency == 1 else [prompts] * rounds
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    out: dict[str, dict] = {m: {"steps": 0, "outputs": [], "proposed": 0, "accepted": 0, "drafts": 0} for m in modes}
+    for n, group in enumerate(groups):
+        for mode, make in modes.items():
+            result = run(model, tok, group, params, make())
+            walls[mode].append(result["wall_s"])
+            if concurrency == 1 or n == 0:
+                o = out[mode]
+                o["steps"] += result["steps"]
+                o["outputs"] += result["outputs"]
+                if stats := result["stats"]:
+                    o["proposed"] += stats.proposed
+                    o["accepted"] += stats.accepted
+                    o["drafts"] += stats.drafts
+    for mode, o in out.items():
+        tokens = sum(map(len, o["outputs"]))
+        wall = sum(walls[mode]) if concurrency == 1 else statistics.median(walls[mode])
+        o |= {"output_tokens": tokens, "wall_s": round(wall, 2), "tok_per_s": round(tokens / wall, 1),
+              "walls": [round(w, 2) for w in walls[mode]] if concurrency > 1 else None,
+              "acceptance": round(o["accepted"] / o["proposed"], 3) if o["proposed"] else None,
+              "tokens_per_verify": round((o["accepted"] + o["drafts"]) / o["drafts"], 2) if o["drafts"] else None}
+    return out
 
 
 def main() -> None:
@@ -78,6 +98,7 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=defaults["speculative_disable_by_batch_size"].default)
     parser.add_argument("--single-requests", type=int, default=16, help="requests run one after another at concurrency 1")
     parser.add_argument("--workloads", default="lookup,W")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each mode at concurrency 16 (median)")
     args = parser.parse_args()
 
     settings = WorkerSettings(_env_file=None)
@@ -91,20 +112,20 @@ def main() -> None:
         workloads[name] = (prompts, SamplingParams(temperature=0, max_tokens=data["max_tokens"], ignore_eos=ignore_eos))
     report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max], "disable_by_batch_size": args.disable_by_batch_size,
               "threads": torch.get_num_threads(), "dtype": "float32", "results": []}
-    run(model, tok, workloads[next(iter(workloads))][0][:2], SamplingParams(temperature=0, max_tokens=8), 2, None)  # warm-up
+    run(model, tok, workloads[next(iter(workloads))][0][:2], SamplingParams(temperature=0, max_tokens=8), None)  # warm-up
     for name, (prompts, params) in workloads.items():
         for concurrency in (1, 16):
             subset = prompts[:args.single_requests] if concurrency == 1 else prompts
-            modes = {"off": None, "lookup": args.disable_by_batch_size}
+
+            def lookup(pause: int):
+                return lambda: Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max), args.k, pause)
+            modes = {"off": lambda: None, "lookup": lookup(0)}
             if concurrency > args.disable_by_batch_size > 0:
-                modes["lookup, no pause"] = 0
-            off = None
-            for mode, pause in modes.items():
-                print(f"# {name}, concurrency {concurrency}, {mode}", file=sys.stderr)
-                spec = None if mode == "off" else Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max),
-                                                             args.k, pause)
-                result = run(model, tok, subset, params, concurrency, spec)
-                off = off or result
+                modes[f"lookup, paused above batch {args.disable_by_batch_size}"] = lookup(args.disable_by_batch_size)
+            print(f"# {name}, concurrency {concurrency}: {', '.join(modes)}", file=sys.stderr)
+            results = measure(model, tok, subset, params, concurrency, modes, args.rounds)
+            off = results["off"]
+            for mode, result in results.items():
                 row = {"workload": name, "concurrency": concurrency, "mode": mode, "requests": len(subset),
                        **{k: v for k, v in result.items() if k != "outputs"},
                        "vs_off": round(result["tok_per_s"] / off["tok_per_s"], 2),

@@ -104,8 +104,8 @@ class WorkerSettings(CommonSettings):
     ngram_min: int = Field(3, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
     ngram_max: int = Field(5, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
     speculative_disable_by_batch_size: int = Field(
-        8, ge=0, le=1024, description="Speculation pauses in steps with more running requests than this "
-                                      "(a big batch is compute-bound); 0: never pauses.")
+        0, ge=0, le=1024, description="Speculation pauses in steps with more running requests than this "
+                                      "(where a big batch is compute-bound); 0: never pauses.")
     speculative_model: str | None = Field(
         None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
                           "as a folder or a Hugging Face id in the local cache.")

@@ -49,6 +49,8 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
     if not supports(model):
         log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
+        if settings.speculative_method != "off":
+            log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
         pad = next(iter(tokenizer.eos_token_ids), 0)
         return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, settings.batch_size)
     blocks = num_kv_blocks(settings, model, dtype)

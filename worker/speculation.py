@@ -9,9 +9,9 @@ token of its own (worker/sampler.py). Rejected tokens' KV-cache slots are given 
 
 Each request's proposal length adapts to its own acceptance, as in transformers' assisted
 generation: +2 when every proposed token was kept, -1 otherwise (never below 1), so text
-that does not repeat costs little extra compute. Above a batch size (vLLM's
-disable_by_batch_size) speculation pauses: a big batch already keeps the hardware busy, and
-every proposed token then costs about as much as a generated one.
+that does not repeat costs little extra compute. Above a batch size, when one is set (vLLM's
+disable_by_batch_size), speculation pauses: where a big batch already keeps the hardware busy,
+a proposed token costs about as much as a generated one.
 """
 from __future__ import annotations
 

@@ -61,23 +61,46 @@ PASSAGE = ("The harbour town of Ellery sits where the river meets the sea. Every
            "it is safe. Visitors come for the cliffs, the birds and the quiet.")
 
 
+def first_layers(folder, target, layers: int):
+    """A draft model cut from a model: its first `layers` layers, with the same embeddings, head
+    and tokenizer (an untrained early exit: a weak but honest draft)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (folder / name).is_file():
+            shutil.copy(folder / name, target / name)
+    return target
+
+
 @pytest.mark.slow
-def test_default_model_greedy_is_the_same_with_and_without_speculation():
+def test_default_model_greedy_is_the_same_with_and_without_speculation(tmp_path):
     from shared.models import prepare_model, weights_dir
     from shared.settings import WorkerSettings
     from tests.unit.test_engine import make_engine, run
-    from tests.unit.test_speculative_engine import with_ngram
+    from tests.unit.test_speculative_engine import with_draft, with_ngram
 
     settings = WorkerSettings(_env_file=None, model="default")
     prepare_model(settings)
     folder = weights_dir(settings)
     plain = make_engine(folder, num_blocks=128, block_size=16, batch=4, budget=256)
-    asks = [f"Repeat this passage word for word:\n\n{PASSAGE}", f"Fix the spelling in this text:\n\n{PASSAGE}",
+    asks = [f"Rewrite this passage in the past tense:\n\n{PASSAGE}", f"Fix the spelling in this text:\n\n{PASSAGE}",
             "Name three colours.", "Write one sentence about the sea."]
     chats = [plain.tokenizer.render_chat([{"role": "user", "content": a}]) for a in asks]
-    expected = run(plain, chats, max_tokens=48)
-    spec = with_ngram(make_engine(folder, num_blocks=128, block_size=16, batch=4, budget=256), k=4, min_n=2)
-    got = run(spec, chats, max_tokens=48)
-    assert [s.output_ids for s in got] == [s.output_ids for s in expected]
-    stats = spec.speculator.stats
-    assert stats.accepted > 0.5 * stats.proposed > 0, stats  # the passage is copied: most proposals are kept
+    expected = [s.output_ids for s in run(plain, chats, max_tokens=48)]
+
+    lookup = with_ngram(make_engine(folder, num_blocks=128, block_size=16, batch=4, budget=256), k=4, min_n=3)
+    assert [s.output_ids for s in run(lookup, chats, max_tokens=48)] == expected
+    stats = lookup.speculator.stats
+    assert stats.accepted > 0.5 * stats.proposed > 0, stats  # the passage is largely copied
+
+    draft_folder = first_layers(folder, tmp_path / "draft", 8)
+    draft = with_draft(make_engine(folder, num_blocks=128, block_size=16, batch=4, budget=256), draft_folder, k=3)
+    assert [s.output_ids for s in run(draft, chats, max_tokens=48)] == expected
+    assert draft.speculator.stats.proposed > 0
