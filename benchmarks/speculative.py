@@ -95,8 +95,10 @@ def main() -> None:
                         help="num_speculative_tokens")
     parser.add_argument("--ngram-min", type=int, default=defaults["ngram_min"].default)
     parser.add_argument("--ngram-max", type=int, default=defaults["ngram_max"].default)
-    parser.add_argument("--disable-by-batch-size", type=int, default=defaults["speculative_disable_by_batch_size"].default)
-    parser.add_argument("--single-requests", type=int, default=16, help="requests run one after another at concurrency 1")
+    parser.add_argument("--disable-by-batch-size", type=int,
+                        default=defaults["speculative_disable_by_batch_size"].default)
+    parser.add_argument("--single-requests", type=int, default=16,
+                        help="requests run one after another at concurrency 1")
     parser.add_argument("--workloads", default="lookup,W")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each mode at concurrency 16 (median)")
     args = parser.parse_args()
@@ -110,9 +112,11 @@ def main() -> None:
         prompts = [tok.encode_chat(m) for m in data["messages"]][:16]
         ignore_eos = name == "W"
         workloads[name] = (prompts, SamplingParams(temperature=0, max_tokens=data["max_tokens"], ignore_eos=ignore_eos))
-    report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max], "disable_by_batch_size": args.disable_by_batch_size,
-              "threads": torch.get_num_threads(), "dtype": "float32", "results": []}
-    run(model, tok, workloads[next(iter(workloads))][0][:2], SamplingParams(temperature=0, max_tokens=8), None)  # warm-up
+    report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max],
+              "disable_by_batch_size": args.disable_by_batch_size, "threads": torch.get_num_threads(),
+              "dtype": "float32", "results": []}
+    warm_up = workloads[next(iter(workloads))][0][:2]
+    run(model, tok, warm_up, SamplingParams(temperature=0, max_tokens=8), None)
     for name, (prompts, params) in workloads.items():
         for concurrency in (1, 16):
             subset = prompts[:args.single_requests] if concurrency == 1 else prompts

@@ -131,7 +131,8 @@ class WorkerSettings(CommonSettings):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min={self.ngram_min} must not exceed ngram_max={self.ngram_max}")
         if self.speculative_method == "draft" and not self.speculative_model:
-            raise ValueError("speculative_method='draft' needs speculative_model (a smaller model with the same tokenizer)")
+            raise ValueError("speculative_method='draft' needs speculative_model "
+                             "(a smaller model with the same tokenizer)")
         if self.speculative_method != "off" and self.backend == "vllm":
             raise ValueError(f"speculative_method={self.speculative_method!r} is the built-in engine's; "
                              "with backend='vllm' use vllm_speculative_config")

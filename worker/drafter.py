@@ -64,7 +64,8 @@ class DraftProposer:
             chunks = []
             for d in active:
                 start = self._computed.get(d.seq.id, 0)
-                chunks.append(Chunk(d, start, d.num_tokens - start, self.blocks.table(d.seq.id)))  # type: ignore[arg-type]
+                # A _Draft stands in for the Sequence: the runner reads only its tokens.
+                chunks.append(Chunk(d, start, d.num_tokens - start, self.blocks.table(d.seq.id)))  # type: ignore
             logits = self.runner.execute(SchedulerOutput(chunks))
             tokens, q = propose_from(logits, [d.seq for d in active],
                                      [self._generators[d.seq.id] for d in active], self.vocab)

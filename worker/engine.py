@@ -79,8 +79,12 @@ class Engine:
             self._refused = []
             scheduled = self.batcher.schedule()
             self.last_step_size = len(scheduled.chunks)
-            if self.speculator:
-                self.speculator.plan(scheduled, self.batcher, self.runner.context_length)
+            spec = self.speculator
+            wanted = spec.wanted(scheduled, self.batcher, self.runner.context_length) if spec else []
+        if wanted:
+            proposals = spec.proposer.propose(wanted)  # unlocked: a draft model's forwards take a while
+            with self._lock:
+                spec.attach(scheduled, self.batcher, proposals)
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
             self.batcher.update(scheduled)

@@ -54,7 +54,8 @@ class WorkerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("streamq:prefix_cache_hits", "... and found there.", registry=r)
         self.preemptions = Counter("streamq:num_preemptions", "Requests preempted for lack of KV blocks.", registry=r)
-        self.spec_drafts = Counter("streamq:spec_decode_num_drafts", "Decodes that carried proposed tokens.", registry=r)
+        self.spec_drafts = Counter("streamq:spec_decode_num_drafts", "Decodes that carried proposed tokens.",
+                                   registry=r)
         self.spec_proposed = Counter("streamq:spec_decode_num_draft_tokens", "Tokens proposed (speculative decoding).",
                                      registry=r)
         self.spec_accepted = Counter("streamq:spec_decode_num_accepted_tokens", "Proposed tokens the model kept.",

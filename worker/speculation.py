@@ -117,14 +117,21 @@ class Speculator:
     def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> None:
         """Put proposed tokens on this step's decode chunks, within the step's leftover budget
         and the free KV blocks (speculation never preempts anyone)."""
+        self.attach(out, batcher, self.proposer.propose(self.wanted(out, batcher, context_length)))
+
+    def wanted(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> list[tuple[Sequence, int]]:
+        """The step's decodes that may carry proposals, and how many tokens each."""
         for seq in out.preempted:
             self.proposer.forget(seq.id)
         self._q = {}
         if self.disable_by_batch_size and len(batcher.running) > self.disable_by_batch_size:
-            return  # a big batch is compute-bound: proposed tokens would cost nearly full price
-        chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
-        wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
-        for seq_id, (tokens, q) in self.proposer.propose(wanted).items():
+            return []  # where a big batch is compute-bound, proposed tokens cost nearly full price
+        return [(c.seq, k) for c in out.chunks
+                if self._eligible(c) and (k := self._room(c.seq, context_length)) > 0]
+
+    def attach(self, out: SchedulerOutput, batcher: Batcher, proposals: dict[str, tuple[list[int], Any]]) -> None:
+        chunks = {c.seq.id: c for c in out.chunks}
+        for seq_id, (tokens, q) in proposals.items():
             added = batcher.speculate(out, chunks[seq_id], tokens)
             if not added:
                 self.proposer.verified(chunks[seq_id].seq)  # none will run: the proposer forgets them now
