@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +37,9 @@ from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
+from tests.tiny_models import first_layers  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
+from worker.drafter import DraftProposer  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.runner import load_model  # noqa: E402
@@ -58,6 +61,12 @@ def run(model, tok, prompts, params: SamplingParams, spec: Speculator | None) ->
         steps += 1
     return {"wall_s": time.perf_counter() - start, "steps": steps, "outputs": [s.output_ids for s in seqs],
             "stats": spec.stats if spec else None}
+
+
+def draft_speculator(target, draft, k: int) -> Speculator:
+    runner = PagedRunner(draft, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    return Speculator(DraftProposer(runner, BlockManager(BLOCKS, BLOCK_SIZE, False), vocab), k)
 
 
 def measure(model, tok, prompts, params, concurrency: int, modes: dict, rounds: int) -> dict:
@@ -101,6 +110,9 @@ def main() -> None:
                         help="requests run one after another at concurrency 1")
     parser.add_argument("--workloads", default="lookup,W")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each mode at concurrency 16 (median)")
+    parser.add_argument("--draft-layers", type=int, default=0,
+                        help="also a draft model at concurrency 1: the default model's first N layers "
+                             "(an untrained early exit; no smaller model with its tokenizer is at hand)")
     args = parser.parse_args()
 
     settings = WorkerSettings(_env_file=None)
@@ -115,6 +127,12 @@ def main() -> None:
     report = {"k": args.k, "ngram": [args.ngram_min, args.ngram_max],
               "disable_by_batch_size": args.disable_by_batch_size, "threads": torch.get_num_threads(),
               "dtype": "float32", "results": []}
+    draft = None
+    if args.draft_layers:
+        folder = Path(tempfile.mkdtemp()) / "draft"
+        draft = load_model(first_layers(weights_dir(settings), folder, args.draft_layers), torch.device("cpu"),
+                           torch.float32)
+        report["draft_layers"] = args.draft_layers
     warm_up = workloads[next(iter(workloads))][0][:2]
     run(model, tok, warm_up, SamplingParams(temperature=0, max_tokens=8), None)
     for name, (prompts, params) in workloads.items():
@@ -124,8 +142,11 @@ def main() -> None:
             def lookup(pause: int):
                 return lambda: Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max), args.k, pause)
             modes = {"off": lambda: None, "lookup": lookup(0)}
-            if concurrency > args.disable_by_batch_size > 0:
-                modes[f"lookup, paused above batch {args.disable_by_batch_size}"] = lookup(args.disable_by_batch_size)
+            if draft is not None and concurrency == 1:
+                label = f"draft model (first {args.draft_layers} layers)"
+                modes[label] = lambda: draft_speculator(model, draft, args.k)
+            if concurrency > (pause := args.disable_by_batch_size) > 0:
+                modes[f"lookup, paused above batch {pause}"] = lookup(pause)
             print(f"# {name}, concurrency {concurrency}: {', '.join(modes)}", file=sys.stderr)
             results = measure(model, tok, subset, params, concurrency, modes, args.rounds)
             off = results["off"]

@@ -65,3 +65,21 @@ def build_model(folder: Path, kind: str, seed: int = 0) -> Path:
     model.generation_config.pad_token_id = 2
     model.save_pretrained(folder)
     return folder
+
+
+def first_layers(folder: Path, target: Path, layers: int) -> Path:
+    """A draft model cut from a model: its first `layers` layers, with the same embeddings, head
+    and tokenizer (an untrained early exit: a weak but honest draft)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (folder / name).is_file():
+            shutil.copy(folder / name, target / name)
+    return target

@@ -101,10 +101,11 @@ class WorkerService:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
             log.exception("step failed")
             outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
+        # Counted before publishing: whoever sees a request end sees it in /metrics too.
+        self.metrics.step(outputs, time.perf_counter() - started, self.engine, self.name)
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
         await self._retry("publish", lambda: self.publisher.publish(outputs))
-        self.metrics.step(outputs, time.perf_counter() - started, self.engine, self.name)
 
     async def _intake(self, block: bool) -> None:
         """Take queued requests: up to the free slots, spread over the lanes; with no free slot,

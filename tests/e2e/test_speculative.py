@@ -13,6 +13,7 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy, token_ids
 from tests.e2e.test_worker_metrics import scrape
 from tests.stack import Stack, stream_events
+from tests.tiny_models import first_layers
 
 PROMPTS = ["Once upon a time", "a b c d e f g h i j k l m n o p", "Seoul and Paris and Seoul and", "🚀 🚀"]
 TOKENS = 40
@@ -59,24 +60,6 @@ PASSAGE = ("The harbour town of Ellery sits where the river meets the sea. Every
            "still works, and a library that opens on Tuesdays and Saturdays. In winter the storms close the road "
            "over the hills for days at a time, and the ferry to the islands runs only when the harbour master says "
            "it is safe. Visitors come for the cliffs, the birds and the quiet.")
-
-
-def first_layers(folder, target, layers: int):
-    """A draft model cut from a model: its first `layers` layers, with the same embeddings, head
-    and tokenizer (an untrained early exit: a weak but honest draft)."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (folder / name).is_file():
-            shutil.copy(folder / name, target / name)
-    return target
 
 
 @pytest.mark.slow
