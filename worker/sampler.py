@@ -65,7 +65,7 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     if sampled:
         filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [row_params[r] for r in sampled])
         probs = {r: filtered[j] for j, r in enumerate(sampled)}
-    picked, row = [], 0
+    emitted, rows, row = [], [], 0
     for seq, draft, gen, q in zip(seqs, drafts, generators, draft_probs):
         if seq.payload.params.greedy:
             tokens = accept_greedy(draft, choices[row:row + len(draft) + 1])
@@ -73,10 +73,12 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
             tokens = _sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], gen)
         else:
             tokens = _sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, gen)
-        picked.append((tokens, _logprobs(raw[row:row + len(tokens)], tokens,
-                                         [seq.payload.params] * len(tokens))))
+        emitted.append(tokens)
+        rows += range(row, row + len(tokens))  # emitted token j was chosen from row + j
         row += len(draft) + 1
-    return picked
+    flat = [t for tokens in emitted for t in tokens]
+    logprobs = iter(_logprobs(raw, rows, flat, [row_params[r] for r in rows]))
+    return [(tokens, [next(logprobs) for _ in tokens]) for tokens in emitted]
 
 
 def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
@@ -105,11 +107,11 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 
 def _sample_lookup(draft: list[int], p: list[torch.Tensor], gen: torch.Generator | None) -> list[int]:
     out = []
-    for i, probs in enumerate(p):
-        token = _draw(probs, gen)
-        out.append(token)
-        if i == len(draft) or token != draft[i]:
+    for i, token in enumerate(draft):
+        out.append(_draw(p[i], gen))
+        if out[-1] != token:
             return out
+    out.append(_draw(p[len(draft)], gen))
     return out
 
 
@@ -172,12 +174,14 @@ def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return probs
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[Logprobs | None]:
+def _logprobs(raw: torch.Tensor, rows: list[int], tokens: list[int],
+              params: list[SamplingParams]) -> list[Logprobs | None]:
+    """Token i's log-probability (and the top alternatives) from row rows[i] of the raw logits."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     out: list[Logprobs | None] = [None] * len(params)
     if not wanted:
         return out
-    logp = torch.log_softmax(raw[wanted], dim=-1)
+    logp = torch.log_softmax(raw[[rows[i] for i in wanted]], dim=-1)
     k = max(params[i].logprobs for i in wanted)
     top_values, top_ids = logp.topk(max(k, 1), dim=-1)
     for j, i in enumerate(wanted):
