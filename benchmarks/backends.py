@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.report import print_table  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import prepare_model, served_name, weights_dir  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
@@ -92,10 +93,9 @@ def main() -> None:
     report = {"streamq_hf": streamq("hf", model), "streamq_vllm": streamq("vllm", model),
               "vllm_serve": vllm_serve(weights_dir(settings), model)}
     print(json.dumps(report, indent=1))
-    print("| path | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) |")
-    print("| --- | --- | --- | --- |")
-    for name, r in report.items():
-        print(f"| {name} | {r['output_tokens_per_s']} | {r['ttft_ms']['p50']} | {r['ttft_ms']['p99']} |")
+    print_table(["path", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)"],
+                [(name, r["output_tokens_per_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"])
+                 for name, r in report.items()])
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import print_table  # noqa: E402
 from shared.redis_server import RedisServer  # noqa: E402
 from tests.stack import Stack, parse_sse  # noqa: E402
 
@@ -127,10 +128,8 @@ def main() -> None:
             completed += len(set(indices)) == TOKENS and all(got.get(i) == t for i, t in enumerate(ref))
             pause = max([pause] + [b - a for a, b in zip(times, times[1:])])
         rows.append((name, len(PROMPTS), completed, lost, dup, round(pause, 2)))
-    print("| scenario | requests | completed exactly | lost tokens | duplicated tokens | max pause (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
+    print_table(["scenario", "requests", "completed exactly", "lost tokens", "duplicated tokens", "max pause (s)"],
+                rows)
 
 
 if __name__ == "__main__":

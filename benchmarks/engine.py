@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import print_table  # noqa: E402
 from shared.messages import RequestPayload  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -242,12 +243,11 @@ def main() -> None:
         print(json.dumps(result), file=sys.stderr)
     ceiling = next((r["tok_per_s"] for r in report["results"] if r["mode"] == "ceiling"), None)
     print(json.dumps(report, indent=1))
-    print("\n| mode | requests | tok/s | vs ceiling | TTFT p50 s | ITL p50 ms | ITL p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in report["results"]:
-        share = f"{r['tok_per_s'] / ceiling:.2f}" if ceiling else "-"
-        print(f"| {r['mode']} | {r['requests']} | {r['tok_per_s']} | {share} | {r.get('ttft_p50_s', '-')} | "
-              f"{r.get('itl_p50_ms', '-')} | {r.get('itl_p99_ms', '-')} |")
+    print()
+    print_table(["mode", "requests", "tok/s", "vs ceiling", "TTFT p50 s", "ITL p50 ms", "ITL p99 ms"],
+                [(r["mode"], r["requests"], r["tok_per_s"], f"{r['tok_per_s'] / ceiling:.2f}" if ceiling else "-",
+                  r.get("ttft_p50_s", "-"), r.get("itl_p50_ms", "-"), r.get("itl_p99_ms", "-"))
+                 for r in report["results"]])
 
 
 if __name__ == "__main__":

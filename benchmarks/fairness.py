@@ -22,6 +22,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.report import print_table  # noqa: E402
 from shared.apikeys import KeyStore  # noqa: E402
 from shared.redis_client import connect  # noqa: E402
 
@@ -91,10 +92,8 @@ def main() -> None:
         keys = asyncio.run(make_keys())
         results = asyncio.run(run(url, keys, args))
     print(json.dumps(results, indent=2))
-    print("| phase | B TTFT p50 (s) | B TTFT max (s) |")
-    print("| --- | --- | --- |")
-    for phase, r in results.items():
-        print(f"| {phase} | {r['p50_s']} | {r['max_s']} |")
+    print_table(["phase", "B TTFT p50 (s)", "B TTFT max (s)"],
+                [(phase, r["p50_s"], r["max_s"]) for phase, r in results.items()])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
+from benchmarks.report import print_table  # noqa: E402
 from tests.tiny_models import first_layers  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.drafter import DraftProposer  # noqa: E402
@@ -158,13 +159,13 @@ def main() -> None:
                 report["results"].append(row)
                 print(json.dumps(row), file=sys.stderr)
     print(json.dumps(report, indent=1))
-    print("\n| workload | concurrency | speculation | tok/s | vs off | acceptance | tokens per verify | steps | "
-          "identical to off |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in report["results"]:
-        print(f"| {r['workload']} | {r['concurrency']} | {r['mode']} | {r['tok_per_s']} | {r['vs_off']}× | "
-              f"{r.get('acceptance', '')} | {r.get('tokens_per_verify', '')} | {r['steps']} | "
-              f"{'yes' if r['identical'] else 'NO'} |")
+    print()
+    print_table(["workload", "concurrency", "speculation", "tok/s", "vs off", "acceptance", "tokens per verify",
+                 "steps", "identical to off"],
+                [(r["workload"], r["concurrency"], r["mode"], r["tok_per_s"], f"{r['vs_off']}×",
+                  r.get("acceptance", ""), r.get("tokens_per_verify", ""), r["steps"],
+                  "yes" if r["identical"] else "NO")
+                 for r in report["results"]])
 
 
 if __name__ == "__main__":
