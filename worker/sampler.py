@@ -48,23 +48,8 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
     max(0, p - q), renormalised. Either way the output is distributed as the model's.
     """
-    counts = [1 + len(d) for d in drafts]
-    row_params = [s.payload.params for s, n in zip(seqs, counts) for _ in range(n)]
-    raw = logits.float()
-    x = raw
-    if any(p.logit_bias or p.logits_processors or p.needs_history for p in row_params):
-        x = raw.clone()
-        row = 0
-        for seq, n in zip(seqs, counts):
-            for r in range(row, row + n):  # a request with penalties is never given proposals
-                _adjust(x[r], seq, seq.payload.params)
-            row += n
-    choices = x.argmax(dim=-1).tolist()
-    sampled = [r for r, p in enumerate(row_params) if not p.greedy]
-    probs: dict[int, torch.Tensor] = {}
-    if sampled:
-        filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [row_params[r] for r in sampled])
-        probs = {r: filtered[j] for j, r in enumerate(sampled)}
+    row_seqs = [s for s, d in zip(seqs, drafts) for _ in range(1 + len(d))]
+    raw, choices, probs = _scores(logits, row_seqs)
     emitted, rows, row = [], [], 0
     for seq, draft, gen, q in zip(seqs, drafts, generators, draft_probs):
         if seq.payload.params.greedy:
@@ -77,7 +62,7 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
         rows += range(row, row + len(tokens))  # emitted token j was chosen from row + j
         row += len(draft) + 1
     flat = [t for tokens in emitted for t in tokens]
-    logprobs = iter(_logprobs(raw, rows, flat, [row_params[r] for r in rows]))
+    logprobs = iter(_logprobs(raw, rows, flat, [row_seqs[r].payload.params for r in rows]))
     return [(tokens, [next(logprobs) for _ in tokens]) for tokens in emitted]
 
 
@@ -86,19 +71,30 @@ def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[to
     """A draft model's next token for each row: its argmax for greedy requests, else a draw
     from its distribution q under the request's parameters (q is returned, `vocab` wide, for
     the acceptance rule)."""
-    x = logits[:, :vocab].float().clone()
-    for row, seq in enumerate(seqs):
-        _adjust(x[row], seq, seq.payload.params)
-    tokens = x.argmax(dim=-1).tolist()
+    _, tokens, probs = _scores(logits[:, :vocab], seqs)
     q: list[torch.Tensor | None] = [None] * len(seqs)
-    sampled = [i for i, s in enumerate(seqs) if not s.payload.params.greedy]
-    if sampled:
-        probs = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [seqs[i].payload.params for i in sampled])
-        probs = torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))
-        for j, i in enumerate(sampled):
-            q[i] = probs[j]
-            tokens[i] = _draw(probs[j], generators[i])
+    for i, p in probs.items():
+        q[i] = torch.nn.functional.pad(p, (0, vocab - p.shape[-1]))
+        tokens[i] = _draw(q[i], generators[i])
     return tokens, q
+
+
+def _scores(logits: torch.Tensor, row_seqs: list[Sequence]) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+    """Per row (of the request `row_seqs[row]`): the raw logits as float, the argmax after bias,
+    processors and penalties, and for sampled requests' rows the filtered distribution."""
+    raw = logits.float()
+    x = raw
+    params = [s.payload.params for s in row_seqs]
+    if any(p.logit_bias or p.logits_processors or p.needs_history for p in params):
+        x = raw.clone()
+        for row, (seq, p) in enumerate(zip(row_seqs, params)):
+            _adjust(x[row], seq, p)  # a request with penalties is never given proposals: one row each
+    choices = x.argmax(dim=-1).tolist()
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return raw, choices, {}
+    filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [params[row] for row in sampled])
+    return raw, choices, {row: filtered[j] for j, row in enumerate(sampled)}
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
