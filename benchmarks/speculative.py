@@ -49,9 +49,11 @@ from worker.speculation import NgramProposer, Speculator  # noqa: E402
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 
 
-def run(model, tok, prompts, params: SamplingParams, spec: Speculator | None) -> dict:
-    """The prompts all at once (batch = their number), to the end."""
+def run(model, tok, prompts, params: SamplingParams, make_spec=lambda runner: None) -> dict:
+    """The prompts all at once (batch = their number), to the end; `make_spec(runner)` gives the
+    engine's speculator (None: off)."""
     runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    spec = make_spec(runner)
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
     steps = 0
     start = time.perf_counter()
@@ -63,13 +65,6 @@ def run(model, tok, prompts, params: SamplingParams, spec: Speculator | None) ->
     return {"wall_s": time.perf_counter() - start, "steps": steps, "outputs": [s.output_ids for s in seqs],
             "stats": spec.stats if spec else None}
 
-
-def draft_speculator(target, draft, k: int) -> Speculator:
-    runner = PagedRunner(draft, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    return Speculator(DraftProposer(runner, BlockManager(BLOCKS, BLOCK_SIZE, False), vocab), k)
-
-
 def measure(model, tok, prompts, params, concurrency: int, modes: dict, rounds: int) -> dict:
     """Every mode on the same requests, interleaved so the machine's drift hits all alike:
     at concurrency 1 request by request (each mode in turn), at 16 round by round (median wall)."""
@@ -78,7 +73,7 @@ def measure(model, tok, prompts, params, concurrency: int, modes: dict, rounds: 
     out: dict[str, dict] = {m: {"steps": 0, "outputs": [], "proposed": 0, "accepted": 0, "drafts": 0} for m in modes}
     for n, group in enumerate(groups):
         for mode, make in modes.items():
-            result = run(model, tok, group, params, make())
+            result = run(model, tok, group, params, make)
             walls[mode].append(result["wall_s"])
             if concurrency == 1 or n == 0:
                 o = out[mode]
@@ -135,17 +130,17 @@ def main() -> None:
                            torch.float32)
         report["draft_layers"] = args.draft_layers
     warm_up = workloads[next(iter(workloads))][0][:2]
-    run(model, tok, warm_up, SamplingParams(temperature=0, max_tokens=8), None)
+    run(model, tok, warm_up, SamplingParams(temperature=0, max_tokens=8))
     for name, (prompts, params) in workloads.items():
         for concurrency in (1, 16):
             subset = prompts[:args.single_requests] if concurrency == 1 else prompts
 
             def lookup(pause: int):
-                return lambda: Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max), args.k, pause)
-            modes = {"off": lambda: None, "lookup": lookup(0)}
+                return lambda runner: Speculator(NgramProposer(args.k, args.ngram_min, args.ngram_max), args.k, pause)
+            modes = {"off": lambda runner: None, "lookup": lookup(0)}
             if draft is not None and concurrency == 1:
                 label = f"draft model (first {args.draft_layers} layers)"
-                modes[label] = lambda: draft_speculator(model, draft, args.k)
+                modes[label] = lambda runner: Speculator(DraftProposer.beside(runner, draft), args.k)
             if concurrency > (pause := args.disable_by_batch_size) > 0:
                 modes[f"lookup, paused above batch {pause}"] = lookup(pause)
             print(f"# {name}, concurrency {concurrency}: {', '.join(modes)}", file=sys.stderr)

@@ -46,6 +46,14 @@ class DraftProposer:
         self._computed: dict[str, int] = {}  # leading tokens whose keys and values the draft cache holds
         self._generators: dict[str, torch.Generator | None] = {}
 
+    @classmethod
+    def beside(cls, target: PagedRunner, model: torch.nn.Module) -> "DraftProposer":
+        """The draft `model` next to the target's runner: on its device, with a KV cache of the
+        same number and size of blocks."""
+        runner = PagedRunner(model, target.device, target.num_blocks, target.block_size)
+        vocab = target.model.get_output_embeddings().weight.shape[0]
+        return cls(runner, BlockManager(target.num_blocks, target.block_size, prefix_caching=False), vocab)
+
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         drafts = []
         for seq, k in wanted:

@@ -78,12 +78,9 @@ def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: T
     model = load_model(weights_dir(draft_settings), target.device, next(target.model.parameters()).dtype)
     if not supports(model):
         raise ValueError(f"no paged runner for the draft model's model_type={model.config.model_type!r}")
-    runner = PagedRunner(model, target.device, target.num_blocks, target.block_size)
     log.info("speculative decoding: draft model %s (%s), up to %d tokens", settings.speculative_model,
              model.config.model_type, k)
-    vocab = target.model.get_output_embeddings().weight.shape[0]
-    return Speculator(DraftProposer(runner, BlockManager(target.num_blocks, target.block_size, False), vocab), k,
-                      settings.speculative_disable_by_batch_size)
+    return Speculator(DraftProposer.beside(target, model), k, settings.speculative_disable_by_batch_size)
 
 
 async def build_backend(settings: WorkerSettings) -> Backend:

@@ -8,10 +8,8 @@ import torch
 
 from tests.unit.test_engine import NEW_TOKENS, _check, make_engine, prompts, run
 from tests.tiny_models import build_model
-from worker.block_manager import BlockManager
 from worker.drafter import DraftProposer
 from worker.engine import Engine
-from worker.model_runner import PagedRunner
 from worker.runner import load_model
 from worker.speculation import NgramProposer, Speculator
 
@@ -26,12 +24,8 @@ def with_ngram(engine: Engine, k: int = 4, min_n: int = 1) -> Engine:
 
 
 def with_draft(engine: Engine, draft_folder, k: int = 3) -> Engine:
-    target = engine.runner
     model = load_model(draft_folder, torch.device("cpu"), torch.float32)
-    runner = PagedRunner(model, target.device, target.num_blocks, target.block_size)
-    vocab = target.model.get_output_embeddings().weight.shape[0]
-    engine.speculator = Speculator(DraftProposer(runner, BlockManager(target.num_blocks, target.block_size, False),
-                                                 vocab), k)
+    engine.speculator = Speculator(DraftProposer.beside(engine.runner, model), k)
     return engine
 
 
