@@ -29,9 +29,16 @@ def request_lanes(prefix: str, model: str) -> str:
 
 
 def lane_doorbell(prefix: str, model: str) -> str:
-    """Stream with one entry per new lane (group WORKER_GROUP), so a worker blocked on the
-    lanes it knows wakes up and reads the new one at once."""
+    """Stream with one entry per new lane, read without a group (XREAD), so every worker
+    waiting on the lanes it knew wakes up and reads the new one at once."""
     return f"{prefix}:lanes:{model}:new"
+
+
+def worker_free_slots(prefix: str, model: str) -> str:
+    """Hash: worker -> "<free slots>:<expiry, ms>", announced at each of its reads of the lanes,
+    so workers split a burst by their free room (worker/intake.py). An entry past its expiry
+    is a worker that stopped reading: the next reader drops it."""
+    return f"{prefix}:free:{model}"
 
 
 def model_files(prefix: str, model: str) -> str:

@@ -3,8 +3,8 @@
 
 The api writes each request to its lane's stream (with the record, in one script); workers
 read the heads of all lanes with one XREADGROUP and the batcher chooses between them
-(worker/fair_queue.py). A new lane rings a doorbell stream so blocked workers start reading
-it at once. Everything that looks at the backlog (backpressure, the scheduler) goes over all
+(worker/fair_queue.py). A new lane rings a doorbell stream so waiting workers start reading
+it at once (worker/intake.py). Everything that looks at the backlog (backpressure, the scheduler) goes over all
 lanes through this class.
 """
 from __future__ import annotations
@@ -48,9 +48,9 @@ class RequestQueue:
                       if backend is None or served_by(lane, backend))
 
     async def ensure_groups(self) -> None:
-        """The workers' group on the doorbell and on every lane (the api creates them with each
-        new lane; this repairs a Redis that lost them)."""
-        for stream in [self.doorbell, *await self.streams()]:
+        """The workers' group on every lane (the api creates it with each new lane; this repairs
+        a Redis that lost them). The doorbell has none: every worker reads all of it."""
+        for stream in await self.streams():
             try:
                 await self.redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:

@@ -27,6 +27,7 @@ from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.backend import Backend
+from worker.intake import Intake
 from worker.metrics import WorkerMetrics
 from worker.publisher import Publisher
 
@@ -46,8 +47,11 @@ class WorkerService:
         self.store = RequestStore(redis, settings.prefix)
         self.publisher = Publisher(redis, self.queue)
         self._stopping = asyncio.Event()
+        self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s)
         self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
         self._lanes_read_at = -math.inf
+        self._doorbell_id = "0-0"  # the doorbell's last entry when the lanes were read
+        self._announced = -1  # the free slots this worker last told the others of
         self.metrics = WorkerMetrics()
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
@@ -77,6 +81,7 @@ class WorkerService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
+            await self.intake.withdraw()
             if server is not None:
                 server.shutdown()
 
@@ -108,44 +113,41 @@ class WorkerService:
         await self._retry("publish", lambda: self.publisher.publish(outputs))
 
     async def _intake(self, block: bool) -> None:
-        """Take queued requests: up to the free slots, spread over the lanes; with no free slot,
-        the head of each lane that has none waiting here, so the batcher can choose fairly
-        between tenants when a slot frees. Wait for some if `block`."""
+        """Take this worker's share of the queued requests, spread over the lanes; with no free
+        slot, the head of each lane that has none waiting here (so the batcher can choose fairly
+        between tenants when a slot frees), unless another worker has room. Wait for some if `block`."""
         lanes = await self._retry("lanes", self._lane_streams)
         free = self.engine.free_slots
         if free:
-            wanted, count = lanes, max(1, free // max(1, len(lanes)))
+            wanted = lanes
         elif len(lanes) > 1:
             here = {self.queue.stream_of(seq.payload) for seq in self.engine.waiting}
-            wanted, count = [lane for lane in lanes if lane not in here], 1
+            wanted = [lane for lane in lanes if lane not in here]
         else:
+            wanted = []
+        if not wanted and not block and free == self._announced:
             return
-        if not wanted and not block:
-            return
-        streams = {self.queue.doorbell: ">", **{lane: ">" for lane in wanted}}
         try:
-            reply = await self._retry("intake", lambda: self.redis.xreadgroup(
-                keys.WORKER_GROUP, self.name, streams, count=count,
-                block=self.settings.intake_block_ms if block else None))
+            taken = await self._retry("intake", lambda: self.intake.take(wanted, free, idle=block))
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             log.warning("a request stream had no consumer group (%s); creating them", exc)
             await self._retry("groups", self.queue.ensure_groups)
             return
-        for stream, entries in reply or []:
-            if stream == self.queue.doorbell:  # a new lane: read it from the next intake on
-                await self._retry("doorbell", lambda e=entries: self.redis.xack(
-                    stream, keys.WORKER_GROUP, *[entry_id for entry_id, _ in e]))
+        self._announced = max(0, free - len(taken.entries))
+        for stream, entry_id, fields in taken.entries:
+            # Every Redis call of _admit can be repeated; the engine gets the request last.
+            await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
+        if block and not taken.entries:
+            added = await self._retry("wait", lambda: self.intake.wait(
+                taken.last_ids, self._doorbell_id, self.settings.intake_block_ms))
+            if added:  # a new lane: read it from the next intake on
                 self._lanes_read_at = -math.inf
-                continue
-            for entry_id, fields in entries:
-                # Every Redis call of _admit can be repeated; the engine gets the request last.
-                await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
 
     async def _lane_streams(self) -> list[str]:
         if time.monotonic() - self._lanes_read_at > LANES_REFRESH_S:
-            self._lanes = await self.queue.streams(self.settings.backend)
+            self._lanes, self._doorbell_id = await self.intake.lanes(self.settings.backend)
             self._lanes_read_at = time.monotonic()
         return self._lanes
 
