@@ -103,6 +103,11 @@ class Generation:
             if bad:
                 raise ApiError(422, f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
                                param=field)
+        # Counts of tokens: past the vocabulary, the sampler's top-k has nothing to keep.
+        for field, count in {"top_k": params.top_k, "logprobs": params.logprobs}.items():
+            if count is not None and count > vocab:
+                raise ApiError(422, f"{field} is {count}; it must be at most the vocabulary size, {vocab}",
+                               param=field)
 
     async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
         """Queue the requests for tenant `owner` (all or none: past the backlog limit, 503 first)."""

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.messages import MAX_PRIORITY
-from shared.sampling import MAX_LOGPROBS, LogitsProcessor, SamplingParams
+from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
 
 
 class StreamOptions(BaseModel):
@@ -17,7 +17,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -26,17 +26,17 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
     # vLLM's extra sampling fields
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=2.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     logits_processors: list[LogitsProcessor] | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
     speculative: bool = True  # streamq's: false opts this request out of speculative decoding
@@ -53,7 +53,7 @@ class _Common(BaseModel):
         """Our sampling parameters for one of the n samples (each gets its own seed)."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=None if self.seed is None else self.seed + seed_offset, stop=self.stop,
+            min_p=self.min_p, seed=seed_for(self.seed, seed_offset), stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -63,7 +63,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_ID)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=16)
@@ -103,8 +103,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

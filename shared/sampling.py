@@ -1,12 +1,22 @@
 """Sampling parameters of one request, validated at the edge and carried to the worker."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
+MAX_SEED = 2**63 - 1  # a torch generator takes up to 64 bits; signed keeps it an int64 everywhere
+# Far above any vocabulary, far below int64: a payload that skipped the api's vocabulary check
+# still fits the sampler's tensors. The api checks the real vocabulary size.
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=-MAX_TOKEN_ID, le=MAX_TOKEN_ID)]
+
+
+def seed_for(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` of a request with n samples: seed + sample, wrapped into range."""
+    return None if seed is None else (seed + sample) % (MAX_SEED + 1)
 
 
 class BanTokens(BaseModel):
@@ -15,7 +25,7 @@ class BanTokens(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Literal["ban_tokens"] = "ban_tokens"
-    token_ids: list[int] = Field(min_length=1, max_length=1024)
+    token_ids: list[TokenId] = Field(min_length=1, max_length=1024)
 
 
 # Logits processors a request may select by name (code cannot travel over the wire).
@@ -25,24 +35,27 @@ LogitsProcessor = BanTokens
 class SamplingParams(BaseModel):
     """How to pick tokens. temperature 0 is greedy decoding."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity are refused by name, whatever bound they would happen to miss.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate; unset means the server default.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID,
+                                   description="Most tokens to generate; unset means the server default.")
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 keeps all.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same sample.")
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID,
+                       description="Keep the k most likely tokens; -1 or 0 keeps all; at most the vocabulary size.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same sample.")
     stop: list[str] = Field(default_factory=list, max_length=16,
                             description="Strings that end generation; they are not part of the output.")
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most likely.")
     repetition_penalty: float = Field(1.0, ge=0.01, le=2.0,
                                       description="Divide positive (multiply negative) logits of tokens already seen.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from each generated token.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=300,
-                                         description="Token id -> bias added to its logit (-100 bans, 100 forces).")
+    logit_bias: dict[TokenId, float] = Field(default_factory=dict, max_length=300,
+                                             description="Token id -> bias added to its logit (-100 bans, 100 forces).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Return the chosen token's log-probability and this many alternatives.")
     logits_processors: list[LogitsProcessor] = Field(default_factory=list, max_length=4)

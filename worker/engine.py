@@ -7,6 +7,7 @@ request leaves the batch at once and its slot is refilled next step.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -15,10 +16,12 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
-from worker.sampler import make_generator, sample_verify
+from worker.sampler import make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import Speculator
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -101,6 +104,12 @@ class Engine:
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
         return outputs
 
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        log.warning("request %s failed in sampling: %r", seq.id, exc)
+        seq.finish_reason, seq.error = FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}"
+        self._remove(seq)
+        return StepOutput(seq, None, True)
+
     def _end_cancelled(self) -> list[StepOutput]:
         cancelled = self.cancels.take()
         outputs = []
@@ -120,13 +129,17 @@ class Engine:
     def _update(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         chunks = [c for c in scheduled.chunks if c.samples]
         spec = self.speculator
-        picked = sample_verify(logits, [c.seq for c in chunks], [c.draft for c in chunks],
-                               [self._generators[c.seq.id] for c in chunks],
-                               [spec.draft_probs(c) if spec else None for c in chunks])
+        picked = sample_each(logits, [c.seq for c in chunks], [c.draft for c in chunks],
+                             [self._generators[c.seq.id] for c in chunks],
+                             [spec.draft_probs(c) if spec else None for c in chunks])
         outputs = []
         eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
-        for chunk, (tokens, logprobs) in zip(chunks, picked):
+        for chunk, result in zip(chunks, picked):
             seq = chunk.seq
+            if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
+                outputs.append(self._fail(seq, result))
+                continue
+            tokens, logprobs = result
             if chunk.draft:  # every emitted token but the last was a proposed one, kept
                 self.batcher.verified(seq, len(tokens) - 1)
                 spec.verified(chunk, len(tokens) - 1)

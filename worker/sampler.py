@@ -66,6 +66,34 @@ def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     return [(tokens, [next(logprobs) for _ in tokens]) for tokens in emitted]
 
 
+def sample_each(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                generators: list[torch.Generator | None], draft_probs: list[torch.Tensor | None],
+                ) -> list[tuple[list[int], list[Logprobs | None]] | Exception]:
+    """sample_verify, but a request whose sampling raises gets its exception instead of tokens,
+    and every other request exactly the tokens it would have had without it.
+
+    The batched pass runs first; only when it raises is each request sampled alone, after its
+    random stream is rewound to where the batched pass found it (so no draw is taken twice).
+    """
+    states = [None if g is None else g.get_state() for g in generators]
+    try:
+        return sample_verify(logits, seqs, drafts, generators, draft_probs)
+    except Exception:  # noqa: BLE001 - found again, and kept, row by row below
+        pass
+    out: list[tuple[list[int], list[Logprobs | None]] | Exception] = []
+    row = 0
+    for seq, draft, gen, state, q in zip(seqs, drafts, generators, states, draft_probs):
+        if gen is not None:
+            gen.set_state(state)
+        rows = logits[row:row + 1 + len(draft)]
+        row += 1 + len(draft)
+        try:
+            out.append(sample_verify(rows, [seq], [draft], [gen], [q])[0])
+        except Exception as exc:  # noqa: BLE001 - this request's parameters broke its own sampling
+            out.append(exc)
+    return out
+
+
 def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
                  vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
     """A draft model's next token for each row: its argmax for greedy requests, else a draw

@@ -7,6 +7,7 @@ models use the continuous engine (worker/engine.py) instead.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
@@ -14,9 +15,11 @@ import torch
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
-from worker.sampler import make_generator, sample_batch
+from worker.sampler import make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
+
+log = logging.getLogger(__name__)
 
 
 class StaticEngine:
@@ -101,10 +104,18 @@ class StaticEngine:
     def _update(self, logits: torch.Tensor) -> list[StepOutput]:
         rows = [(row, seq) for row, seq in enumerate(self.rows) if not seq.finished]
         seqs = [seq for _, seq in rows]
-        tokens, logprobs = sample_batch(logits[[row for row, _ in rows]], seqs,
-                                        [self._generators[s.id] for s in seqs])
+        picked = sample_each(logits[[row for row, _ in rows]], seqs, [[] for _ in seqs],
+                             [self._generators[s.id] for s in seqs], [None] * len(seqs))
         outputs = []
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+        for seq, result in zip(seqs, picked):
+            if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
+                log.warning("request %s failed in sampling: %r", seq.id, result)
+                seq.finish_reason = FinishReason.ERROR
+                seq.error = f"sampling failed: {type(result).__name__}: {result}"
+                self._generators.pop(seq.id, None)
+                outputs.append(StepOutput(seq, None, True))
+                continue
+            ([token], [lp]) = result
             text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
             if seq.finished:
                 self._generators.pop(seq.id, None)

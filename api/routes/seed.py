@@ -21,7 +21,7 @@ from api.deps import GenerationDep
 from api.generation import ApiError, Generation
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_SEED, MAX_TOKEN_ID, SamplingParams, seed_for
 
 router = APIRouter(tags=["seed tutorials"])
 
@@ -46,8 +46,8 @@ class QueryRequest(BaseModel):
     n: int = Field(1, ge=1, le=16)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     temperature: float = Field(0.7, ge=0.0, le=5.0)
-    max_tokens: int = Field(256, ge=1)
-    seed: int | None = Field(None, ge=0)
+    max_tokens: int = Field(256, ge=1, le=MAX_TOKEN_ID)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 
 async def _texts(generation: Generation, prompts: list[str], params: SamplingParams,
@@ -119,7 +119,7 @@ async def generate_query_stream(body: QueryRequest, generation: GenerationDep, t
     prompt_ids = await generation.encode(body.query)
     payloads = [generation.build(prompt_ids, SamplingParams(
         temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
-        seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
+        seed=seed_for(body.seed, i))) for i in range(body.n)]
     await generation.submit(payloads, owner=tenant)
 
     async def chunks():

@@ -146,6 +146,9 @@ def test_detached_stream_can_leave_without_cancelling(stack, client):
     ({"prompt": "x", "logit_bias": {"99999": 1}}, 422, ["logit_bias", "99999"]),
     ({"prompt": "x", "logit_bias": {"5": 101}}, 422, ["logit_bias"]),
     ({"prompt": "x", "logprobs": 21}, 422, ["logprobs"]),
+    ({"prompt": "x", "top_k": 10**30}, 422, ["top_k"]),
+    ({"prompt": "x", "top_k": 100_000}, 422, ["top_k", "vocabulary size"]),
+    ({"prompt": "x", "seed": 2**70}, 422, ["seed"]),
     ({"prompt": "x", "logits_processors": [{"name": "eval", "code": "1"}]}, 422, ["logits_processors"]),
 ])
 def test_bad_input_gets_a_clear_error_and_queues_nothing(stack, client, body, status, needles):

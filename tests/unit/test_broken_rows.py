@@ -1,0 +1,84 @@
+"""A request whose own sampling parameters break its sampling fails alone: its neighbours in
+the step get exactly the tokens they get without it (greedy and seeded), in both engines.
+
+The api refuses these parameters; the payloads here skip its validation (model_construct),
+as a payload from an older api, or a bug, would.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import FinishReason, RequestPayload
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from tests.unit.test_engine import make_engine
+from worker.runner import BatchRunner, load_model
+from worker.static_engine import StaticEngine
+
+GOOD = [("Once upon a time", {"temperature": 0}), ("The capital of France", {"temperature": 1.0, "seed": 7}),
+        ("Streams and caches", {"temperature": 0.8, "top_k": 20, "seed": 8, "logprobs": 2}),
+        ("안녕 😀", {"temperature": 0})]
+# Each breaks the sampler in its own place: filtering, bias (greedy rows too), log-probabilities.
+BAD = [{"temperature": 1.0, "top_k": 10**30}, {"temperature": 1.0, "min_p": 10**30},
+       {"temperature": 0, "logit_bias": {5: 10**30}}, {"temperature": 0, "logprobs": 10**6}]
+
+
+def payload(i: int, tok: Tokenizer, text: str, params: SamplingParams) -> RequestPayload:
+    return RequestPayload(id=f"r{i}", model="m", prompt_token_ids=tok.encode(text), params=params)
+
+
+def good(i: int, tok: Tokenizer) -> RequestPayload:
+    text, params = GOOD[i]
+    return payload(i, tok, text, SamplingParams(max_tokens=12, **params))
+
+
+def bad(i: int, tok: Tokenizer) -> RequestPayload:
+    unchecked = SamplingParams.model_construct(**{**SamplingParams().model_dump(), "max_tokens": 12, **BAD[i]})
+    return payload(100 + i, tok, "a poisoned request", unchecked)
+
+
+def drain(engine, payloads: list[RequestPayload]) -> dict[str, tuple]:
+    seqs = [engine.add(p, "0-0") for p in payloads]
+    while engine.has_work():
+        engine.step()
+    return {s.id: (s.finish_reason, s.output_ids, s.error) for s in seqs}
+
+
+def continuous(model_dir):
+    return make_engine(model_dir)
+
+
+def static(model_dir):
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    return StaticEngine(BatchRunner(model, torch.device("cpu"), pad_id=2), Tokenizer(model_dir), batch_size=8)
+
+
+@pytest.mark.parametrize("build", [continuous, static])
+def test_a_broken_row_fails_alone_and_its_neighbours_keep_their_exact_tokens(tiny_llama, build):
+    tok = Tokenizer(tiny_llama)
+    alone = drain(build(tiny_llama), [good(i, tok) for i in range(len(GOOD))])
+    assert all(reason != FinishReason.ERROR and out for reason, out, _ in alone.values())
+    engine = build(tiny_llama)
+    # Bad rows between the good ones, so a row's position in the batch moves too.
+    mixed = [p for i in range(len(GOOD)) for p in (good(i, tok), bad(i, tok))]
+    ended = drain(engine, mixed)
+    for i in range(len(BAD)):
+        reason, out, error = ended[f"r{100 + i}"]
+        assert reason == FinishReason.ERROR and out == [] and error.startswith("sampling failed"), BAD[i]
+    assert {rid: ended[rid] for rid in alone} == alone
+    if build is continuous:
+        assert engine.batcher.blocks.num_free == len(engine.batcher.blocks.blocks)  # failed rows' KV given back
+
+
+def test_a_row_that_breaks_after_some_tokens_fails_then_alone(tiny_llama):
+    """A presence penalty only applies once there are outputs: the row fails at its second
+    token, keeping its first, and its neighbours carry on unchanged."""
+    tok = Tokenizer(tiny_llama)
+    alone = drain(make_engine(tiny_llama), [good(0, tok), good(1, tok)])
+    late = SamplingParams.model_construct(**{**SamplingParams(temperature=0, max_tokens=12).model_dump(),
+                                             "presence_penalty": 10**30})
+    ended = drain(make_engine(tiny_llama), [good(0, tok), payload(9, tok, GOOD[0][0], late), good(1, tok)])
+    reason, out, _ = ended["r9"]
+    assert reason == FinishReason.ERROR and out == alone["r0"][1][:1]
+    assert {rid: ended[rid] for rid in alone} == alone
