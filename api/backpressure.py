@@ -2,8 +2,10 @@
 Retry-After computed from how fast the workers are draining the queue.
 
 The backlog is the consumer group's lag (entries no worker has taken yet) summed over the
-model's lanes, read from Redis, so every replica sees the same queue. A sampler notes the
-groups' `entries-read` once a second; the drain rate is its growth over the last few seconds.
+model's lanes, read in Redis by the same script that queues the requests
+(`RequestStore.enqueue`): check and enqueue are one step, so replicas submitting at once
+never pass the limit together. Each submit and a sampler once a second note the groups'
+`entries-read`; the drain rate is its growth over the last few seconds.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from collections import deque
 from redis.exceptions import RedisError
 
 from api.generation import ApiError
+from shared.messages import RequestPayload
 from shared.queue import RequestQueue
+from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +54,14 @@ class Backpressure:
         (t0, r0), (t1, r1) = self._samples[0], self._samples[-1]
         return (r1 - r0) / (t1 - t0) if t1 > t0 else 0.0
 
-    async def check(self, incoming: int = 1) -> None:
-        """Raise 503 if `incoming` more requests would push the backlog past the limit."""
-        waiting, read = await self.backlog()
-        self._note(read)
-        if waiting + incoming <= self.limit:
+    async def enqueue(self, store: RequestStore, payloads: list[RequestPayload]) -> None:
+        """Queue the requests, all or none; 503 if they would push the backlog past the limit."""
+        admission = await store.enqueue(payloads, max_waiting=self.limit)
+        self._note(admission.taken)
+        if admission.queued:
             return
-        rate = self.drain_rate()
-        excess = waiting + incoming - self.limit
+        waiting, rate = admission.waiting, self.drain_rate()
+        excess = waiting + len(payloads) - self.limit
         retry = MAX_RETRY_AFTER_S if rate <= 0 else min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate)))
         raise ApiError(503, f"the server is busy: {waiting} requests are waiting for a worker (limit {self.limit}); "
                             f"at the measured drain rate of {rate:.2f} requests/s, retry in {retry} s",

@@ -110,16 +110,23 @@ class Generation:
                                param=field)
 
     async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
-        """Queue the requests for tenant `owner` (all or none: past the backlog limit, 503 first)."""
-        weight = 1.0
+        """Queue the requests for tenant `owner`, all or none (past the backlog limit, 503)."""
+        weight, tokens = 1.0, 0
         if self.limits is not None and owner:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
             weight = await self.limits.admit(owner, [p.id for p in payloads], tokens)
-        if self.backpressure is not None:
-            await self.backpressure.check(len(payloads))
         for payload in payloads:
             payload.owner, payload.weight = owner, weight
-            await self.store.submit(payload)
+        try:
+            if self.backpressure is not None:
+                await self.backpressure.enqueue(self.store, payloads)
+            else:
+                await self.store.enqueue(payloads)
+        except ApiError:
+            if self.limits is not None and owner:  # refused: what the limits counted was never queued
+                await self.limits.release(owner, [p.id for p in payloads], tokens)
+            raise
+        for payload in payloads:
             fields = {"request_id": payload.id, "tenant": owner, "prompt_tokens": len(payload.prompt_token_ids),
                       "max_tokens": payload.params.max_tokens, "priority": payload.priority}
             if self.log_prompts:

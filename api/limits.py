@@ -90,3 +90,11 @@ class Limits:
         kind, wait = result[0], max(1, math.ceil(float(result[1])))
         raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
+        """Undo `admit` for requests that were then refused (e.g. by backpressure), in one step."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
+            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
+            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)
+            await pipe.execute()

@@ -1,18 +1,26 @@
 """Entry point of the scheduler: an arq worker whose cron jobs reclaim the requests of dead
-workers and keep Redis tidy."""
+workers and keep Redis tidy, run under a loop that outlives Redis restarts."""
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from arq import cron, func
-from arq.worker import run_worker
-from shared.redis_client import arq_settings, connect
+from arq.connections import ArqRedis, create_pool
+from arq.worker import Worker, create_worker
+from shared.redis_client import REDIS_DOWN, arq_settings, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
 from shared import keys
 from shared.models import served_name
 from shared.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def trim(ctx: dict[str, Any]) -> int:
@@ -64,4 +72,48 @@ def worker_settings(settings: SchedulerSettings) -> type:
 
 
 def main(settings: SchedulerSettings | None = None) -> None:
-    run_worker(worker_settings(settings or SchedulerSettings()))
+    asyncio.run(supervise(settings or SchedulerSettings()))
+
+
+async def supervise(settings: SchedulerSettings) -> None:
+    """Run the arq worker until SIGINT or SIGTERM. arq's loop ends with an error when Redis
+    goes away (a restart), so then wait until Redis answers and run a fresh worker: its cron
+    jobs start again, and run at once (run_at_startup)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    cls = worker_settings(settings)
+    while not stop.is_set():
+        pool = await _unless(stop, until_redis_answers(
+            "scheduler start", lambda: create_pool(cls.redis_settings, default_queue_name=cls.queue_name), log))
+        if pool is None:
+            return
+        worker = create_worker(cls, redis_pool=pool, handle_signals=False)
+        try:
+            await _unless(stop, worker.main())
+        except REDIS_DOWN as exc:
+            log.warning("redis unavailable, the scheduler's jobs stopped (%s); they start again when it answers", exc)
+        finally:
+            await _close(worker, pool)
+
+
+async def _unless(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (with `work` cancelled) if `stop` is set first."""
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+async def _close(worker: Worker, pool: ArqRedis) -> None:
+    """arq's Worker.close without its Redis calls, which would fail while Redis is away."""
+    for task in worker.tasks.values():
+        task.cancel()
+    await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+    if "streamq_redis" in worker.ctx:  # on_startup ran
+        await worker.on_shutdown(worker.ctx)
+    await pool.close(close_connection_pool=True)

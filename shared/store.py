@@ -5,12 +5,14 @@ that checks the current status first, so a cancel and a worker's claim can never
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from redis.asyncio import Redis
 
 from shared import keys
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
-from shared.queue import RequestQueue, lane_of
+from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
 
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
@@ -25,16 +27,29 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at'
 return 1
 """
 
-# KEYS: record, lane stream, lanes set, doorbell. ARGV: lane, payload, group, then the
-# record's fields and values. Writes the record and queues the request; a lane seen for the
-# first time gets the workers' group (before its first entry) and rings the doorbell.
-_SUBMIT = """
-if redis.call('SADD', KEYS[3], ARGV[1]) == 1 then
-  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[3], '0', 'MKSTREAM')
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000', '*', 'lane', ARGV[1])
+# KEYS: lanes set, doorbell, then each request's record and lane stream. ARGV: group, the
+# most requests that may wait (-1: no limit), the lane streams' key prefix, then for each
+# request its lane, payload, number of record fields, and those fields and values.
+# Admission and queueing in one step, all requests or none: past the limit nothing is written
+# and {0, waiting, taken} comes back; else the records are written, the requests queued and
+# {1, waiting before them, taken}. A lane seen for the first time gets the workers' group
+# (before its first entry) and rings the doorbell.
+_SUBMIT = BACKLOG_LUA + """
+local waiting, taken = backlog(KEYS[1], ARGV[3], ARGV[1])
+local n = (#KEYS - 2) / 2
+if tonumber(ARGV[2]) >= 0 and waiting + n > tonumber(ARGV[2]) then return {0, waiting, taken} end
+local a = 4
+for i = 1, n do
+  local record, stream, lane, fields = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[a], tonumber(ARGV[a + 2])
+  if redis.call('SADD', KEYS[1], lane) == 1 then
+    pcall(redis.call, 'XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'lane', lane)
+  end
+  redis.call('HSET', record, unpack(ARGV, a + 3, a + 2 + 2 * fields))
+  redis.call('XADD', stream, '*', 'payload', ARGV[a + 1])
+  a = a + 3 + 2 * fields
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('XADD', KEYS[2], '*', 'payload', ARGV[2])
+return {1, waiting, taken}
 """
 
 # KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl.
@@ -69,6 +84,14 @@ return 1
 """
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What a submit found: whether it queued the requests, and the model's backlog before them."""
+    queued: bool
+    waiting: int  # requests no worker had taken yet, over all lanes
+    taken: int  # requests ever taken by a worker (its growth is the drain rate)
+
+
 class RequestStore:
     """Reads and writes request records for one key prefix."""
 
@@ -82,21 +105,34 @@ class RequestStore:
 
     async def submit(self, payload: RequestPayload) -> None:
         """Write the record, then queue the request in its lane: both in one script."""
-        record = {
-            "status": RequestStatus.QUEUED.value,
-            "model": payload.model,
-            "owner": payload.owner,
-            "params": payload.params.model_dump_json(),
-            "prompt_tokens": len(payload.prompt_token_ids),
-            "created_at": payload.created_at,
-            **({"expires_at": payload.expires_at} if payload.expires_at else {}),
-        }
-        queue = RequestQueue(self.redis, self.prefix, payload.model)
-        await self._submit(
-            keys=[keys.request_record(self.prefix, payload.id), queue.stream_of(payload), queue.lanes_key,
-                  queue.doorbell],
-            args=[lane_of(payload), payload.model_dump_json(), keys.WORKER_GROUP,
-                  *[x for item in record.items() for x in item]])
+        await self.enqueue([payload])
+
+    async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Admission:
+        """Queue requests of one model, all or none, unless that would leave more than
+        `max_waiting` requests waiting for a worker: the check and the writes are one script,
+        so replicas submitting at once never pass the limit together."""
+        model = payloads[0].model
+        if any(p.model != model for p in payloads):
+            raise ValueError(f"one enqueue takes requests of one model; got {sorted({p.model for p in payloads})}")
+        queue = RequestQueue(self.redis, self.prefix, model)
+        request_keys, args = [], []
+        for payload in payloads:
+            record = {
+                "status": RequestStatus.QUEUED.value,
+                "model": payload.model,
+                "owner": payload.owner,
+                "params": payload.params.model_dump_json(),
+                "prompt_tokens": len(payload.prompt_token_ids),
+                "created_at": payload.created_at,
+                **({"expires_at": payload.expires_at} if payload.expires_at else {}),
+            }
+            request_keys += [keys.request_record(self.prefix, payload.id), queue.stream_of(payload)]
+            args += [lane_of(payload), payload.model_dump_json(), len(record),
+                     *[x for item in record.items() for x in item]]
+        queued, waiting, taken = await self._submit(
+            keys=[queue.lanes_key, queue.doorbell, *request_keys],
+            args=[keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix, *args])
+        return Admission(bool(queued), int(waiting), int(taken))
 
     async def claim(self, request_id: str, worker: str) -> bool:
         """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""

@@ -1,6 +1,10 @@
-"""Queue timeouts and backpressure, with real processes on the null backend (one slot)."""
+"""Queue timeouts and backpressure, with real processes on the null backend."""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
+import redis
 
 from tests.e2e.helpers import submit, wait_done
 from tests.stack import Stack, stream_events
@@ -69,3 +73,35 @@ def test_long_poll_answers_at_the_next_change(busy):
         assert client.get(f"{api}/v1/requests/{holder}", params={"wait": 999}).status_code == 422
         client.delete(f"{api}/v1/requests/{holder}")
         assert wait_done(client, api, holder)["status"] == "cancelled"
+
+
+@pytest.fixture(scope="module")
+def undrained(redis_url, tiny_llama, tmp_path_factory):
+    """Two api replicas with a backlog limit of 4, and no worker taking requests (it is killed
+    once the replicas are ready), so nothing drains the queue."""
+    env = {"STREAMQ_BACKEND": "null", "STREAMQ_BATCH_SIZE": "2", "STREAMQ_MAX_QUEUED_REQUESTS": "4"}
+    with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("undrained"), replicas=2, env=env) as stack:
+        stack.kill_worker(stack.worker_name(0))
+        yield stack
+
+
+def test_replicas_together_queue_exactly_the_backlog_limit(undrained):
+    together = threading.Barrier(60)
+
+    def post(i: int) -> httpx.Response:
+        api = undrained.urls[i % 2]
+        with httpx.Client(timeout=60) as client:
+            assert client.get(f"{api}/healthz").status_code == 200  # connected before the race
+            together.wait(60)
+            return client.post(f"{api}/v1/requests", json={"prompt": f"p{i}", "max_tokens": 2})
+
+    with ThreadPoolExecutor(60) as pool:
+        replies = list(pool.map(post, range(60)))
+    accepted = [r for r in replies if r.status_code == 202]
+    assert len(accepted) == 4, f"{len(accepted)} of 60 accepted with a backlog limit of 4"
+    assert all(r.status_code == 503 for r in replies if r.status_code != 202)
+    assert all(1 <= int(r.headers["Retry-After"]) <= 60 for r in replies if r.status_code == 503)
+    assert undrained.queued() == 4  # entries ever written to the request streams
+    with redis.Redis.from_url(undrained.env["REDIS_URL"], decode_responses=True) as client:
+        records = list(client.scan_iter(match=f"{undrained.prefix}:req:*"))
+    assert len(records) == 4  # nothing left behind by the refused ones
