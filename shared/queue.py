@@ -2,10 +2,10 @@
 (and, for a request only one backend may run, that backend: `@vllm/0:acme`).
 
 The api writes each request to its lane's stream (with the record, in one script); workers
-read the heads of all lanes with one XREADGROUP and the batcher chooses between them
-(worker/fair_queue.py). A new lane rings a doorbell stream so waiting workers start reading
-it at once (worker/intake.py). Everything that looks at the backlog (backpressure, the scheduler) goes over all
-lanes through this class.
+take their share of all lanes in one script (worker/intake.py) and the batcher chooses between
+them (worker/fair_queue.py). A new lane rings a doorbell stream so waiting workers start
+reading it at once. Everything that looks at the backlog (backpressure, the scheduler) goes
+over all lanes through this class.
 """
 from __future__ import annotations
 
@@ -17,37 +17,38 @@ from shared.messages import RequestPayload
 
 ANONYMOUS = "-"  # the lane's tenant part when auth is off
 
-# A Lua function, for the scripts that need the backlog: (entries no worker has taken yet,
-# entries ever taken) over every lane in the lanes set, from each lane's group (its lag and
-# entries-read; where Redis cannot tell the lag, entries-added less entries-read). It reads
-# the lanes' streams without being given them as KEYS: fine on one Redis, not on a Cluster.
+# Lua functions for the scripts that need the backlog. lane_backlog: (entries no worker has
+# taken yet, entries ever taken) of one lane's stream, from its group (its lag and entries-read;
+# where Redis cannot tell the lag, entries-added less entries-read). backlog: the same summed
+# over every lane in the lanes set; it reads the lanes' streams without being given them as
+# KEYS: fine on one Redis, not on a Cluster.
 BACKLOG_LUA = """
+local function lane_backlog(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return 0, 0 end  -- no such stream (yet)
+  local info
+  for _, g in ipairs(groups) do
+    local fields = {}
+    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+    if fields['name'] == group then info = fields end
+  end
+  if not info then return redis.call('XLEN', stream), 0 end
+  local read = tonumber(info['entries-read']) or 0
+  local lag = tonumber(info['lag'])
+  if not lag then
+    local stream_info = redis.call('XINFO', 'STREAM', stream)
+    for i = 1, #stream_info, 2 do
+      if stream_info[i] == 'entries-added' then lag = math.max(0, stream_info[i + 1] - read) end
+    end
+  end
+  return lag, read
+end
+
 local function backlog(lanes_key, stream_prefix, group)
   local waiting, taken = 0, 0
   for _, lane in ipairs(redis.call('SMEMBERS', lanes_key)) do
-    local stream = stream_prefix .. lane
-    local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-    if ok then  -- else no such stream (yet)
-      local info
-      for _, g in ipairs(groups) do
-        local fields = {}
-        for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-        if fields['name'] == group then info = fields end
-      end
-      if not info then
-        waiting = waiting + redis.call('XLEN', stream)
-      else
-        local read = tonumber(info['entries-read']) or 0
-        local lag = tonumber(info['lag'])
-        if not lag then
-          local stream_info = redis.call('XINFO', 'STREAM', stream)
-          for i = 1, #stream_info, 2 do
-            if stream_info[i] == 'entries-added' then lag = math.max(0, stream_info[i + 1] - read) end
-          end
-        end
-        waiting, taken = waiting + lag, taken + read
-      end
-    end
+    local lag, read = lane_backlog(stream_prefix .. lane, group)
+    waiting, taken = waiting + lag, taken + read
   end
   return waiting, taken
 end

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.queue import RequestQueue, served_by
+from shared.queue import BACKLOG_LUA, RequestQueue, served_by
 
 # KEYS: free-slots hash, then the lanes to read. ARGV: group, consumer, free slots, idle (0/1),
 # announcement ttl ms. Returns {taken, {lane index, entry id, {field, value, ...}} ...,
@@ -42,25 +42,7 @@ for i = 1, #announced, 2 do
   end
 end
 local waiting = 0
-for i = 2, #KEYS do
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[i])
-  if ok then
-    for _, g in ipairs(groups) do
-      local info = {}
-      for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
-      if info['name'] == group then
-        local lag = info['lag']
-        if not lag then  -- unknown after some deletions: everything not yet read
-          local added = redis.call('XINFO', 'STREAM', KEYS[i])
-          for j = 1, #added, 2 do
-            if added[j] == 'entries-added' then lag = added[j + 1] - (info['entries-read'] or 0) end
-          end
-        end
-        waiting = waiting + math.max(0, lag or 0)
-      end
-    end
-  end
-end
+for i = 2, #KEYS do waiting = waiting + lane_backlog(KEYS[i], group) end
 -- The water level: what every worker keeps free once the waiting requests are spread.
 local share = 0
 if waiting > 0 and free > 0 then
@@ -127,7 +109,7 @@ class Intake:
         self.worker = worker
         self.ttl_ms = int(ttl_s * 1000)
         self.free_key = keys.worker_free_slots(queue.prefix, queue.model)
-        self._take = redis.register_script(_TAKE)
+        self._take = redis.register_script(BACKLOG_LUA + _TAKE)
 
     async def lanes(self, backend: str) -> tuple[list[str], str]:
         """The lanes a worker of `backend` reads, and the doorbell's last id when they were read

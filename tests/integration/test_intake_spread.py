@@ -1,6 +1,6 @@
 """Several workers on one queue split a burst: real Redis, real WorkerServices, the null engine.
 
-The requests of a burst are queued in one MULTI, so they arrive together whatever the machine's
+The requests of a burst are queued in one script, so they arrive together whatever the machine's
 speed; the null engine emits a token a second, so nothing ends (and frees a slot) meanwhile.
 """
 import asyncio
@@ -24,12 +24,8 @@ def _payload(tenant: str, max_tokens: int = 60) -> RequestPayload:
 
 
 async def _burst(redis, prefix, payloads) -> None:
-    """Queue every request in one transaction: the workers see them all at once."""
-    async with redis.pipeline(transaction=True) as pipe:
-        store = RequestStore(pipe, prefix)
-        for p in payloads:
-            await store.submit(p)
-        await pipe.execute()
+    """Queue every request in one script: the workers see them all at once."""
+    await RequestStore(redis, prefix).enqueue(payloads)
 
 
 async def _workers(redis, redis_url, prefix, count, batch_size=8, tokens_per_s=1.0):
