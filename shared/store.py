@@ -71,11 +71,11 @@ return status
 """
 
 
-# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error.
-# Expires a request that is still queued; returns 1 if it did.
-_EXPIRE = """
+# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error, status,
+# finish reason. Ends a request that is still queued (expired, or failed); returns 1 if it did.
+_END_QUEUED = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'expired', 'finish_reason', 'expired', 'finished_at', ARGV[2], 'error', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[2], 'error', ARGV[4])
 redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
 redis.call('PUBLISH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -101,7 +101,7 @@ class RequestStore:
         self._submit = redis.register_script(_SUBMIT)
         self._claim = redis.register_script(_CLAIM)
         self._cancel = redis.register_script(_CANCEL)
-        self._expire = redis.register_script(_EXPIRE)
+        self._end = redis.register_script(_END_QUEUED)
 
     async def submit(self, payload: RequestPayload) -> None:
         """Write the record, then queue the request in its lane: both in one script."""
@@ -162,12 +162,21 @@ class RequestStore:
         """End a request that waited past its queue timeout without starting; True if it did."""
         waited = now() - payload.created_at
         error = f"the request waited {waited:.1f} s in the queue, past its timeout, and was not run"
-        final = FinalEvent(status=RequestStatus.EXPIRED, finish_reason=FinishReason.EXPIRED, error=error,
-                           usage=Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=0))
-        done = await self._expire(
-            keys=[keys.request_record(self.prefix, payload.id), keys.token_log(self.prefix, payload.id),
-                  keys.request_channel(self.prefix, payload.id)],
-            args=[encode_event(final), now(), keys.RESULT_TTL_S, error])
+        return await self._end_queued(payload.id, RequestStatus.EXPIRED, FinishReason.EXPIRED, error,
+                                      len(payload.prompt_token_ids))
+
+    async def fail_queued(self, request_id: str, error: str) -> bool:
+        """End a queued request that no worker can run (its entry does not parse); True if it did."""
+        return await self._end_queued(request_id, RequestStatus.FAILED, FinishReason.ERROR, error, 0)
+
+    async def _end_queued(self, request_id: str, status: RequestStatus, reason: FinishReason, error: str,
+                          prompt_tokens: int) -> bool:
+        final = FinalEvent(status=status, finish_reason=reason, error=error,
+                           usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0))
+        done = await self._end(
+            keys=[keys.request_record(self.prefix, request_id), keys.token_log(self.prefix, request_id),
+                  keys.request_channel(self.prefix, request_id)],
+            args=[encode_event(final), now(), keys.RESULT_TTL_S, error, status.value, reason.value])
         return bool(done)
 
     async def record(self, request_id: str) -> dict[str, str]:

@@ -155,7 +155,11 @@ class WorkerService:
         try:
             payload = RequestPayload.model_validate_json(fields.get("payload", ""))
         except ValidationError as exc:
-            log.error("dropping malformed request entry %s: %s", entry_id, exc)
+            # E.g. queued by an api with other bounds: its client hears why instead of waiting.
+            log.error("failing malformed request entry %s: %s", entry_id, exc)
+            request_id = _request_id(fields.get("payload", ""))
+            if request_id is not None:
+                await self.store.fail_queued(request_id, f"the worker cannot run this request: {exc}")
             await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
             return
         if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
@@ -217,6 +221,15 @@ class WorkerService:
     def _kv_blocks(self) -> dict[str, int]:
         blocks = self.engine.kv_blocks()
         return {} if blocks is None else {"kv_blocks_free": blocks[0], "kv_blocks_total": blocks[1]}
+
+
+def _request_id(payload: str) -> str | None:
+    """The id of a request entry whose payload does not validate, if it has one."""
+    try:
+        request_id = json.loads(payload).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return request_id if isinstance(request_id, str) else None
 
 
 class EngineStalled(RuntimeError):

@@ -123,3 +123,23 @@ async def test_an_expired_announcement_is_dropped(redis, redis_url, prefix):
     await _stop(services)
     assert list(taken.values()) == [6], taken
     assert "gone" not in await redis.hgetall(free_key)
+
+
+async def test_an_entry_the_worker_cannot_parse_fails_its_request_alone(redis, redis_url, prefix):
+    # Queued by an api with looser bounds (here: built without validation): its client must hear why.
+    store = RequestStore(redis, prefix)
+    services = await _workers(redis, redis_url, prefix, 1, tokens_per_s=1000)
+    bad = _payload("t", max_tokens=3)
+    bad.params = SamplingParams.model_construct(**{**bad.params.model_dump(), "top_k": 10**30})
+    good = _payload("t", max_tokens=3)
+    await store.enqueue([bad, good])
+
+    async def both_ended() -> bool:
+        return {(await store.record(p.id)).get("status") for p in (bad, good)} <= {"done", "failed"}
+    await until(both_ended, what="both requests ended")
+    await _stop(services)
+    failed, done = await store.record(bad.id), await store.record(good.id)
+    assert failed["status"] == "failed" and "top_k" in failed["error"], failed
+    assert done["status"] == "done" and done["completion_tokens"] == "3", done
+    final = [e for _, e in await store.events(bad.id)]
+    assert len(final) == 1 and '"failed"' in final[0], final
