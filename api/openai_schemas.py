@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.messages import MAX_PRIORITY
-from shared.sampling import MAX_LOGPROBS, LogitsProcessor, SamplingParams
+from shared.sampling import MAX_LOGPROBS, MAX_TOP_K, LogitsProcessor, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +32,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
     # vLLM's extra sampling fields
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=2.0)
     ignore_eos: bool = False
@@ -97,6 +97,8 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("a text content part's 'text' must be a string")
             parts.append(part.get("text", ""))
         return "".join(parts)
 

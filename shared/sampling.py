@@ -6,7 +6,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # past any vocabulary; the sampler holds it in an int64 tensor
 GREEDY_BELOW = 1e-5
+MAX_SEED = 2**63 - 1  # a signed 64-bit seed for torch
 
 
 class BanTokens(BaseModel):
@@ -30,8 +32,8 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate; unset means the server default.")
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 keeps all.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same sample.")
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="Keep the k most likely tokens; -1 or 0 keeps all.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed, same sample.")
     stop: list[str] = Field(default_factory=list, max_length=16,
                             description="Strings that end generation; they are not part of the output.")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)

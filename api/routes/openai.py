@@ -17,12 +17,13 @@ from fastapi import APIRouter
 from api.auth import TenantDep
 from api.deps import ModelsDep
 from api.generation import ApiError, Generation
+from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/batches")
 
 

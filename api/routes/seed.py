@@ -19,11 +19,12 @@ from pydantic import BaseModel, Field
 from api.auth import TenantDep
 from api.deps import GenerationDep
 from api.generation import ApiError, Generation
+from api.json_body import StrictJSONRoute
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_SEED, SamplingParams
 
-router = APIRouter(tags=["seed tutorials"])
+router = APIRouter(tags=["seed tutorials"], route_class=StrictJSONRoute)
 
 # The first tutorial generated 50 new tokens greedily (transformers' generate defaults);
 # its vLLM path sampled with temperature 0.7 and top_p 0.95.
@@ -42,12 +43,13 @@ class BatchGenerateRequest(BaseModel):
 
 class QueryRequest(BaseModel):
     query: str = Field(min_length=1)
-    request_id: str | None = None
+    # Sent back as the X-Request-Id header: printable ASCII only, or the response cannot be sent.
+    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")
     n: int = Field(1, ge=1, le=16)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     temperature: float = Field(0.7, ge=0.0, le=5.0)
     max_tokens: int = Field(256, ge=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 
 async def _texts(generation: Generation, prompts: list[str], params: SamplingParams,
@@ -119,7 +121,8 @@ async def generate_query_stream(body: QueryRequest, generation: GenerationDep, t
     prompt_ids = await generation.encode(body.query)
     payloads = [generation.build(prompt_ids, SamplingParams(
         temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
-        seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
+        # the n samples count up from seed, wrapping past the largest
+        seed=None if body.seed is None else (body.seed + i) % (MAX_SEED + 1))) for i in range(body.n)]
     await generation.submit(payloads, owner=tenant)
 
     async def chunks():
