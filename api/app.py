@@ -63,7 +63,6 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     async def prometheus_metrics():
         return metrics.response()
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(requests.router)
     app.include_router(openai.router)
     app.include_router(seed.router)
@@ -71,30 +70,50 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     app.include_router(health.router)
     app.include_router(playground.router)
 
+    def error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        """An error in the path's family's body: OpenAI's on the OpenAI paths, {"detail"} elsewhere."""
+        if path.startswith(openai.OPENAI_PATHS):
+            return JSONResponse(status_code=status, headers=headers,
+                                content=openai.openai_error(status, message, param, code))
+        return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=error)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        if request.url.path.startswith(openai.OPENAI_PATHS):
-            status = 400 if exc.status == 422 else exc.status  # OpenAI answers every invalid request 400
-            return JSONResponse(status_code=status, headers=exc.headers,
-                                content=openai.openai_error(status, exc.message, exc.param, exc.code))
-        return JSONResponse(status_code=exc.status, content={"detail": exc.message}, headers=exc.headers)
+        openai_path = request.url.path.startswith(openai.OPENAI_PATHS)
+        status = 400 if exc.status == 422 and openai_path else exc.status  # OpenAI answers every invalid request 400
+        return error(request.url.path, status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         message = f"the queue (Redis) is unavailable ({exc}); retry shortly"
-        if request.url.path.startswith(openai.OPENAI_PATHS):
-            return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content=openai.openai_error(503, message))
-        return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={"detail": message})
+        return error(request.url.path, 503, message, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         if request.url.path.startswith(openai.OPENAI_PATHS):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-            message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-                                for e in exc.errors())
-            return JSONResponse(status_code=400, content=openai.openai_error(400, message, loc[0] if loc else None))
+            errors = exc.errors()
+            loc = _field(errors[0]) if errors else []
+            message = "; ".join(_openai_message(e) for e in errors)
+            param = loc[0] if loc and errors[0].get("type") != "json_invalid" else None  # not a byte offset
+            return error(request.url.path, 400, message, param)
         return await request_validation_exception_handler(request, exc)
 
     return app
+
+
+def _field(e: dict) -> list[str]:
+    """Where a validation error is, without FastAPI's leading "body"."""
+    loc = list(e.get("loc", ()))
+    return [str(part) for part in (loc[1:] if loc[:1] == ["body"] else loc)]
+
+
+def _openai_message(e: dict) -> str:
+    loc = ".".join(_field(e))
+    if e.get("type") == "extra_forbidden":  # OpenAI's own words for an argument it does not know
+        return f"Unrecognized request argument supplied: {loc}"
+    detail = f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else ""
+    return f"{loc}: {e.get('msg')}{detail}" if loc else f"{e.get('msg')}{detail}"

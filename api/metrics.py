@@ -7,9 +7,11 @@ counts). Names follow vLLM's style with the streamq: prefix.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -53,22 +55,39 @@ class CountRequests:
 
 
 class BodyLimit:
-    """413 for a body larger than `limit` bytes (411 without Content-Length), before anything reads it."""
+    """413 for a body larger than `limit` bytes (411 without Content-Length), never passed on.
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    The body is read and dropped before the answer: a client that does not wait for
+    `100 Continue` (most do not) is still sending, and closing on it would reset the connection
+    before it reads the 413. Chunks are discarded as they come; past `drain` bytes the
+    connection is closed anyway, so a huge body costs bounded time and no memory.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, error: Callable[[str, int, str], Response],
+                 drain: int = 64 * 2**20):
+        self.app, self.limit, self.error, self.drain = app, limit, error, drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            length = headers.get(b"content-length")
+            length = dict(scope["headers"]).get(b"content-length")
+            refusal = None
             if length is not None and (not length.isdigit() or int(length) > self.limit):
-                await JSONResponse(status_code=413, content={
-                    "detail": f"the request body is {length.decode(errors='replace')} bytes; "
-                              f"the limit is {self.limit}"})(scope, receive, send)
-                return
-            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                await JSONResponse(status_code=411, content={"detail": "send a Content-Length header"})(
-                    scope, receive, send)
+                refusal = 413, (f"the request body is {length.decode(errors='replace')} bytes; "
+                                f"the limit is {self.limit}")
+            elif length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                refusal = 411, "send a Content-Length header"
+            if refusal is not None:
+                await self._discard_body(receive)
+                await self.error(scope["path"], *refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    async def _discard_body(self, receive: Receive) -> None:
+        seen = 0
+        while seen <= self.drain:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return

@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, with the extra fields vLLM accepts.
 
-Unknown fields are ignored, as OpenAI's and vLLM's servers do, so any client version works.
+An argument this server does not implement is a 400 naming it, as OpenAI answers one it does
+not know: ignoring `response_format` or `tools` would answer plain text to a client that asked
+for something else. Only the arguments in IGNORED, which cannot change the output, pass unread.
 """
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI arguments that change no generated token: accepted and dropped (`user` is a field).
+IGNORED = frozenset({"metadata", "store", "service_tier"})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -40,6 +46,12 @@ class _Common(BaseModel):
     logits_processors: list[LogitsProcessor] | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
     speculative: bool = True  # streamq's: false opts this request out of speculative decoding
+    backend: Literal["hf", "vllm", "null"] | None = None  # streamq's: run on a worker of this backend only
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if k not in IGNORED} if isinstance(data, dict) else data
 
     @field_validator("logit_bias")
     @classmethod
@@ -97,6 +109,8 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("a text content part's 'text' must be a string")
             parts.append(part.get("text", ""))
         return "".join(parts)
 

@@ -19,11 +19,12 @@ from pydantic import BaseModel, Field, ValidationError
 from api.auth import TenantDep
 from api.deps import GenerationDep, StoreDep
 from api.generation import ApiError
+from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.openai import plan_chat, plan_completion
 from shared import keys
 
-router = APIRouter(tags=["batches"])
+router = APIRouter(tags=["batches"], route_class=StrictJSONRoute)
 
 MAX_BATCH_REQUESTS = 10_000
 

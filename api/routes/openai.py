@@ -17,12 +17,13 @@ from fastapi import APIRouter
 from api.auth import TenantDep
 from api.deps import ModelsDep
 from api.generation import ApiError, Generation
+from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/batches")
 
 
@@ -110,13 +111,18 @@ def _data(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
-def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
-           logprobs: int | None) -> list[RequestPayload]:
+async def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
+                 logprobs: int | None) -> list[RequestPayload]:
     try:
-        return [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i), body.priority)
-                for i in range(samples)]
+        payloads = [generation.build(prompt_ids, body.sampling(max_tokens, logprobs, i), body.priority)
+                    for i in range(samples)]
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
+    if body.backend is not None:
+        await generation.check_backend(body.backend)
+        for payload in payloads:
+            payload.backend = body.backend
+    return payloads
 
 
 async def plan_completion(body: CompletionRequest, generation: Generation) -> list[RequestPayload]:
@@ -132,7 +138,7 @@ async def plan_completion(body: CompletionRequest, generation: Generation) -> li
             raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
     samples = body.best_of or body.n
     logprobs = body.logprobs if body.logprobs is not None else (0 if samples > body.n else None)
-    return _build(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
+    return await _build(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
 
 
 async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tuple[list[RequestPayload], int | None]:
@@ -144,8 +150,8 @@ async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tupl
     except ValueError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     prompt_ids = await generation.encode(messages=messages)
-    return _build(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
-                  logprobs), logprobs
+    return await _build(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
+                        logprobs), logprobs
 
 
 @router.post("/v1/completions")

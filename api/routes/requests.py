@@ -18,6 +18,7 @@ from api.deps import (
     StoreDep,
 )
 from api.hub import TICK
+from api.json_body import StrictJSONRoute
 from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
@@ -25,7 +26,7 @@ from shared import keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.store import RequestStore
 
-router = APIRouter(prefix="/v1/requests", tags=["requests"])
+router = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=StrictJSONRoute)
 
 
 def _links(request_id: str) -> dict[str, str]:

@@ -19,11 +19,12 @@ from pydantic import BaseModel, Field
 from api.auth import TenantDep
 from api.deps import GenerationDep
 from api.generation import ApiError, Generation
+from api.json_body import StrictJSONRoute
 from api.sse import EventStreamResponse
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import MAX_SEED, MAX_TOKEN_ID, SamplingParams, seed_for
 
-router = APIRouter(tags=["seed tutorials"])
+router = APIRouter(tags=["seed tutorials"], route_class=StrictJSONRoute)
 
 # The first tutorial generated 50 new tokens greedily (transformers' generate defaults);
 # its vLLM path sampled with temperature 0.7 and top_p 0.95.
@@ -42,7 +43,8 @@ class BatchGenerateRequest(BaseModel):
 
 class QueryRequest(BaseModel):
     query: str = Field(min_length=1)
-    request_id: str | None = None
+    # Sent back as the X-Request-Id header: printable ASCII only, or the response cannot be sent.
+    request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")
     n: int = Field(1, ge=1, le=16)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     temperature: float = Field(0.7, ge=0.0, le=5.0)

@@ -116,3 +116,32 @@ def test_streaming_client_that_disconnects_cancels(stack, model):
                     break
     record = stack.wait_for_record(lambda r: '"max_tokens":200' in r["params"] and r["status"] != "running")
     assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
+
+
+@pytest.mark.parametrize("argument", [{"response_format": {"type": "json_object"}}, {"tool_choice": "auto"},
+                                      {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                      {"functions": [{"name": "f"}]}, {"function_call": "auto"},
+                                      {"frobnicate": 1}])
+def test_an_argument_that_is_not_implemented_is_400_naming_it(client, model, argument):
+    name = next(iter(argument))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body=argument)
+    assert info.value.body["param"] == name and name in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=argument)
+    assert info.value.body["param"] == name
+
+
+def test_arguments_that_change_no_token_are_ignored_and_backend_is_honoured(client, model):
+    def text(**extra) -> str:
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0, **extra)
+        return reply.choices[0].message.content
+
+    plain = text()
+    assert text(user="u", metadata={"k": "v"}, store=False, service_tier="auto") == plain
+    assert text(extra_body={"backend": "hf"}) == plain
+    with pytest.raises(openai.NotFoundError) as info:
+        text(extra_body={"backend": "vllm"})
+    assert info.value.body["code"] == "backend_not_found" and info.value.body["param"] == "backend"
