@@ -111,6 +111,8 @@ class Generation:
 
     async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
         """Queue the requests for tenant `owner`, all or none (past the backlog limit, 503)."""
+        if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
+            return
         weight, tokens = 1.0, 0
         if self.limits is not None and owner:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
