@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.redis_client import arq_settings, connect
 
-from api.auth import auth_enabled
+from api.auth import TenantDep, auth_enabled
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.models import Models
@@ -60,7 +60,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics():
+    async def prometheus_metrics(_tenant: TenantDep):
+        """Needs a key when keys are on, as every route but the health checks."""
         return metrics.response()
 
     app.include_router(requests.router)

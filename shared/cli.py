@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         from scheduler.main import main as scheduler_main  # noqa: PLC0415
         scheduler_main()
     elif args.command == "prepare-model":
+        from shared.logs import route_transformers  # noqa: PLC0415
         from shared.models import prepare_model  # noqa: PLC0415
         from shared.settings import CommonSettings  # noqa: PLC0415
+        route_transformers()
         print(prepare_model(CommonSettings()))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -25,8 +26,27 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(level: str, fmt: str) -> None:
-    """Configure the root logger once per process; uvicorn's loggers propagate to it."""
+    """Configure the root logger once per process; uvicorn's loggers propagate to it.
+
+    In JSON every line must be JSON: progress bars (tqdm's, as transformers and huggingface_hub
+    draw them while loading a model) are off, in this process and the ones it starts, and
+    warnings go through the log."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    if fmt == "json":
+        os.environ["TQDM_DISABLE"] = os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        logging.captureWarnings(True)
+
+
+def route_transformers() -> None:
+    """transformers logs through a plain-text stderr handler of its own: with JSON logs, send its
+    records through ours instead. Call where transformers is used (it is a no-op otherwise)."""
+    if not any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        return
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - heavy, worker side only
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
@@ -82,6 +82,10 @@ class Engine:
             self._refused = []
             scheduled = self.batcher.schedule()
             self.last_step_size = len(scheduled.chunks)
+            stamp = now()
+            for chunk in scheduled.chunks:
+                if chunk.seq.scheduled_at is None:
+                    chunk.seq.scheduled_at = stamp
             spec = self.speculator
             wanted = spec.wanted(scheduled, self.batcher, self.runner.context_length) if spec else []
         if wanted:

@@ -9,6 +9,7 @@ import signal
 from shared.redis_client import connect, until_redis_answers
 
 from shared import model_files
+from shared.logs import route_transformers
 from shared.models import model_dir, prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
@@ -119,4 +120,5 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 def main(settings: WorkerSettings | None = None) -> None:
+    route_transformers()
     asyncio.run(serve(settings or WorkerSettings()))

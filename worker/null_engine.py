@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from worker.cancels import CancelInbox
 from worker.fair_queue import FairQueue
 from worker.sequence import Sequence, StepOutput, new_sequence
@@ -62,7 +62,8 @@ class NullEngine:
         outputs = []
         with self._lock:
             while self._waiting and len(self._running) < self.batch_size:
-                self._running.append(self._waiting.pop())
+                self._running.append(seq := self._waiting.pop())
+                seq.scheduled_at = seq.scheduled_at or now()
         self.last_step_size = len(self._running)
         cancelled = self.cancels.take()
         stamp = f"{time.time():.6f} "

@@ -30,7 +30,10 @@ class Publisher:
                     pipe.xadd(log, {EVENT_FIELD: data})
                     pipe.publish(channel, data)
                     if out.token.index == 0:
-                        pipe.hset(keys.request_record(self.prefix, rid), "first_token_at", stamp)
+                        first = {"first_token_at": stamp}
+                        if out.seq.scheduled_at:  # when its first step began (a backend may not say)
+                            first["scheduled_at"] = out.seq.scheduled_at
+                        pipe.hset(keys.request_record(self.prefix, rid), mapping=first)
                 if out.finished:
                     self._finish(pipe, out, log, channel, stamp)
             await pipe.execute()

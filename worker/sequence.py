@@ -18,6 +18,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
+    scheduled_at: float | None = None  # wall clock of the first step that ran it here (not when claimed)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
 from worker.sampler import make_generator, sample_each
@@ -91,6 +91,7 @@ class StaticEngine:
             return False
         while self.waiting and len(self.rows) < self.batch_size:
             seq = self.waiting.popleft()
+            seq.scheduled_at = now()
             self._generators[seq.id] = make_generator(seq.payload.params, self.runner.device)
             self.rows.append(seq)
         return True

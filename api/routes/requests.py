@@ -80,6 +80,7 @@ async def snapshot(store: RequestStore, request_id: str, record: dict[str, str])
     tokens = await store.output(request_id)
     created, started = _float(record, "created_at"), _float(record, "started_at")
     first, finished = _float(record, "first_token_at"), _float(record, "finished_at")
+    scheduled = _float(record, "scheduled_at")
     return {
         "id": request_id,
         "status": record["status"],
@@ -92,7 +93,9 @@ async def snapshot(store: RequestStore, request_id: str, record: dict[str, str])
         "worker": record.get("worker"),
         "timings": {
             "created_at": created,
-            "queue_s": started - created if started and created else None,
+            "queue_s": started - created if started and created else None,  # until a worker claimed it
+            # until its first step (the worker may hold a claimed request until a slot frees)
+            "scheduled_s": scheduled - created if scheduled and created else None,
             "ttft_s": first - created if first and created else None,
             "total_s": finished - created if finished and created else None,
         },

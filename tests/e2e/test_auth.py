@@ -35,6 +35,18 @@ def test_requests_need_a_key(secured):
         assert client.get(f"{api}/healthz").status_code == 200  # health needs no key
 
 
+def test_metrics_need_a_key_like_every_route_but_health(secured):
+    api = secured.urls[0]
+    key = keys_cli(secured, "create", "--tenant", "prometheus").stdout.strip()
+    with httpx.Client(timeout=30) as client:
+        refused = client.get(f"{api}/metrics")
+        assert refused.status_code == 401 and refused.headers["WWW-Authenticate"] == "Bearer"
+        assert client.get(f"{api}/metrics", headers=bearer("sq-wrong")).status_code == 401
+        scraped = client.get(f"{api}/metrics", headers=bearer(key))
+        assert scraped.status_code == 200 and "streamq:api_requests_total" in scraped.text
+        assert client.get(f"{api}/readyz").status_code == 200  # readiness needs no key
+
+
 def test_a_request_is_visible_only_to_its_tenant_on_every_replica(secured):
     first, second = secured.urls
     alice = keys_cli(secured, "create", "--tenant", "alice").stdout.strip()

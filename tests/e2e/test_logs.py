@@ -13,10 +13,16 @@ SECRET = "my secret recipe for soup"
 
 
 def json_lines(path) -> list[dict]:
+    """Every line of a process's output (stdout and stderr) as JSON: none may be anything else,
+    a library's progress bar included (its carriage returns split lines here, as in a pipeline)."""
     lines = []
     for text in path.read_text(errors="replace").splitlines():
-        if text.startswith("{"):
-            lines.append(json.loads(text))  # a line that starts like JSON must be JSON
+        if not text.strip():
+            continue
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            raise AssertionError(f"{path.name} has a line that is not JSON: {text!r}") from None
     return lines
 
 

@@ -1,0 +1,147 @@
+"""Where exact output holds: three claims measured on the default model in one dtype or more.
+
+    .venv/bin/python benchmarks/exactness.py                      # bf16 where the CPU has it, and fp32
+    .venv/bin/python benchmarks/exactness.py --dtypes float32 --prompts 4
+
+Prompts: the first --prompts chat prompts of benchmarks/workload_w.json (64 new tokens,
+ignore_eos) and copy-style ones of benchmarks/workload_lookup.json (128 new tokens at most),
+chat-templated, run through the built-in engine in this process. Per dtype and prompt set,
+how many prompts' token ids differ between:
+  lookup    greedy with prompt-lookup speculation (the worker's defaults, never paused) vs plain
+            greedy, all prompts in one batch either way
+  seed      a seeded sampled request (temperature 0.8, seed = its number) alone vs in one batch
+            with the others
+  takeover  greedy continued after the first --delivered tokens (prompt and those tokens
+            prefilled in one forward, as a worker taking over a request does) vs undisturbed,
+            all prompts in one batch either way
+Prints a JSON report (with the CPU's model and its avx512/amx flags) and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import print_table  # noqa: E402
+from shared.messages import RequestPayload, TokenEvent  # noqa: E402
+from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from worker.batcher import Batcher  # noqa: E402
+from worker.block_manager import BlockManager  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.model_runner import PagedRunner  # noqa: E402
+from worker.runner import load_model, pick_dtype  # noqa: E402
+from worker.speculation import NgramProposer, Speculator  # noqa: E402
+
+BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
+
+
+def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], speculate: bool = False,
+        resumed: list[list[TokenEvent]] | None = None) -> tuple[list[list[int]], list[list[TokenEvent]]]:
+    """All prompts in one batch, to the end: each one's output ids and token events."""
+    settings = WorkerSettings.model_fields
+    k = settings["num_speculative_tokens"].default
+    spec = Speculator(NgramProposer(k, settings["ngram_min"].default, settings["ngram_max"].default), k) \
+        if speculate else None
+    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
+    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q), "0-0",
+                       resumed[i] if resumed else ())
+            for i, (p, q) in enumerate(zip(prompts, params))]
+    events: dict[str, list[TokenEvent]] = {s.id: list(resumed[i]) if resumed else [] for i, s in enumerate(seqs)}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token is not None:
+                events[out.seq.id].append(out.token)
+    return [s.output_ids for s in seqs], [events[s.id] for s in seqs]
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x != y for x, y in zip(a, b))
+
+
+def measure(model, tok, prompts: list[list[int]], greedy: SamplingParams, delivered: int) -> dict:
+    n = len(prompts)
+    plain, events = run(model, tok, prompts, [greedy] * n)
+    lookup, _ = run(model, tok, prompts, [greedy] * n, speculate=True)
+    sampled = [greedy.model_copy(update={"temperature": 0.8, "seed": i}) for i in range(n)]
+    together, _ = run(model, tok, prompts, sampled)
+    alone = [run(model, tok, [p], [q])[0][0] for p, q in zip(prompts, sampled)]
+    # A takeover continues after tokens already delivered (half of a short output).
+    cut = [min(delivered, len(e) // 2) for e in events]
+    taken_over, _ = run(model, tok, prompts, [greedy] * n, resumed=[e[:c] for e, c in zip(events, cut)])
+    return {"prompts": n, "lookup": differing(plain, lookup), "seed": differing(together, alone),
+            "takeover": differing(plain, taken_over), "delivered": cut,
+            "first_difference": {name: [_first_difference(x, y) for x, y in zip(plain if name != "seed" else together,
+                                                                                 other)]
+                                 for name, other in (("lookup", lookup), ("seed", alone),
+                                                     ("takeover", taken_over))}}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token that differs (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def cpu() -> dict:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = re.search(r"Model name:\s*(.+)", text)
+    flags = re.search(r"Flags:\s*(.+)", text)
+    wanted = sorted(f for f in (flags.group(1).split() if flags else []) if f.startswith(("avx512", "amx")))
+    return {"model": model.group(1).strip() if model else platform.processor(), "flags": wanted,
+            "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="auto,float32", help="comma-separated: auto, float32, bfloat16")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts of each set")
+    parser.add_argument("--delivered", type=int, default=16, help="tokens delivered before the takeover")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    settings = WorkerSettings(_env_file=None)
+    tok = Tokenizer(prepare_model(settings))
+    sets = {}
+    for name, workload in (("chat", "w"), ("copy", "lookup")):
+        data = json.loads((ROOT / "benchmarks" / f"workload_{workload}.json").read_text())
+        prompts = [tok.encode_chat(m) for m in data["messages"]][:args.prompts]
+        sets[name] = (prompts, SamplingParams(temperature=0, max_tokens=data["max_tokens"], ignore_eos=name == "chat"))
+    report = {"cpu": cpu(), "torch": torch.__version__, "results": []}
+    dtypes = dict.fromkeys(str(pick_dtype(d, torch.device("cpu"))).removeprefix("torch.")
+                           for d in args.dtypes.split(","))
+    for dtype in dtypes:
+        model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, dtype))
+        for name, (prompts, greedy) in sets.items():
+            start = time.perf_counter()
+            row = {"dtype": dtype, "set": name, **measure(model, tok, prompts, greedy, args.delivered),
+                   "wall_s": 0.0}
+            row["wall_s"] = round(time.perf_counter() - start, 1)
+            report["results"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+    print(json.dumps(report, indent=1))
+    print()
+    print_table(["dtype", "prompts", "lookup vs plain (greedy)", "seeded: alone vs batched",
+                 "takeover vs undisturbed (greedy)"],
+                [(r["dtype"], r["set"], f"{r['lookup']}/{r['prompts']} differ", f"{r['seed']}/{r['prompts']} differ",
+                  f"{r['takeover']}/{r['prompts']} differ") for r in report["results"]])
+
+
+if __name__ == "__main__":
+    main()
