@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
+from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 SUPPORTED = LLAMA_FAMILY | {"opt"}
@@ -46,10 +47,10 @@ class _Group:
     """Index tensors of one attention group (chunks of like length), built once per step."""
 
     tokens: torch.Tensor  # [n] flat indices of the group's tokens
-    query_index: torch.Tensor  # [S, Q] flat token index of each padded query (T = padding row)
-    unpad: torch.Tensor  # [n] position of each group token in the flattened [S*Q] queries
-    kv_slots: torch.Tensor  # [S, L] cache slot of each key position (0 for padding)
-    mask: torch.Tensor  # [S, 1, Q, L] True where a query may attend to a key
+    query_index: torch.Tensor | None  # [S, Q] flat token index of each padded query (T = padding row); None: Q = 1
+    unpad: torch.Tensor | None  # [n] position of each group token in the flattened [S*Q] queries
+    blocks: torch.Tensor  # [S, B] cache block of each key block (0 for padding)
+    mask: torch.Tensor  # [S, 1, Q, B * block_size] True where a query may attend to a key
 
 
 @dataclass
@@ -73,10 +74,13 @@ class PagedRunner:
         self.arch = "opt" if model.config.model_type == "opt" else "llama"
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
-        shape = (layers, num_blocks * block_size, self.kv_heads, self.head_dim)
+        shape = (layers, num_blocks, block_size, self.kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.fused = fuse(model, device) if self.arch == "llama" and fusable(model) else None
+        if self.fused is not None:
+            self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -84,10 +88,10 @@ class PagedRunner:
         sampling chunk's last token, and one row per proposed token), in chunk order."""
         step = self._prepare(out)
         if self.arch == "opt":
-            hidden = self._opt(step)
-        else:
-            hidden = self._llama(step)
-        return hidden
+            return self._opt(step)
+        if self.fused is None:
+            return self._llama(step)
+        return self._llama_fused(step)
 
     # -- inputs ----------------------------------------------------------------------------
     def _prepare(self, out: SchedulerOutput) -> _Step:
@@ -109,44 +113,55 @@ class PagedRunner:
                      [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index))
 
     def _group(self, members: list, total: int) -> _Group:
-        bs = self.block_size
+        dev, bs = self.device, self.block_size
         width = max(c.length for _, c in members)
-        context = max(c.start + c.length for _, c in members)
-        query_index = torch.full((len(members), width), total, dtype=torch.long)
-        kv_slots = torch.zeros((len(members), context), dtype=torch.long)
-        mask = torch.zeros((len(members), 1, width, context), dtype=torch.bool)
-        tokens, unpad = [], []
-        for row, (first, chunk) in enumerate(members):
-            n, end = chunk.length, chunk.start + chunk.length
-            query_index[row, :n] = torch.arange(first, first + n)
-            table = torch.tensor(chunk.block_table, dtype=torch.long)
-            pos = torch.arange(end)
-            kv_slots[row, :end] = table[pos // bs] * bs + pos % bs
-            # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk.
-            mask[row, 0, :n, :end] = pos[None, :] <= (chunk.start + torch.arange(n))[:, None]
-            mask[row, 0, n:, 0] = True  # padded queries attend somewhere, to stay finite; dropped later
-            tokens += range(first, first + n)
-            unpad += range(row * width, row * width + n)
-        dev = self.device
-        return _Group(torch.tensor(tokens, device=dev), query_index.to(dev), torch.tensor(unpad, device=dev),
-                      kv_slots.to(dev), mask.to(dev))
+        nblocks = max(-(-(c.start + c.length) // bs) for _, c in members)
+        first = torch.tensor([f for f, _ in members])
+        start = torch.tensor([c.start for _, c in members])
+        length = torch.tensor([c.length for _, c in members])
+        blocks = torch.zeros((len(members), nblocks), dtype=torch.long)
+        for row, (_, chunk) in enumerate(members):
+            table = chunk.block_table[:nblocks]
+            blocks[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+        q = torch.arange(width)
+        real = q[None, :] < length[:, None]  # [S, Q]: a query of the chunk, not padding
+        # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk.
+        mask = torch.arange(nblocks * bs)[None, None, :] <= (start[:, None] + q[None, :])[:, :, None]
+        mask &= real[:, :, None]
+        mask[:, :, 0] |= ~real  # padded queries attend somewhere, to stay finite; dropped later
+        tokens = (first[:, None] + q[None, :])[real]
+        if width == 1:
+            return _Group(tokens.to(dev), None, None, blocks.to(dev), mask[:, None].to(dev))
+        query_index = torch.where(real, first[:, None] + q[None, :], total)
+        unpad = (torch.arange(len(members))[:, None] * width + q[None, :])[real]
+        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks.to(dev), mask[:, None].to(dev))
 
     # -- attention -------------------------------------------------------------------------
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step,
                 scale: float) -> torch.Tensor:
         """Write this step's k, v to the cache, then attend each group. q: [T, H, D]."""
-        self.k_cache[layer].index_copy_(0, step.slots, k)
-        self.v_cache[layer].index_copy_(0, step.slots, v)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, step.slots, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, step.slots, v)
         out = torch.empty_like(q)
-        q_ext = torch.cat([q, q.new_zeros((1,) + q.shape[1:])])
+        q_ext = None
         for g in step.groups:
-            qg = q_ext[g.query_index].transpose(1, 2)  # [S, H, Q, D]
-            kg = self.k_cache[layer][g.kv_slots].transpose(1, 2)  # [S, Hkv, L, D]
-            vg = self.v_cache[layer][g.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                                enable_gqa=qg.shape[1] != kg.shape[1])
+            if g.query_index is None:  # one query per chunk (decodes): no padding to add or drop
+                qg = q[g.tokens][:, :, None]  # [S, H, 1, D]
+            else:
+                if q_ext is None:
+                    q_ext = torch.cat([q, q.new_zeros((1,) + q.shape[1:])])
+                qg = q_ext[g.query_index].transpose(1, 2)  # [S, H, Q, D]
+            # Whole blocks at once: [S, B, bs, Hkv, D] -> [S, Hkv, B * bs, D].
+            kg = k_cache[g.blocks].flatten(1, 2).transpose(1, 2)
+            vg = v_cache[g.blocks].flatten(1, 2).transpose(1, 2)
+            if g.query_index is None:
+                og = _decode_attention(qg, kg, vg, g.mask, scale)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                    enable_gqa=qg.shape[1] != kg.shape[1])
             og = og.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [S*Q, H, D]
-            out[g.tokens] = og[g.unpad]
+            out[g.tokens] = og if g.unpad is None else og[g.unpad]
         return out
 
     # -- architectures ---------------------------------------------------------------------
@@ -170,6 +185,20 @@ class PagedRunner:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = core.norm(h[step.logits_index])
         return self.model.lm_head(h)
+
+    def _llama_fused(self, step: _Step) -> torch.Tensor:
+        core = self.model.model
+        h = core.embed_tokens(step.input_ids)
+        cos, sin = core.rotary_emb(h[None], step.positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        eps = core.layers[0].input_layernorm.variance_epsilon
+        heads = self.model.config.num_attention_heads
+        scale = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        for i, w in enumerate(self.fused):
+            q, k, v = before_attention(h, w, cos, sin, eps, heads, self.kv_heads, self.head_dim)
+            o = self._attend(i, q, k, v, step, scale)
+            h = after_attention(h, o, w, eps)
+        return self.lm_head(core.norm(h[step.logits_index]))
 
     def _opt(self, step: _Step) -> torch.Tensor:
         dec = self.model.model.decoder
@@ -198,6 +227,21 @@ class PagedRunner:
         if getattr(dec, "project_out", None) is not None:
             h = dec.project_out(h)
         return self.model.lm_head(h)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence, as two batched matmuls: q [S, H, 1, D], k and v [S, Hkv, L, D].
+
+    The CPU's fused attention kernel spent ~1 ms a layer here (it tiles for long queries); the
+    query heads that share a kv head form the rows of one small matmul instead."""
+    seqs, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(seqs, kv_heads, heads // kv_heads, dim)  # heads of one kv head are adjacent
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, G, L]
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(seqs, heads, 1, dim)
 
 
 def _size_class(length: int) -> int:
