@@ -1,0 +1,43 @@
+"""The fused llama layers (worker/fused_layers.py) against the model's own modules."""
+from __future__ import annotations
+
+import torch
+
+from tests.unit.test_engine import make_engine, prompts, run
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.fused_layers import Weight
+from worker.model_runner import PagedRunner
+from worker.runner import load_model
+from shared.tokenizer import Tokenizer
+
+
+def test_a_prepacked_weight_computes_the_plain_matmul_or_is_not_used():
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn((96, 64), generator=gen).to(dtype)
+        b = torch.randn(96, generator=gen).to(dtype)
+        weight = Weight(w, b, torch.device("cpu"))
+        x = torch.randn((5, 64), generator=gen).to(dtype)
+        # Packed only where the numbers are the plain matmul's (bf16 on a oneDNN CPU; fp32 differs there).
+        assert torch.equal(weight(x), torch.nn.functional.linear(x, w, b)) or weight.packed is None
+
+
+def test_fused_layers_give_the_tokens_of_the_modules_in_bf16(tiny_llama):
+    texts = prompts(12, seed=5)
+    fused = run(_engine(tiny_llama, fuse=True), texts, arrive_every=2)
+    plain = run(_engine(tiny_llama, fuse=False), texts, arrive_every=2)
+    assert [s.output_ids for s in fused] == [s.output_ids for s in plain]
+
+
+def test_the_fused_path_is_the_one_that_runs(tiny_llama):
+    assert make_engine(tiny_llama).runner.fused is not None
+
+
+def _engine(folder, fuse: bool) -> Engine:
+    model = load_model(folder, torch.device("cpu"), torch.bfloat16)
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4)
+    if not fuse:
+        runner.fused = None  # the modules' own forward, step by step
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 32))
