@@ -74,7 +74,9 @@ class PagedRunner:
         self.arch = "opt" if model.config.model_type == "opt" else "llama"
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
-        shape = (layers, num_blocks, block_size, self.kv_heads, self.head_dim)
+        # Head-major: one head's keys of a block are contiguous, so a gather of a sequence's blocks
+        # gives each (sequence, head) its [context, head_dim] matrix in one piece for the matmuls.
+        shape = (layers, self.kv_heads, num_blocks, block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -141,8 +143,8 @@ class PagedRunner:
                 scale: float) -> torch.Tensor:
         """Write this step's k, v to the cache, then attend each group. q: [T, H, D]."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, step.slots, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, step.slots, v)
+        k_cache.view(self.kv_heads, -1, self.head_dim).index_copy_(1, step.slots, k.transpose(0, 1))
+        v_cache.view(self.kv_heads, -1, self.head_dim).index_copy_(1, step.slots, v.transpose(0, 1))
         out = torch.empty_like(q)
         q_ext = None
         for g in step.groups:
@@ -152,9 +154,10 @@ class PagedRunner:
                 if q_ext is None:
                     q_ext = torch.cat([q, q.new_zeros((1,) + q.shape[1:])])
                 qg = q_ext[g.query_index].transpose(1, 2)  # [S, H, Q, D]
-            # Whole blocks at once: [S, B, bs, Hkv, D] -> [S, Hkv, B * bs, D].
-            kg = k_cache[g.blocks].flatten(1, 2).transpose(1, 2)
-            vg = v_cache[g.blocks].flatten(1, 2).transpose(1, 2)
+            # Whole blocks at once: [Hkv, S * B, bs, D] -> [S, Hkv, B * bs, D].
+            seqs, span = g.blocks.shape[0], g.blocks.shape[1] * self.block_size
+            kg = k_cache.index_select(1, g.blocks.flatten()).view(self.kv_heads, seqs, span, -1).transpose(0, 1)
+            vg = v_cache.index_select(1, g.blocks.flatten()).view(self.kv_heads, seqs, span, -1).transpose(0, 1)
             if g.query_index is None:
                 og = _decode_attention(qg, kg, vg, g.mask, scale)
             else:
