@@ -78,8 +78,10 @@ class WorkerSettings(CommonSettings):
         "hf", description="'hf': the built-in engine on transformers weights; 'vllm': vLLM's async engine "
                           "(needs vLLM installed); 'null': no model, tokens at null_tokens_per_s.")
     null_tokens_per_s: float = Field(20.0, gt=0, le=10_000, description="Tokens per second per request (null backend).")
-    batch_size: int = Field(8, ge=1, le=1024, description="Most requests run together in one step (max_num_seqs).")
-    max_num_batched_tokens: int = Field(512, ge=1, le=1_000_000,
+    batch_size: int = Field(128, ge=1, le=1024,
+                            description="Most requests run together in one step (max_num_seqs); the built-in engine "
+                                        "lowers it to what its KV cache holds at 256 tokens a request.")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
                                         description="Token budget of one step; longer prompts are prefilled in chunks.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")

@@ -38,6 +38,16 @@ def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
     return min(useful, blocks_for_bytes(model, dtype, settings.block_size, int(settings.kv_cache_gb * 2**30)))
 
 
+# A request's KV working set the batch is sized for: a chat turn and its answer. A batch the
+# cache cannot hold at that size would preempt in every busy step instead of running.
+TOKENS_PER_REQUEST = 256
+
+
+def batch_for_cache(settings: WorkerSettings, blocks: int) -> int:
+    """batch_size, lowered to the requests the cache holds at TOKENS_PER_REQUEST each."""
+    return max(1, min(settings.batch_size, blocks * settings.block_size // TOKENS_PER_REQUEST))
+
+
 def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine:
     """One of the built-in engines (they step synchronously: the service runs them in a thread)."""
     if settings.backend == "null":
@@ -55,10 +65,12 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
         pad = next(iter(tokenizer.eos_token_ids), 0)
         return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, settings.batch_size)
     blocks = num_kv_blocks(settings, model, dtype)
-    log.info("KV cache: %d blocks of %d tokens", blocks, settings.block_size)
+    batch = batch_for_cache(settings, blocks)
+    log.info("KV cache: %d blocks of %d tokens; batch of %d requests, %d tokens a step",
+             blocks, settings.block_size, batch, settings.max_num_batched_tokens)
     runner = PagedRunner(model, device, blocks, settings.block_size)
     batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
-                      settings.batch_size, settings.max_num_batched_tokens)
+                      batch, max(batch, settings.max_num_batched_tokens))
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
 
 
