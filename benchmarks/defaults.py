@@ -1,0 +1,72 @@
+"""Workload W through the whole stack with the worker's default settings, beside tuned ones, in
+ONE run (default model, the default dtype, both cores).
+
+    .venv/bin/python benchmarks/defaults.py
+
+Each setting starts a private redis-server, one worker and one api replica and sends W's 32
+chat prompts at once through the OpenAI chat endpoint (64 tokens each, greedy, ignore_eos),
+after a warm-up. The defaults should serve W within 0.9 of the best setting.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.report import print_table  # noqa: E402
+from shared import bench  # noqa: E402
+from shared.models import served_name  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+
+W = ROOT / "benchmarks" / "workload_w.json"
+SETTINGS = {
+    "defaults": {},
+    "batch 32, 2048 tokens": {"STREAMQ_BATCH_SIZE": "32", "STREAMQ_MAX_NUM_BATCHED_TOKENS": "2048"},
+    "batch 64, 4096 tokens": {"STREAMQ_BATCH_SIZE": "64", "STREAMQ_MAX_NUM_BATCHED_TOKENS": "4096"},
+    "batch 8, 512 tokens (the old defaults)": {"STREAMQ_BATCH_SIZE": "8", "STREAMQ_MAX_NUM_BATCHED_TOKENS": "512"},
+}
+
+
+def through_stack(settings: dict[str, str]) -> dict:
+    with local_stack("defaults", settings) as url:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        common = ["--url", url, "--endpoint", "openai-chat", "--model", served_name(WorkerSettings()),
+                  "--prompts", str(W), "--ignore-eos", "--quiet"]
+        asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
+        result = asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32", "--max-tokens", "64"])))
+    result.pop("config", None)
+    return result
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
+    wanted = sorted(f for f in flags if f.startswith(("avx", "amx")))
+    return f"{model} ({platform.machine()}), {torch.get_num_threads()} threads, torch {torch.__version__}, flags {wanted}"
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    print(f"# {machine()}", flush=True)
+    results = {name: through_stack(settings) for name, settings in SETTINGS.items()}
+    print(json.dumps(results, indent=1))
+    best = max(r["output_tokens_per_s"] for r in results.values())
+    print_table(["worker settings", "W tok/s", "vs best", "TTFT p50 ms"],
+                [(name, round(r["output_tokens_per_s"], 1), round(r["output_tokens_per_s"] / best, 2),
+                  round(r["ttft_ms"]["p50"])) for name, r in results.items()])
+
+
+if __name__ == "__main__":
+    main()
