@@ -166,16 +166,21 @@ def run_hf_batch(model, prompts, new_tokens) -> dict:
     return summarise("hf-batch", start, times)
 
 
-def run_openvino(settings, prompts, new_tokens, single_requests, dtype, threads, batch, budget) -> list[dict]:
-    """W, then one stream, through OpenVINO GenAI's continuous batching (a child process)."""
+def run_openvino(settings, prompts, new_tokens, single_requests, dtype, threads, batch, budget,
+                 kv_like_model=False) -> list[dict]:
+    """W, then one stream, through OpenVINO GenAI's continuous batching (a child process). Its KV
+    cache is u8 by default on CPU; kv_like_model keeps it in the run's dtype, as streamq does."""
     source = weights_dir(settings)
     ir = openvino_peer.export(source, settings.model_cache_dir / f"{source.name}-openvino-fp32")
     runs = [{"name": "openvino", "prompts": prompts, "new_tokens": new_tokens, "sequential": False},
             {"name": "single-openvino", "prompts": prompts[:single_requests], "new_tokens": new_tokens,
              "sequential": True}]
-    out = openvino_peer.run(ir, runs, dtype, threads, batch, budget, cache_gb=4)
-    extra = {"load_s": out["load_s"], "openvino_genai": out["openvino_genai"]}
-    return [summarise(r["name"], r["starts"], r["times"], extra) for r in out["results"]]
+    kv = openvino_peer.PRECISION[dtype] if kv_like_model else None
+    out = openvino_peer.run(ir, runs, dtype, threads, batch, budget, cache_gb=4,
+                            properties={"KV_CACHE_PRECISION": kv} if kv else None)
+    extra = {"load_s": out["load_s"], "openvino_genai": out["openvino_genai"], "kv_cache": kv or "u8 (default)"}
+    suffix = f" (KV {kv})" if kv else ""
+    return [summarise(r["name"] + suffix, r["starts"], r["times"], extra) for r in out["results"]]
 
 
 def main() -> None:
@@ -186,6 +191,8 @@ def main() -> None:
     parser.add_argument("--baseline-requests", type=int, default=32,
                         help="requests for hf-generate and seed (they are slow; W is 32)")
     parser.add_argument("--single-requests", type=int, default=4, help="requests of the one-stream runs")
+    parser.add_argument("--openvino-kv-like-model", action="store_true",
+                        help="OpenVINO's KV cache in the run's dtype (like streamq's) instead of its default u8")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -218,7 +225,7 @@ def main() -> None:
             results = [run_matmul_ref(model, prompts, new_tokens), gemm_limit(model, prompts, new_tokens)]
         elif mode == "openvino":
             results = run_openvino(settings, prompts, new_tokens, args.single_requests, args.dtype, threads, batch,
-                                   budget)
+                                   budget, args.openvino_kv_like_model)
         elif mode == "single":  # one stream: this engine, then transformers generate
             run_streamq(model, tok, prompts[:1], 2, 1, budget)  # warm-up
             results = [run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq", sequential=True),

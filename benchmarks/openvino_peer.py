@@ -35,11 +35,13 @@ def export(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def run(ir_dir: Path, runs: list[dict], dtype: str, threads: int, batch: int, budget: int, cache_gb: int) -> dict:
+def run(ir_dir: Path, runs: list[dict], dtype: str, threads: int, batch: int, budget: int, cache_gb: int,
+        properties: dict | None = None) -> dict:
     """Each of `runs` ({name, prompts (token ids), new_tokens, sequential}) through one pipeline, in
-    a child process; returns {"load_s", "results": [{name, starts, times}]}, seconds from its start."""
+    a child process; returns {"load_s", "results": [{name, starts, times}]}, seconds from its start.
+    `properties` are more CPU plugin settings (e.g. KV_CACHE_PRECISION; its default on CPU is u8)."""
     spec = {"model": str(ir_dir), "precision": PRECISION[dtype], "threads": threads, "batch": batch,
-            "budget": budget, "cache_gb": cache_gb, "runs": runs}
+            "budget": budget, "cache_gb": cache_gb, "runs": runs, "properties": properties or {}}
     proc = subprocess.run([str(VENV / "bin" / "python"), __file__], input=json.dumps(spec), capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
@@ -76,7 +78,8 @@ def main() -> None:
     scheduler.cache_size, scheduler.enable_prefix_caching = spec["cache_gb"], True
     t0 = time.perf_counter()
     pipe = genai.ContinuousBatchingPipeline(spec["model"], scheduler, "CPU", {
-        "INFERENCE_PRECISION_HINT": spec["precision"], "INFERENCE_NUM_THREADS": spec["threads"]})
+        "INFERENCE_PRECISION_HINT": spec["precision"], "INFERENCE_NUM_THREADS": spec["threads"],
+        **spec.get("properties", {})})
     load_s = time.perf_counter() - t0
     warm = spec["runs"][0]["prompts"][:4]
     _generate(pipe, ov, genai, np, warm, 4, time.perf_counter())
