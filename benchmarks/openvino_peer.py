@@ -54,9 +54,8 @@ def _generate(pipe, ov, genai, np, prompts: list[list[int]], new_tokens: int, st
     config = genai.GenerationConfig()
     config.max_new_tokens = config.min_new_tokens = new_tokens
     config.ignore_eos, config.do_sample = True, False
+    starts, times = [time.perf_counter() - start] * len(prompts), [[] for _ in prompts]
     handles = [pipe.add_request(next(_request_ids), ov.Tensor(np.array([p], dtype=np.int64)), config) for p in prompts]
-    now = time.perf_counter() - start
-    starts, times = [now] * len(prompts), [[] for _ in prompts]
     while pipe.has_non_finished_requests():
         pipe.step()
         now = time.perf_counter() - start
