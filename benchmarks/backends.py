@@ -1,76 +1,118 @@
-"""Workload W through the whole stack with each worker backend, and through `vllm serve` alone,
-in ONE run on this machine (default model, fp32, both cores).
+"""Workload W through the whole stack with each worker backend, and through vLLM's own server,
+in ONE run on this machine (default model, every core, one dtype for all).
 
-    .venv/bin/python benchmarks/backends.py     # needs .venv-vllm (make vllm-env)
+    .venv/bin/python benchmarks/backends.py                    # needs .venv-vllm (make vllm-env)
+    .venv/bin/python benchmarks/backends.py --dtype float32
 
 Each phase sends W's 32 chat prompts at once to an OpenAI chat endpoint (64 tokens each,
-greedy, ignore_eos), with `streamq bench --endpoint openai-chat`, after a warm-up:
-1. streamq, built-in backend (worker batch 32);
-2. streamq, vLLM backend (the same, the worker running from .venv-vllm; max_num_seqs 32);
-3. vLLM's own OpenAI server (vllm.entrypoints.openai.api_server), max_num_seqs 32.
+greedy, ignore_eos), with `streamq bench --endpoint openai-chat`, after a warm-up; then one
+stream: 4 of them one after another (concurrency 1):
+1. streamq, built-in backend (worker batch 32, step budget 2048 tokens);
+2. streamq, vLLM backend (the same, the worker running from .venv-vllm);
+3. vLLM's own OpenAI server (vllm.entrypoints.openai.api_server).
 The difference between 2 and 3 is what streamq's queue, relay and SSE path cost or save.
+
+vLLM runs as its CPU docs recommend: its default compilation (no enforce_eager), OpenMP threads
+bound to every core this process may use (VLLM_CPU_OMP_THREADS_BIND), a fixed KV cache
+(VLLM_CPU_KVCACHE_SPACE=4 GB), Intel OpenMP and tcmalloc preloaded where present, and the same batch
+(max_num_seqs) and step budget (max_num_batched_tokens) as streamq.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import cores, machine, print_machine, print_table  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import prepare_model, served_name, weights_dir  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
+from worker.runner import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+BATCH, BUDGET, MAX_MODEL_LEN, KV_CACHE_GB = 32, 2048, 2048, 4
+SINGLE_REQUESTS = 4
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*"  # the system's (apt libtcmalloc-minimal4)
+IOMP = ROOT / ".venv-vllm" / "lib" / "libiomp5.so"  # Intel OpenMP, which vllm-cpu installs
+
+
+def cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5': the CPU-list syntax of VLLM_CPU_OMP_THREADS_BIND."""
+    spans: list[list[int]] = []
+    for cpu in cpus:
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
+def vllm_env() -> dict[str, str]:
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(cores()), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB)}
+    preload = sorted(glob.glob(TCMALLOC))[:1] + ([str(IOMP)] if IOMP.is_file() else [])
+    if preload:  # as vLLM's CPU docs ask (its worker warns when either is missing)
+        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD")]))
+    return env
 
 
 def load(url: str, model: str) -> dict:
+    """W's 32 prompts at once, then one stream; both after a warm-up."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     common = ["--url", url, "--endpoint", "openai-chat", "--model", model, "--prompts", str(W), "--ignore-eos",
               "--quiet"]
     asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
-    result = asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32", "--max-tokens", "64"])))
-    result.pop("config", None)
-    return result
+    batch = asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32", "--max-tokens", "64"])))
+    single = asyncio.run(bench.run(parser.parse_args(
+        common + ["--num-prompts", str(SINGLE_REQUESTS), "--max-tokens", "64", "--concurrency", "1"])))
+    for result in (batch, single):
+        result.pop("config", None)
+    return {"w": batch, "single": single}
 
 
-def streamq(backend: str, model: str) -> dict:
-    settings = {"STREAMQ_BATCH_SIZE": "32", "STREAMQ_DTYPE": "float32", "STREAMQ_MAX_NUM_BATCHED_TOKENS": "2048",
-                "STREAMQ_NUM_KV_BLOCKS": "4096", "STREAMQ_BACKEND": backend, "STREAMQ_KV_CACHE_GB": "2",
-                "STREAMQ_VLLM_ENFORCE_EAGER": "true", "STREAMQ_VLLM_MAX_MODEL_LEN": "2048", **VLLM_ENV}
+def streamq(backend: str, model: str, dtype: str) -> dict:
+    settings = {"STREAMQ_BATCH_SIZE": str(BATCH), "STREAMQ_DTYPE": dtype,
+                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(BUDGET), "STREAMQ_NUM_KV_BLOCKS": "4096",
+                "STREAMQ_BACKEND": backend, "STREAMQ_KV_CACHE_GB": str(KV_CACHE_GB),
+                "STREAMQ_VLLM_ENFORCE_EAGER": "false", "STREAMQ_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+    if backend == "vllm":
+        settings.update(vllm_env())
     python = str(VLLM_PYTHON) if backend == "vllm" else None
-    with local_stack(f"backend-{backend}", settings, timeout_s=600, worker_python=python) as url:
+    with local_stack(f"backend-{backend}", settings, timeout_s=900, worker_python=python) as url:
         return load(url, model)
 
 
-def vllm_serve(model_dir: Path, model: str) -> dict:
+def vllm_serve(model_dir: Path, model: str, dtype: str) -> dict:
     port = free_port()
+    log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+    print(f"# vllm serve logs to {log}", file=sys.stderr)
     proc = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-         "--served-model-name", model, "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
-         "--max-model-len", "2048", "--port", str(port)],
-        env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--served-model-name", model, "--dtype", dtype, "--max-num-seqs", str(BATCH),
+         "--max-num-batched-tokens", str(BUDGET), "--max-model-len", str(MAX_MODEL_LEN), "--port", str(port)],
+        env={**os.environ, **vllm_env()}, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900  # its torch.compile warm-up takes minutes on two cores
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"vllm serve exited with {proc.returncode}")
+                raise SystemExit(f"vllm serve exited with {proc.returncode}; see {log}")
             try:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
@@ -85,17 +127,42 @@ def vllm_serve(model_dir: Path, model: str) -> dict:
         proc.wait(60)
 
 
+def vllm_version() -> str:
+    out = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
+                        choices=["bfloat16", "float32"],
+                        help="for streamq and vLLM alike (default: what dtype=auto picks on this CPU)")
+    parser.add_argument("--phases", default="streamq_hf,streamq_vllm,vllm_serve")
+    args = parser.parse_args()
     settings = WorkerSettings()
     prepare_model(settings)
     model = served_name(settings)
-    report = {"streamq_hf": streamq("hf", model), "streamq_vllm": streamq("vllm", model),
-              "vllm_serve": vllm_serve(weights_dir(settings), model)}
+    phases = {"streamq_hf": lambda: streamq("hf", model, args.dtype),
+              "streamq_vllm": lambda: streamq("vllm", model, args.dtype),
+              "vllm_serve": lambda: vllm_serve(weights_dir(settings), model, args.dtype)}
+    env = vllm_env()
+    report = {"machine": machine(args.dtype, len(cores()), vllm=vllm_version(),
+                                 vllm_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
+                                 ld_preload=env.get("LD_PRELOAD", "none")),
+              "results": {}}
+    for name in args.phases.split(","):
+        print(f"# running {name}", file=sys.stderr)
+        report["results"][name] = phases[name]()
     print(json.dumps(report, indent=1))
-    print_table(["path", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)"],
-                [(name, r["output_tokens_per_s"], r["ttft_ms"]["p50"], r["ttft_ms"]["p99"])
-                 for name, r in report.items()])
+    print()
+    print_table(["path", "W output tok/s", "W TTFT p50 (ms)", "W TTFT p99 (ms)", "W completed",
+                 f"one stream tok/s ({SINGLE_REQUESTS} x 64)", "one stream TTFT p50 (ms)", "one stream ITL p50 (ms)"],
+                [(name, r["w"]["output_tokens_per_s"], r["w"]["ttft_ms"]["p50"], r["w"]["ttft_ms"]["p99"],
+                  f"{r['w']['completed']}/32", r["single"]["output_tokens_per_s"], r["single"]["ttft_ms"]["p50"],
+                  r["single"]["itl_ms"]["p50"])
+                 for name, r in report["results"].items()])
+    print_machine(report["machine"])
 
 
 if __name__ == "__main__":

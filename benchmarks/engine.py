@@ -1,7 +1,7 @@
 """Engine benchmark: workload W through this engine and the baselines, in ONE process run.
 
-    .venv/bin/python benchmarks/engine.py --dtype float32
-    .venv/bin/python benchmarks/engine.py --dtype float32 --modes streamq,ceiling,prefix
+    .venv/bin/python benchmarks/engine.py                       # dtype: what dtype=auto picks here
+    .venv/bin/python benchmarks/engine.py --dtype bfloat16 --modes matmul-ref,streamq,openvino,single
 
 Workload W (benchmarks/workload_w.json): 32 chat-templated prompts sent at once, 64 new tokens
 each, greedy, ignore_eos, on the default model. Modes:
@@ -10,12 +10,17 @@ each, greedy, ignore_eos, on the default model. Modes:
                is recomputed every step)
   hf-generate  transformers `generate`, one request at a time
   hf-batch     transformers' own continuous batching (`generate_batch`)
-  ceiling      the model's matmuls alone (every layer's weights and the lm_head, so each decode
-               step streams all the weights as the real model does), W's prefill + 64 steps at batch 32
+  matmul-ref   the model's matmuls alone (every layer's weights and the lm_head, so each decode
+               step streams all the weights as the real model does), W's prefill + 64 steps at
+               batch 32; with it, the GEMM-peak limit: W's FLOPs at this machine's large-GEMM rate
+               (benchmarks/matmul_ref.py)
+  openvino     OpenVINO GenAI's ContinuousBatchingPipeline on W with the same batch and token
+               budget, then one stream; runs from .venv-openvino (`make openvino-env`)
   prefix       32 requests sharing one ~200-token system prompt, prefix caching on vs off
-  single       one request alone: this engine, then transformers `generate`
+  single       one stream: W's first --single-requests prompts one after another (the next
+               sent when the last finished), this engine, then transformers `generate`
 Slow baselines can run on a subset with --baseline-requests (their tok/s is per their own run).
-Prints a JSON report and a markdown table.
+Prints a JSON report, a markdown table and the machine's facts.
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks import openvino_peer  # noqa: E402
+from benchmarks.matmul_ref import gemm_limit, run_matmul_ref  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared.messages import RequestPayload  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -40,7 +47,7 @@ from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
-from worker.runner import load_model  # noqa: E402
+from worker.runner import load_model, pick_dtype  # noqa: E402
 
 SYSTEM = ("You are a careful, friendly assistant for a public library. Answer in plain words, keep answers short, "
           "cite no sources you cannot name, and when a question is about opening hours, membership, borrowing "
@@ -56,10 +63,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def summarise(name: str, start: float, token_times: list[list[float]], extra: dict | None = None) -> dict:
+def summarise(name: str, starts: float | list[float], token_times: list[list[float]],
+              extra: dict | None = None) -> dict:
+    """tok/s over the whole run (from the first start); TTFT from each request's own start."""
+    if isinstance(starts, float):
+        starts = [starts] * len(token_times)
+    start = min(starts)
     end = max(t[-1] for t in token_times)
     tokens = sum(len(t) for t in token_times)
-    ttft = [t[0] - start for t in token_times]
+    ttft = [t[0] - s for s, t in zip(starts, token_times)]
     itl = [b - a for t in token_times for a, b in zip(t, t[1:])]
     return {"mode": name, "requests": len(token_times), "output_tokens": tokens, "wall_s": round(end - start, 2),
             "tok_per_s": round(tokens / (end - start), 1), "ttft_p50_s": round(percentile(ttft, 0.5), 3),
@@ -68,22 +80,26 @@ def summarise(name: str, start: float, token_times: list[list[float]], extra: di
 
 
 def run_streamq(model, tok, prompts, new_tokens, batch, budget, blocks=4096, block_size=16, prefix_caching=True,
-                name="streamq") -> dict:
+                name="streamq", sequential=False) -> dict:
+    """All prompts at once, or one after another (each sent when the last finished)."""
     runner = PagedRunner(model, torch.device("cpu"), blocks, block_size)
     engine = Engine(runner, tok, Batcher(BlockManager(blocks, block_size, prefix_caching), batch, budget))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=params), "0-0")
-            for i, p in enumerate(prompts)]
-    times: dict[str, list[float]] = {s.id: [] for s in seqs}
-    while engine.has_work():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.token is not None:
-                times[out.seq.id].append(now)
+    starts: list[float] = []
+    times: dict[str, list[float]] = {}
+    for group in ([[p] for p in prompts] if sequential else [prompts]):
+        starts += [time.perf_counter()] * len(group)
+        for p in group:
+            seq = engine.add(RequestPayload(id=f"r{len(times)}", model="m", prompt_token_ids=p, params=params), "0-0")
+            times[seq.id] = []
+        while engine.has_work():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.token is not None:
+                    times[out.seq.id].append(now)
     hits = engine.batcher.blocks.prefix_hits
-    return summarise(name, start, list(times.values()), {"prefix_hit_blocks": hits})
+    return summarise(name, starts, list(times.values()), {"prefix_hit_blocks": hits})
 
 
 def run_seed(model, prompts, new_tokens, pad_id) -> dict:
@@ -124,16 +140,16 @@ class _Clock:
         pass
 
 
-def run_hf_generate(model, prompts, new_tokens) -> dict:
-    start = time.perf_counter()
-    all_times = []
+def run_hf_generate(model, prompts, new_tokens, name="hf-generate") -> dict:
+    starts, all_times = [], []
     with torch.inference_mode():
         for p in prompts:
+            starts.append(time.perf_counter())
             clock = _Clock()
             model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            streamer=clock)
             all_times.append(clock.times)
-    return summarise("hf-generate", start, all_times)
+    return summarise(name, starts, all_times)
 
 
 def run_hf_batch(model, prompts, new_tokens) -> dict:
@@ -150,48 +166,33 @@ def run_hf_batch(model, prompts, new_tokens) -> dict:
     return summarise("hf-batch", start, times)
 
 
-def run_ceiling(model, prompts, new_tokens) -> dict:
-    """The matmuls of the real weights alone: W's prefill, then decode steps at the full batch."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
-    head = model.lm_head.weight
-    hidden = model.config.hidden_size
-    dtype = head.dtype
-    total_prompt = sum(len(p) for p in prompts)
-    batch = len(prompts)
-
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rows_of(rows: int, width: int) -> torch.Tensor:
-        if (rows, width) not in inputs:
-            inputs[(rows, width)] = torch.randn(rows, width, dtype=dtype)
-        return inputs[(rows, width)]
-
-    def step(rows: int, head_rows: int) -> None:
-        for w in weights:  # every projection of every layer, each with its own weights
-            torch.mm(rows_of(rows, w.shape[1]), w.t())
-        torch.mm(rows_of(head_rows, hidden), head.t())
-
-    with torch.inference_mode():
-        step(batch, batch)  # warm-up
-        t0 = time.perf_counter()
-        step(total_prompt, batch)
-        prefill = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for _ in range(new_tokens):
-            step(batch, batch)
-        decode = time.perf_counter() - t1
-    wall = prefill + decode
-    return {"mode": "ceiling", "requests": batch, "output_tokens": batch * new_tokens, "wall_s": round(wall, 2),
-            "tok_per_s": round(batch * new_tokens / wall, 1), "prefill_s": round(prefill, 3),
-            "decode_step_ms": round(1000 * decode / new_tokens, 1)}
+def run_openvino(settings, prompts, new_tokens, single_requests, dtype, threads, batch, budget,
+                 kv_like_model=False) -> list[dict]:
+    """W, then one stream, through OpenVINO GenAI's continuous batching (a child process). Its KV
+    cache is u8 by default on CPU; kv_like_model keeps it in the run's dtype, as streamq does."""
+    source = weights_dir(settings)
+    ir = openvino_peer.export(source, settings.model_cache_dir / f"{source.name}-openvino-fp32")
+    runs = [{"name": "openvino", "prompts": prompts, "new_tokens": new_tokens, "sequential": False},
+            {"name": "single-openvino", "prompts": prompts[:single_requests], "new_tokens": new_tokens,
+             "sequential": True}]
+    kv = openvino_peer.PRECISION[dtype] if kv_like_model else None
+    out = openvino_peer.run(ir, runs, dtype, threads, batch, budget, cache_gb=4,
+                            properties={"KV_CACHE_PRECISION": kv} if kv else None)
+    extra = {"load_s": out["load_s"], "openvino_genai": out["openvino_genai"], "kv_cache": kv or "u8 (default)"}
+    suffix = f" (KV {kv})" if kv else ""
+    return [summarise(r["name"] + suffix, r["starts"], r["times"], extra) for r in out["results"]]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--modes", default="ceiling,streamq,hf-batch,hf-generate,seed,prefix,single")
+    parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
+                        choices=["float32", "bfloat16"], help="default: what dtype=auto picks on this CPU")
+    parser.add_argument("--modes", default="matmul-ref,streamq,openvino,hf-batch,hf-generate,seed,prefix,single")
     parser.add_argument("--baseline-requests", type=int, default=32,
                         help="requests for hf-generate and seed (they are slow; W is 32)")
+    parser.add_argument("--single-requests", type=int, default=4, help="requests of the one-stream runs")
+    parser.add_argument("--openvino-kv-like-model", action="store_true",
+                        help="OpenVINO's KV cache in the run's dtype (like streamq's) instead of its default u8")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -203,51 +204,54 @@ def main() -> None:
     workload = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
     prompts = [tok.encode_chat(m) for m in workload["messages"]]
     new_tokens = workload["max_tokens"]
-    modes = args.modes.split(",")
-    report = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompt_tokens": sum(map(len, prompts)),
-              "results": []}
+    batch, budget = args.batch_size, args.max_num_batched_tokens
+    threads = torch.get_num_threads()
+    report = {"machine": machine(args.dtype, threads), "prompt_tokens": sum(map(len, prompts)), "results": []}
     print(f"# W: {len(prompts)} prompts, {report['prompt_tokens']} prompt tokens, {new_tokens} new tokens each, "
-          f"{args.dtype}, {report['threads']} threads", file=sys.stderr)
-    few = prompts[:args.baseline_requests]
-    for mode in modes:
+          f"{args.dtype}, {threads} threads", file=sys.stderr)
+    few, one = prompts[:args.baseline_requests], prompts[:args.single_requests]
+    for mode in args.modes.split(","):
         print(f"# running {mode}", file=sys.stderr)
         if mode == "streamq":
-            run_streamq(model, tok, prompts[:4], 4, args.batch_size, args.max_num_batched_tokens)  # warm-up
-            result = run_streamq(model, tok, prompts, new_tokens, args.batch_size, args.max_num_batched_tokens)
+            run_streamq(model, tok, prompts[:4], 4, batch, budget)  # warm-up
+            results = [run_streamq(model, tok, prompts, new_tokens, batch, budget)]
         elif mode == "seed":
-            result = run_seed(model, few, new_tokens, pad_id=0)
+            results = [run_seed(model, few, new_tokens, pad_id=0)]
         elif mode == "hf-generate":
-            result = run_hf_generate(model, few, new_tokens)
+            results = [run_hf_generate(model, few, new_tokens)]
         elif mode == "hf-batch":
-            result = run_hf_batch(model, prompts, new_tokens)
-        elif mode == "ceiling":
-            result = run_ceiling(model, prompts, new_tokens)
-        elif mode == "single":  # one stream alone: this engine, then transformers generate
-            for r in (run_streamq(model, tok, prompts[:1], new_tokens, 1, args.max_num_batched_tokens,
-                                  name="single-streamq"),
-                      {**run_hf_generate(model, prompts[:1], new_tokens), "mode": "single-hf-generate"}):
-                report["results"].append(r)
-                print(json.dumps(r), file=sys.stderr)
-            continue
+            results = [run_hf_batch(model, prompts, new_tokens)]
+        elif mode == "matmul-ref":
+            results = [run_matmul_ref(model, prompts, new_tokens), gemm_limit(model, prompts, new_tokens)]
+        elif mode == "openvino":
+            results = run_openvino(settings, prompts, new_tokens, args.single_requests, args.dtype, threads, batch,
+                                   budget, args.openvino_kv_like_model)
+        elif mode == "single":  # one stream: this engine, then transformers generate
+            run_streamq(model, tok, prompts[:1], 2, 1, budget)  # warm-up
+            results = [run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq", sequential=True),
+                       run_hf_generate(model, one, new_tokens, name="single-hf-generate")]
         elif mode == "prefix":
             shared = [tok.encode_chat([{"role": "system", "content": SYSTEM}] + m) for m in workload["messages"]]
-            for caching in (True, False):
-                r = run_streamq(model, tok, shared, 2, args.batch_size, args.max_num_batched_tokens,
-                                prefix_caching=caching, name=f"prefix-cache-{'on' if caching else 'off'}")
-                report["results"].append(r)
-                print(json.dumps(r), file=sys.stderr)
-            continue
+            results = [run_streamq(model, tok, shared, 2, batch, budget, prefix_caching=caching,
+                                   name=f"prefix-cache-{'on' if caching else 'off'}") for caching in (True, False)]
         else:
             raise SystemExit(f"unknown mode {mode}")
-        report["results"].append(result)
-        print(json.dumps(result), file=sys.stderr)
-    ceiling = next((r["tok_per_s"] for r in report["results"] if r["mode"] == "ceiling"), None)
+        for r in results:
+            report["results"].append(r)
+            print(json.dumps(r), file=sys.stderr)
+    ref = next((r["tok_per_s"] for r in report["results"] if r["mode"] == "matmul-ref"), None)
+    limit = next((r["tok_per_s"] for r in report["results"] if r["mode"] == "gemm-peak-limit"), None)
     print(json.dumps(report, indent=1))
     print()
-    print_table(["mode", "requests", "tok/s", "vs ceiling", "TTFT p50 s", "ITL p50 ms", "ITL p99 ms"],
-                [(r["mode"], r["requests"], r["tok_per_s"], f"{r['tok_per_s'] / ceiling:.2f}" if ceiling else "-",
-                  r.get("ttft_p50_s", "-"), r.get("itl_p50_ms", "-"), r.get("itl_p99_ms", "-"))
+    print_table(["mode", "requests", "tok/s", "vs matmul-ref", "vs GEMM-peak limit", "TTFT p50 s", "ITL p50 ms",
+                 "ITL p99 ms"],
+                [(r["mode"], r["requests"], r["tok_per_s"], f"{r['tok_per_s'] / ref:.2f}" if ref else "-",
+                  f"{r['tok_per_s'] / limit:.2f}" if limit else "-", r.get("ttft_p50_s", "-"),
+                  r.get("itl_p50_ms", "-"), r.get("itl_p99_ms", "-"))
                  for r in report["results"]])
+    gemm = next((r for r in report["results"] if r["mode"] == "gemm-peak-limit"), None)
+    extra = {"GEMM rate": f"{gemm['gemm_gflops_per_s']} GFLOP/s", "W": f"{gemm['w_gflop']} GFLOP"} if gemm else {}
+    print_machine({**report["machine"], **extra})
 
 
 if __name__ == "__main__":

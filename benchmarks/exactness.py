@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared.messages import RequestPayload, TokenEvent  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -141,6 +141,7 @@ def main() -> None:
                  "takeover vs undisturbed (greedy)"],
                 [(r["dtype"], r["set"], f"{r['lookup']}/{r['prompts']} differ", f"{r['seed']}/{r['prompts']} differ",
                   f"{r['takeover']}/{r['prompts']} differ") for r in report["results"]])
+    print_machine(machine(", ".join(dtypes), torch.get_num_threads()))
 
 
 if __name__ == "__main__":

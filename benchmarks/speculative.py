@@ -37,7 +37,7 @@ from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from tests.tiny_models import first_layers  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.drafter import DraftProposer  # noqa: E402
@@ -161,6 +161,7 @@ def main() -> None:
                   r.get("acceptance", ""), r.get("tokens_per_verify", ""), r["steps"],
                   "yes" if r["identical"] else "NO")
                  for r in report["results"]])
+    print_machine(machine(report["dtype"], report["threads"]))
 
 
 if __name__ == "__main__":
