@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import served_name  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
+from worker.runner import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 SETTINGS = {
@@ -49,17 +48,10 @@ def through_stack(settings: dict[str, str]) -> dict:
     return result
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
-    wanted = sorted(f for f in flags if f.startswith(("avx", "amx")))
-    return f"{model} ({platform.machine()}), {torch.get_num_threads()} threads, torch {torch.__version__}, flags {wanted}"
-
-
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    print(f"# {machine()}", flush=True)
+    print_machine(machine(pick_dtype("auto", torch.device("cpu")).__str__().removeprefix("torch."),
+                          torch.get_num_threads()))
     results = {name: through_stack(settings) for name, settings in SETTINGS.items()}
     print(json.dumps(results, indent=1))
     best = max(r["output_tokens_per_s"] for r in results.values())
