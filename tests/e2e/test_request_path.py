@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -232,3 +233,14 @@ def test_metrics_count_what_was_sent(stack, client):
     assert _counter(after, "/v1/requests/{request_id}", "GET", 404) - \
         _counter(before, "/v1/requests/{request_id}", "GET", 404) == 1
     assert "streamq:api_open_streams " in after
+
+
+def test_the_worker_runs_on_intel_openmp_where_it_is_installed(stack):
+    from worker.openmp import intel_openmp
+
+    proc = dict(stack.processes)["worker0"]
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    if intel_openmp() is None:  # not an x86-64 machine: torch's own runtime
+        assert "libiomp5" not in maps
+    else:
+        assert str(intel_openmp()) in maps, "the worker did not restart with Intel's OpenMP preloaded"
