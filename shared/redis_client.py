@@ -86,10 +86,12 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (AOF 
 
 
 async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: logging.Logger,
-                              give_up_after_s: float | None = None) -> T:
+                              give_up_after_s: float | None = None,
+                              give_up: Callable[[], bool] | None = None) -> T:
     """Run a Redis call until Redis answers, backing off from 0.1 to 5 s (a Redis restart).
 
-    With `give_up_after_s`, the last error is raised once that much time has passed.
+    The last error is raised once `give_up_after_s` has passed, or when `give_up()` says so
+    after a failure (e.g. the process is stopping).
     """
     delay, started = 0.1, time.monotonic()
     while True:
@@ -97,6 +99,8 @@ async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: 
             return await call()
         except REDIS_DOWN as exc:
             if give_up_after_s is not None and time.monotonic() - started + delay > give_up_after_s:
+                raise
+            if give_up is not None and give_up():
                 raise
             log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
             await asyncio.sleep(delay)

@@ -9,6 +9,7 @@ process), so intake, cancels and heartbeats keep running while the model compute
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -80,24 +81,32 @@ class WorkerService:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
-            await self.intake.withdraw()
+            with contextlib.suppress(*REDIS_DOWN):  # else the heartbeat expires and the free-slots entry with it
+                await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
+                await self.intake.withdraw()
             if server is not None:
                 server.shutdown()
 
     async def _loop(self) -> None:
-        while True:
-            self._progress = time.monotonic()
-            if not self._stopping.is_set():
-                # Idle: wait for work. Busy: take what is there without waiting, then step.
-                await self._intake(block=not self.engine.has_work())
-            if self.engine.has_work():
-                await self._step()
-            elif self._stopping.is_set():
-                return
+        try:
+            while True:
+                self._progress = time.monotonic()
+                if not self._stopping.is_set():
+                    # Idle: wait for work. Busy: take what is there without waiting, then step.
+                    await self._intake(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    await self._step()
+                elif self._stopping.is_set():
+                    return
+        except REDIS_DOWN as exc:  # retries give up only once stopping (_retry)
+            # What it ran stays pending in the group: the scheduler hands it to another worker,
+            # which continues after the tokens this one published, as after a crash.
+            log.warning("stopping while Redis is unreachable (%s): %d requests left to be taken over",
+                        exc, len(self.engine.running) + len(self.engine.waiting))
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        return await until_redis_answers(what, call, log)
+        """Retry while Redis is away, unless this worker is stopping: then a stop must not wait for it."""
+        return await until_redis_answers(what, call, log, give_up=self._stopping.is_set)
 
     async def _step(self) -> None:
         started = time.perf_counter()

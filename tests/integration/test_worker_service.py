@@ -91,3 +91,26 @@ async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
         await asyncio.wait_for(run, 30)
     assert not await redis.exists(beat_key)  # gone at once, not after its TTL
     engine.release.set()
+
+
+async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
+    import uuid
+
+    from shared.redis_client import connect
+    from shared.redis_server import RedisServer
+    from worker.null_engine import NullEngine
+
+    server = RedisServer(tmp_path / "redis")
+    url = server.start()
+    redis = connect(url)
+    settings = WorkerSettings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:8]}", heartbeat_interval_s=0.05,
+                              heartbeat_ttl_s=5, intake_block_ms=50, served_model_name="m")
+    service = WorkerService(redis, Threaded(NullEngine(batch_size=2, tokens_per_s=100), "null"), settings, "m")
+    run = asyncio.create_task(service.run())
+    free_key = keys.worker_free_slots(settings.prefix, "m")
+    await until(lambda: redis.hexists(free_key, settings.worker_name), what="the worker reading the lanes")
+    server.kill()
+    service.stop()
+    # Without giving up its retries once stopping, it would wait for a Redis that never returns.
+    await asyncio.wait_for(run, 30)
+    await redis.aclose()
