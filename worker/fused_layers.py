@@ -96,7 +96,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -108,7 +108,7 @@ def before_attention(h: torch.Tensor, w: FusedLayer, cos: torch.Tensor, sin: tor
     qkv = w.qkv(_rms_norm(h, w.ln1, eps))
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(total, heads, head_dim), k.view(total, kv_heads, head_dim), v.view(total, kv_heads, head_dim)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
 def after_attention(h: torch.Tensor, o: torch.Tensor, w: FusedLayer, eps: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
-from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse
+from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 SUPPORTED = LLAMA_FAMILY | {"opt"}
@@ -49,7 +49,8 @@ class _Group:
     tokens: torch.Tensor  # [n] flat indices of the group's tokens
     query_index: torch.Tensor | None  # [S, Q] flat token index of each padded query (T = padding row); None: Q = 1
     unpad: torch.Tensor | None  # [n] position of each group token in the flattened [S*Q] queries
-    blocks: torch.Tensor  # [S, B] cache block of each key block (0 for padding)
+    blocks: torch.Tensor  # [S * B] cache block of each key block, sequence by sequence (0 for padding)
+    span: int  # B * block_size: the key positions each sequence attends over
     mask: torch.Tensor  # [S, 1, Q, B * block_size] True where a query may attend to a key
 
 
@@ -132,11 +133,12 @@ class PagedRunner:
         mask &= real[:, :, None]
         mask[:, :, 0] |= ~real  # padded queries attend somewhere, to stay finite; dropped later
         tokens = (first[:, None] + q[None, :])[real]
+        blocks, span = blocks.flatten().to(dev), nblocks * bs
         if width == 1:
-            return _Group(tokens.to(dev), None, None, blocks.to(dev), mask[:, None].to(dev))
+            return _Group(tokens.to(dev), None, None, blocks, span, mask[:, None].to(dev))
         query_index = torch.where(real, first[:, None] + q[None, :], total)
         unpad = (torch.arange(len(members))[:, None] * width + q[None, :])[real]
-        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks.to(dev), mask[:, None].to(dev))
+        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks, span, mask[:, None].to(dev))
 
     # -- attention -------------------------------------------------------------------------
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step,
@@ -155,9 +157,8 @@ class PagedRunner:
                     q_ext = torch.cat([q, q.new_zeros((1,) + q.shape[1:])])
                 qg = q_ext[g.query_index].transpose(1, 2)  # [S, H, Q, D]
             # Whole blocks at once: [Hkv, S * B, bs, D] -> [S, Hkv, B * bs, D].
-            seqs, span = g.blocks.shape[0], g.blocks.shape[1] * self.block_size
-            kg = k_cache.index_select(1, g.blocks.flatten()).view(self.kv_heads, seqs, span, -1).transpose(0, 1)
-            vg = v_cache.index_select(1, g.blocks.flatten()).view(self.kv_heads, seqs, span, -1).transpose(0, 1)
+            kg = k_cache.index_select(1, g.blocks).view(self.kv_heads, -1, g.span, self.head_dim).transpose(0, 1)
+            vg = v_cache.index_select(1, g.blocks).view(self.kv_heads, -1, g.span, self.head_dim).transpose(0, 1)
             if g.query_index is None:
                 og = _decode_attention(qg, kg, vg, g.mask, scale)
             else:
@@ -182,7 +183,7 @@ class PagedRunner:
             v = attn.v_proj(x).view(total, -1, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             o = self._attend(i, q, k, v, step, getattr(attn, "scaling", self.head_dim ** -0.5))
             h = h + attn.o_proj(o.reshape(total, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -251,8 +252,3 @@ def _size_class(length: int) -> int:
     """Chunks attend in groups of like length, so few queries are padding: decodes (1), short
     chunks (speculative verifies, prompt tails: up to 32) and longer prefill chunks."""
     return 0 if length == 1 else 1 if length <= 32 else 2
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
