@@ -7,7 +7,6 @@ request leaves the batch at once and its slot is refilled next step.
 """
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
@@ -16,12 +15,10 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
-from worker.sampler import make_generator, sample_each
+from worker.sampler import fail_sampling, make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import Speculator
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -108,12 +105,6 @@ class Engine:
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
         return outputs
 
-    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
-        log.warning("request %s failed in sampling: %r", seq.id, exc)
-        seq.finish_reason, seq.error = FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}"
-        self._remove(seq)
-        return StepOutput(seq, None, True)
-
     def _end_cancelled(self) -> list[StepOutput]:
         cancelled = self.cancels.take()
         outputs = []
@@ -141,7 +132,9 @@ class Engine:
         for chunk, result in zip(chunks, picked):
             seq = chunk.seq
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
-                outputs.append(self._fail(seq, result))
+                fail_sampling(seq, result)
+                self._remove(seq)
+                outputs.append(StepOutput(seq, None, True))
                 continue
             tokens, logprobs = result
             if chunk.draft:  # every emitted token but the last was a proposed one, kept

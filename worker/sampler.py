@@ -7,11 +7,16 @@ bias and penalties. Log-probabilities are those of the model's raw distribution.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from shared.messages import FinishReason
 from shared.sampling import SamplingParams
 from worker.sequence import Logprobs, Sequence
 from worker.speculation import accept_greedy
+
+log = logging.getLogger(__name__)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -24,13 +29,6 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     else:
         generator.seed()
     return generator
-
-
-def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[Logprobs | None]]:
-    """Next token of each row of `logits` ([rows, vocab]) for the matching request."""
-    picked = sample_verify(logits, seqs, [[] for _ in seqs], generators, [None] * len(seqs))
-    return [tokens[0] for tokens, _ in picked], [lps[0] for _, lps in picked]
 
 
 def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
@@ -92,6 +90,12 @@ def sample_each(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[in
         except Exception as exc:  # noqa: BLE001 - this request's parameters broke its own sampling
             out.append(exc)
     return out
+
+
+def fail_sampling(seq: Sequence, exc: Exception) -> None:
+    """End a request whose own parameters broke its sampling (sample_each gave its exception)."""
+    log.warning("request %s failed in sampling: %r", seq.id, exc)
+    seq.finish_reason, seq.error = FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}"
 
 
 def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],

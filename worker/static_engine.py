@@ -7,7 +7,6 @@ models use the continuous engine (worker/engine.py) instead.
 """
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 import torch
@@ -15,11 +14,9 @@ import torch
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
-from worker.sampler import make_generator, sample_each
+from worker.sampler import fail_sampling, make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
-
-log = logging.getLogger(__name__)
 
 
 class StaticEngine:
@@ -110,9 +107,7 @@ class StaticEngine:
         outputs = []
         for seq, result in zip(seqs, picked):
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
-                log.warning("request %s failed in sampling: %r", seq.id, result)
-                seq.finish_reason = FinishReason.ERROR
-                seq.error = f"sampling failed: {type(result).__name__}: {result}"
+                fail_sampling(seq, result)
                 self._generators.pop(seq.id, None)
                 outputs.append(StepOutput(seq, None, True))
                 continue

@@ -6,11 +6,17 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from worker.detokenizer import Detokenizer
-from worker.sampler import make_generator, sample_batch, sample_verify
+from worker.sampler import make_generator, sample_verify
 from worker.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])
 CPU = torch.device("cpu")
+
+
+def sample_batch(logits, seqs, generators):
+    """The next token of each row (nothing proposed) and its log-probabilities, as plain sampling."""
+    picked = sample_verify(logits, seqs, [[] for _ in seqs], generators, [None] * len(seqs))
+    return [tokens[0] for tokens, _ in picked], [lps[0] for _, lps in picked]
 
 
 def seq(outputs=(), prompt=(0,), **params) -> Sequence:
