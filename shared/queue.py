@@ -9,6 +9,8 @@ over all lanes through this class.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
@@ -82,9 +84,12 @@ class RequestQueue:
 
     async def streams(self, backend: str | None = None) -> list[str]:
         """Every lane's stream (only those a worker of `backend` reads, when given), in a stable order."""
+        return self.lane_streams(await self.redis.smembers(self.lanes_key), backend)
+
+    def lane_streams(self, lanes: Iterable[str], backend: str | None = None) -> list[str]:
+        """The streams of these lanes (only those a worker of `backend` reads, when given), sorted."""
         return sorted(keys.request_stream(self.prefix, self.model, lane)
-                      for lane in await self.redis.smembers(self.lanes_key)
-                      if backend is None or served_by(lane, backend))
+                      for lane in lanes if backend is None or served_by(lane, backend))
 
     async def ensure_groups(self) -> None:
         """The workers' group on every lane (the api creates it with each new lane; this repairs

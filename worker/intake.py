@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.queue import BACKLOG_LUA, RequestQueue, served_by
+from shared.queue import BACKLOG_LUA, RequestQueue
 
 # KEYS: free-slots hash, then the lanes to read. ARGV: group, consumer, free slots, idle (0/1),
 # announcement ttl ms. Returns {taken, {lane index, entry id, {field, value, ...}} ...,
@@ -118,9 +118,7 @@ class Intake:
             pipe.smembers(self.queue.lanes_key)
             pipe.xrevrange(self.queue.doorbell, count=1)
             members, top = await pipe.execute()
-        lanes = sorted(keys.request_stream(self.queue.prefix, self.queue.model, lane)
-                       for lane in members if served_by(lane, backend))
-        return lanes, top[0][0] if top else "0-0"
+        return self.queue.lane_streams(members, backend), top[0][0] if top else "0-0"
 
     async def take(self, lanes: list[str], free: int, idle: bool) -> Taken:
         """Claim this worker's share of the requests waiting in `lanes` (with no free slot and
