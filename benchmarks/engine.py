@@ -6,6 +6,7 @@
 Workload W (benchmarks/workload_w.json): 32 chat-templated prompts sent at once, 64 new tokens
 each, greedy, ignore_eos, on the default model. Modes:
   streamq      this engine (continuous batching, paged KV cache), in-process
+  streamq-eager  the same without its compiled CPU step kernels (worker/kernels.py): eager torch ops
   seed         the seed tutorial's design: static batches of 4, no KV cache (the whole sequence
                is recomputed every step)
   hf-generate  transformers `generate`, one request at a time
@@ -18,7 +19,8 @@ each, greedy, ignore_eos, on the default model. Modes:
                budget, then one stream; runs from .venv-openvino (`make openvino-env`)
   prefix       32 requests sharing one ~200-token system prompt, prefix caching on vs off
   single       one stream: W's first --single-requests prompts one after another (the next
-               sent when the last finished), this engine, then transformers `generate`
+               sent when the last finished), this engine with and without its kernels, then
+               transformers `generate`
 Slow baselines can run on a subset with --baseline-requests (their tok/s is per their own run).
 Prints a JSON report, a markdown table and the machine's facts.
 """
@@ -30,10 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/openmp.py)
+    from worker.openmp import restart_with_intel_openmp
+    restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+
+import torch  # noqa: E402
 
 from benchmarks import openvino_peer  # noqa: E402
 from benchmarks.matmul_ref import gemm_limit, run_matmul_ref  # noqa: E402
@@ -46,6 +52,7 @@ from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.runner import load_model, pick_dtype  # noqa: E402
 
@@ -80,9 +87,9 @@ def summarise(name: str, starts: float | list[float], token_times: list[list[flo
 
 
 def run_streamq(model, tok, prompts, new_tokens, batch, budget, blocks=4096, block_size=16, prefix_caching=True,
-                name="streamq", sequential=False) -> dict:
+                name="streamq", sequential=False, use_kernels=True) -> dict:
     """All prompts at once, or one after another (each sent when the last finished)."""
-    runner = PagedRunner(model, torch.device("cpu"), blocks, block_size)
+    runner = PagedRunner(model, torch.device("cpu"), blocks, block_size, kernels.load() if use_kernels else None)
     engine = Engine(runner, tok, Batcher(BlockManager(blocks, block_size, prefix_caching), batch, budget))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     starts: list[float] = []
@@ -187,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
                         choices=["float32", "bfloat16"], help="default: what dtype=auto picks on this CPU")
-    parser.add_argument("--modes", default="matmul-ref,streamq,openvino,hf-batch,hf-generate,seed,prefix,single")
+    parser.add_argument("--modes", default="matmul-ref,streamq,streamq-eager,openvino,hf-batch,hf-generate,seed,prefix,single")
     parser.add_argument("--baseline-requests", type=int, default=32,
                         help="requests for hf-generate and seed (they are slow; W is 32)")
     parser.add_argument("--single-requests", type=int, default=4, help="requests of the one-stream runs")
@@ -212,9 +219,10 @@ def main() -> None:
     few, one = prompts[:args.baseline_requests], prompts[:args.single_requests]
     for mode in args.modes.split(","):
         print(f"# running {mode}", file=sys.stderr)
-        if mode == "streamq":
-            run_streamq(model, tok, prompts[:4], 4, batch, budget)  # warm-up
-            results = [run_streamq(model, tok, prompts, new_tokens, batch, budget)]
+        if mode in ("streamq", "streamq-eager"):
+            compiled = mode == "streamq"
+            run_streamq(model, tok, prompts[:4], 4, batch, budget, use_kernels=compiled)  # warm-up
+            results = [run_streamq(model, tok, prompts, new_tokens, batch, budget, name=mode, use_kernels=compiled)]
         elif mode == "seed":
             results = [run_seed(model, few, new_tokens, pad_id=0)]
         elif mode == "hf-generate":
@@ -226,9 +234,11 @@ def main() -> None:
         elif mode == "openvino":
             results = run_openvino(settings, prompts, new_tokens, args.single_requests, args.dtype, threads, batch,
                                    budget, args.openvino_kv_like_model)
-        elif mode == "single":  # one stream: this engine, then transformers generate
+        elif mode == "single":  # one stream: this engine with and without its kernels, then transformers generate
             run_streamq(model, tok, prompts[:1], 2, 1, budget)  # warm-up
             results = [run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq", sequential=True),
+                       run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq-eager",
+                                   sequential=True, use_kernels=False),
                        run_hf_generate(model, one, new_tokens, name="single-hf-generate")]
         elif mode == "prefix":
             shared = [tok.encode_chat([{"role": "system", "content": SYSTEM}] + m) for m in workload["messages"]]

@@ -41,6 +41,7 @@ from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.runner import load_model, pick_dtype  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402
@@ -55,7 +56,7 @@ def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], spec
     k = settings["num_speculative_tokens"].default
     spec = Speculator(NgramProposer(k, settings["ngram_min"].default, settings["ngram_max"].default), k) \
         if speculate else None
-    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.load())
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
     seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q), "0-0",
                        resumed[i] if resumed else ())

@@ -53,8 +53,9 @@ def machine(dtype: str, threads: int, **extra: object) -> dict:
     threads and dtype (torch is imported here only if the caller has not)."""
     import torch  # noqa: PLC0415 - a report helper should not force torch on import
 
+    openmp = "intel" if "libiomp5" in os.environ.get("LD_PRELOAD", "") else "torch's own"
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": len(cores()), "torch": torch.__version__,
-            "threads": threads, "dtype": dtype, **extra}
+            "threads": threads, "dtype": dtype, "openmp": openmp, **extra}
 
 
 def print_machine(facts: dict) -> None:

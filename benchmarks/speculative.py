@@ -42,6 +42,7 @@ from tests.tiny_models import first_layers  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.drafter import DraftProposer  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.runner import load_model  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402
@@ -52,7 +53,7 @@ BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 def run(model, tok, prompts, params: SamplingParams, make_spec=lambda runner: None) -> dict:
     """The prompts all at once (batch = their number), to the end; `make_spec(runner)` gives the
     engine's speculator (None: off)."""
-    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE)
+    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.load())
     spec = make_spec(runner)
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
     steps = 0

@@ -87,6 +87,10 @@ class WorkerSettings(CommonSettings):
     num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
     kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
     prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
+    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/kernels.py); "
+                                                "off, or where they fail to build, the eager torch ops run.")
+    kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
+                                   description="Where the CPU step kernels are compiled, once per CPU and source.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")

@@ -50,7 +50,7 @@ class DraftProposer:
     def beside(cls, target: PagedRunner, model: torch.nn.Module) -> "DraftProposer":
         """The draft `model` next to the target's runner: on its device, with a KV cache of the
         same number and size of blocks."""
-        runner = PagedRunner(model, target.device, target.num_blocks, target.block_size)
+        runner = PagedRunner(model, target.device, target.num_blocks, target.block_size, target.kernels)
         vocab = target.model.get_output_embeddings().weight.shape[0]
         return cls(runner, BlockManager(target.num_blocks, target.block_size, prefix_caching=False), vocab)
 

@@ -13,6 +13,7 @@ from shared.logs import route_transformers
 from shared.models import model_dir, prepare_model, served_name, weights_dir
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
+from worker import kernels
 from worker.backend import Backend, Threaded
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
@@ -68,10 +69,19 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     batch = batch_for_cache(settings, blocks)
     log.info("KV cache: %d blocks of %d tokens; batch of %d requests, %d tokens a step",
              blocks, settings.block_size, batch, settings.max_num_batched_tokens)
-    runner = PagedRunner(model, device, blocks, settings.block_size)
+    runner = PagedRunner(model, device, blocks, settings.block_size, step_kernels(settings, device))
+    log.info("step: %s", "CPU step kernels" if runner.kernels is not None else
+             "fused eager ops" if runner.fused is not None else "the modules' eager ops")
     batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
                       batch, max(batch, settings.max_num_batched_tokens))
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
+
+
+def step_kernels(settings: WorkerSettings, device):
+    """The compiled CPU step kernels for a CPU worker (built on first use, then cached), or None."""
+    if device.type != "cpu" or not settings.cpu_kernels:
+        return None
+    return kernels.load(settings)
 
 
 def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: Tokenizer) -> Speculator | None:

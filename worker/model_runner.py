@@ -13,6 +13,7 @@ Mistral, Qwen2, SmolLM) and OPT run here; other architectures use worker/runner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,16 +56,29 @@ class _Group:
 
 
 @dataclass
+class _Paged:
+    """The tokens the paged-attention kernel serves (decodes and short chunks): each attends to
+    its own sequence's keys 0 .. its position, read from the cache through the block table."""
+
+    tokens: torch.Tensor  # [N] flat index of each token
+    rows: torch.Tensor  # [N] its chunk's row in tables
+    context: torch.Tensor  # [N] keys it sees: position + 1
+    tables: torch.Tensor  # [chunks, B] each chunk's block table (0 past its end)
+
+
+@dataclass
 class _Step:
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    groups: list[_Group]
+    groups: list[_Group]  # with the kernels: only the long prefill chunks
     logits_index: torch.Tensor  # flat index of each token whose logits the step needs, chunk by chunk
+    paged: _Paged | None = None
 
 
 class PagedRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
+                 kernels: ModuleType | None = None):
         if not supports(model):
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
@@ -84,6 +98,10 @@ class PagedRunner:
         self.fused = fuse(model, device) if self.arch == "llama" and fusable(model) else None
         if self.fused is not None:
             self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device)
+        # The CPU step kernels (worker/kernels.py), where given, run the fused layers' norms, rotary,
+        # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
+        usable = self.fused is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.kernels = kernels if usable else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -94,7 +112,9 @@ class PagedRunner:
             return self._opt(step)
         if self.fused is None:
             return self._llama(step)
-        return self._llama_fused(step)
+        if self.kernels is None:
+            return self._llama_fused(step)
+        return self._llama_kernels(step)
 
     # -- inputs ----------------------------------------------------------------------------
     def _prepare(self, out: SchedulerOutput) -> _Step:
@@ -112,8 +132,26 @@ class PagedRunner:
         total = len(ids)
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
+        paged = None
+        if self.kernels is not None and self.fused is not None:  # the path execute() takes
+            paged = self._paged([m for size in (0, 1) for m in groups.pop(size, [])], out.chunks)
         return _Step(tensor(ids), tensor(positions), tensor(slots),
-                     [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index))
+                     [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index), paged)
+
+    def _paged(self, members: list, chunks: list) -> _Paged:
+        bs = self.block_size
+        row_of = {id(chunk): row for row, chunk in enumerate(chunks)}
+        width = max((-(-(c.start + c.length) // bs) for c in chunks), default=1)
+        tables = [c.block_table[:width] + [0] * (width - min(width, len(c.block_table))) for c in chunks]
+        tokens, rows, context = [], [], []
+        for first, chunk in members:
+            row = row_of[id(chunk)]
+            tokens += range(first, first + chunk.length)
+            rows += [row] * chunk.length
+            context += range(chunk.start + 1, chunk.start + chunk.length + 1)
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+        return _Paged(tensor(tokens), tensor(rows), tensor(context), tensor(tables))
 
     def _group(self, members: list, total: int) -> _Group:
         dev, bs = self.device, self.block_size
@@ -148,8 +186,15 @@ class PagedRunner:
         k_cache.view(self.kv_heads, -1, self.head_dim).index_copy_(1, step.slots, k.transpose(0, 1))
         v_cache.view(self.kv_heads, -1, self.head_dim).index_copy_(1, step.slots, v.transpose(0, 1))
         out = torch.empty_like(q)
+        self._attend_groups(layer, q, step.groups, scale, out)
+        return out
+
+    def _attend_groups(self, layer: int, q: torch.Tensor, groups: list[_Group], scale: float,
+                       out: torch.Tensor) -> None:
+        """Attend each group of chunks over keys gathered from the cache; results into out."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         q_ext = None
-        for g in step.groups:
+        for g in groups:
             if g.query_index is None:  # one query per chunk (decodes): no padding to add or drop
                 qg = q[g.tokens][:, :, None]  # [S, H, 1, D]
             else:
@@ -166,7 +211,6 @@ class PagedRunner:
                                                     enable_gqa=qg.shape[1] != kg.shape[1])
             og = og.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [S*Q, H, D]
             out[g.tokens] = og if g.unpad is None else og[g.unpad]
-        return out
 
     # -- architectures ---------------------------------------------------------------------
     def _llama(self, step: _Step) -> torch.Tensor:
@@ -203,6 +247,30 @@ class PagedRunner:
             o = self._attend(i, q, k, v, step, scale)
             h = after_attention(h, o, w, eps)
         return self.lm_head(core.norm(h[step.logits_index]))
+
+    def _llama_kernels(self, step: _Step) -> torch.Tensor:
+        """The fused layers with the CPU step kernels: per layer four matmuls and five calls."""
+        core, ops, paged = self.model.model, self.kernels, step.paged
+        h = core.embed_tokens(step.input_ids)
+        cos, sin = core.rotary_emb(h[None], step.positions[None])
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
+        eps = core.layers[0].input_layernorm.variance_epsilon
+        heads, total = self.model.config.num_attention_heads, h.shape[0]
+        scale = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        y = None
+        for i, w in enumerate(self.fused):
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            x = ops.add_rms_norm(h, y, w.ln1, eps)  # h += y (the last layer's MLP), then the norm
+            q = ops.rope_cache(w.qkv(x), cos, sin, step.slots, k_cache.view(self.kv_heads, -1, self.head_dim),
+                               v_cache.view(self.kv_heads, -1, self.head_dim), heads, self.kv_heads)
+            o = torch.empty_like(q)
+            ops.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables, k_cache, v_cache, scale)
+            self._attend_groups(i, q, step.groups, scale, o)
+            x = ops.add_rms_norm(h, w.o(o.view(total, -1)), w.ln2, eps)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            y = w.down(F.silu(gate) * up)
+        h = (h + y)[step.logits_index]
+        return self.lm_head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon))
 
     def _opt(self, step: _Step) -> torch.Tensor:
         dec = self.model.model.decoder

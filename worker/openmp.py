@@ -32,9 +32,10 @@ def preload_env(environ: Mapping[str, str], lib: Path | None) -> dict[str, str] 
     return {**environ, "LD_PRELOAD": ":".join([str(lib), *preload])}
 
 
-def restart_with_intel_openmp() -> None:
-    """Replace this process (same pid, same arguments) by one with Intel's OpenMP preloaded."""
+def restart_with_intel_openmp(argv: list[str] | None = None) -> None:
+    """Replace this process (same pid; the CLI's arguments, or `argv`) by one with Intel's OpenMP
+    preloaded. The benchmarks call it too, so they measure the runtime the worker runs on."""
     env = preload_env(os.environ, intel_openmp())
     if env is None or "torch" in sys.modules:  # torch already loaded its runtime: too late to choose
         return
-    os.execve(sys.executable, [sys.executable, "-m", "shared.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, argv or [sys.executable, "-m", "shared.cli", *sys.argv[1:]], env)

@@ -244,3 +244,9 @@ def test_the_worker_runs_on_intel_openmp_where_it_is_installed(stack):
         assert "libiomp5" not in maps
     else:
         assert str(intel_openmp()) in maps, "the worker did not restart with Intel's OpenMP preloaded"
+
+
+def test_the_worker_steps_with_the_compiled_cpu_kernels(stack):
+    proc = dict(stack.processes)["worker0"]
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "streamq_step_" in maps, "the worker did not load the CPU step kernels (worker/kernels.py)"

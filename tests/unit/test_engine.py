@@ -14,6 +14,7 @@ from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.engine import Engine
+from worker import kernels
 from worker.model_runner import PagedRunner
 from worker.runner import load_model
 
@@ -45,7 +46,7 @@ def _hf_model(folder: str):
 
 def make_engine(folder, num_blocks=256, block_size=4, batch=8, budget=32, prefix_caching=True) -> Engine:
     model = load_model(folder, torch.device("cpu"), torch.float32)
-    runner = PagedRunner(model, torch.device("cpu"), num_blocks, block_size)
+    runner = PagedRunner(model, torch.device("cpu"), num_blocks, block_size, kernels.load())
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(num_blocks, block_size, prefix_caching), batch, budget))
 
 

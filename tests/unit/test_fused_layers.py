@@ -8,6 +8,7 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.engine import Engine
 from worker.fused_layers import Weight
+from worker import kernels as step_kernels
 from worker.model_runner import PagedRunner
 from worker.runner import load_model
 from shared.tokenizer import Tokenizer
@@ -35,9 +36,9 @@ def test_the_fused_path_is_the_one_that_runs(tiny_llama):
     assert make_engine(tiny_llama).runner.fused is not None
 
 
-def _engine(folder, fuse: bool) -> Engine:
-    model = load_model(folder, torch.device("cpu"), torch.bfloat16)
-    runner = PagedRunner(model, torch.device("cpu"), 256, 4)
+def _engine(folder, fuse: bool, kernels: bool = False, dtype=torch.bfloat16) -> Engine:
+    model = load_model(folder, torch.device("cpu"), dtype)
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4, step_kernels.load() if kernels else None)
     if not fuse:
         runner.fused = None  # the modules' own forward, step by step
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 32))

@@ -1,0 +1,105 @@
+"""The CPU step kernels (worker/csrc/step_kernels.cpp) against the eager ops they replace."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.unit.test_engine import make_engine, prompts, run
+from tests.unit.test_fused_layers import _engine
+from worker import kernels
+from worker.fused_layers import _rms_norm, rotate_half
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = kernels.load()
+    assert built is not None, "the CPU step kernels failed to build (see the log)"
+    return built
+
+
+def _randn(*shape, dtype, gen):
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_adds_in_place_and_normalises_as_the_eager_norm(ops, dtype):
+    gen = torch.Generator().manual_seed(0)
+    h, y, w = _randn(5, 96, dtype=dtype, gen=gen), _randn(5, 96, dtype=dtype, gen=gen), _randn(96, dtype=dtype, gen=gen)
+    want_h = h + y
+    out = ops.add_rms_norm(h, y, w, 1e-5)
+    assert torch.equal(h, want_h)
+    # The sum of squares runs in another order: fp32 within a few ulp, bf16 almost always equal.
+    torch.testing.assert_close(out, _rms_norm(want_h, w, 1e-5), rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    alone = ops.add_rms_norm(want_h.clone(), None, w, 1e-5)
+    assert torch.equal(alone, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_cache_rotates_like_transformers_and_writes_each_slot(ops, dtype):
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim, slots_total = 6, 4, 2, 16, 40
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, gen=gen)
+    cos, sin = _randn(tokens, dim, dtype=dtype, gen=gen), _randn(tokens, dim, dtype=dtype, gen=gen)
+    k_cache = torch.zeros((kv_heads, slots_total, dim), dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 9, 1, 30, 31, 0])
+    q = ops.rope_cache(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    q_in, k_in = q_in.view(tokens, heads, dim), k_in.view(tokens, kv_heads, dim)
+    assert torch.equal(q, q_in * c + rotate_half(q_in) * s)  # bit for bit, the eager roundings
+    assert torch.equal(k_cache[:, slots].transpose(0, 1), k_in * c + rotate_half(k_in) * s)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v_in.view(tokens, kv_heads, dim))
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_reads_each_tokens_own_blocks_up_to_its_position(ops, dtype):
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, blocks, block = 6, 2, 16, 20, 4
+    k_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+    v_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+    tables = torch.tensor([[5, 2, 7, 9, 11], [1, 3, 4, 0, 0]])
+    q = _randn(6, heads, dim, dtype=dtype, gen=gen)
+    out = torch.zeros_like(q)
+    tokens, rows, context = torch.tensor([0, 2, 3, 5]), torch.tensor([0, 1, 1, 0]), torch.tensor([17, 9, 1, 20])
+    ops.paged_attention(q, out, tokens, rows, context, tables, k_cache, v_cache, 0.25)
+    for t, r, n in zip(tokens.tolist(), rows.tolist(), context.tolist()):
+        keys = k_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, :n].float()
+        values = v_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, :n].float()
+        query = q[t].float().view(kv_heads, heads // kv_heads, dim)  # the heads of one kv head are adjacent
+        want = (torch.softmax(query @ keys.transpose(-1, -2) * 0.25, -1) @ values).reshape(heads, dim)
+        torch.testing.assert_close(out[t].float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert not out[[1, 4]].any()  # tokens not listed are left alone
+
+
+def test_the_kernels_give_transformers_tokens_in_fp32(tiny_llama):
+    texts = prompts(12, seed=7)
+    with_kernels = run(_engine(tiny_llama, fuse=True, kernels=True, dtype=torch.float32), texts, arrive_every=2)
+    eager = run(_engine(tiny_llama, fuse=True, kernels=False, dtype=torch.float32), texts, arrive_every=2)
+    assert [s.output_ids for s in with_kernels] == [s.output_ids for s in eager]
+
+
+def test_the_kernels_are_the_path_the_tests_run(tiny_llama):
+    assert make_engine(tiny_llama).runner.kernels is not None
+
+
+def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypatch, caplog, tiny_llama):
+    from torch.utils import cpp_extension
+
+    def broken(**_):
+        raise RuntimeError("Error building extension: g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with caplog.at_level(logging.WARNING, logger="worker.kernels"):
+        assert kernels.load_from(tmp_path) is None
+    assert "eager path serves" in caplog.text and "g++ not found" in caplog.text
+    engine = _engine(tiny_llama, fuse=True, kernels=False, dtype=torch.float32)
+    assert engine.runner.kernels is None and run(engine, prompts(2))[0].output_ids

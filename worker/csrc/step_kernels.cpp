@@ -1,0 +1,305 @@
+// The built-in engine's CPU step kernels: the parts of a llama-family layer between its matmuls.
+//
+// In eager torch a decode layer of a small model is ~70 tensor ops, most of them elementwise on
+// a few KB, so the calls cost more than the arithmetic. These kernels do each stretch in one
+// call, and attention reads the paged KV cache in place (no gathered copy of the context):
+//   add_rms_norm   residual add and RMSNorm            (transformers' LlamaRMSNorm, op for op)
+//   rope_cache     rotary on q and k, k and v written to their cache slots
+//   paged_attention each query token over its sequence's cached keys, through the block table
+//
+// Each follows the eager ops' roundings where it is cheap to (a bf16 result is rounded where the
+// eager op would round it), so fp32 and bf16 results stay close to the modules'; sums run in
+// fp32 in another order. Compiled at first use for this CPU (worker/kernels.py), with
+// -ffp-contract=off so that a*b + c*d is not fused into a different rounding.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T> inline T round_to(float x);
+template <> inline float round_to<float>(float x) { return x; }
+template <> inline c10::BFloat16 round_to<c10::BFloat16>(float x) { return c10::BFloat16(x); }
+
+// x rounded to T and back: the value an eager op in dtype T would have stored.
+template <typename T> inline float as_stored(float x) { return to_float(round_to<T>(x)); }
+
+// e^x for x <= 0 (softmax after the max is taken off), vectorisable: Cody-Waite range reduction
+// and a degree-6 polynomial, within 2 ulp of expf; below e^-87 it returns ~1e-38, not 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * (r * r) + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// Rows per parallel task: a few KB of work each, so a one-token step runs on the calling thread.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& h, const at::Tensor* y, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = h.size(0), n = h.size(1);
+  T* hp = h.data_ptr<T>();
+  const T* yp = y ? y->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n), wf(n);
+    load_row(wp, wf.data(), n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = hp + r * n;
+      float ss = 0.0f;
+      if (yp) {
+        const T* yr = yp + r * n;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+          float v = as_stored<T>(to_float(hr[i]) + to_float(yr[i]));  // h = h + y, in T
+          buf[i] = v;
+          ss += v * v;
+        }
+        for (int64_t i = 0; i < n; ++i) hr[i] = round_to<T>(buf[i]);
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+          float v = to_float(hr[i]);
+          buf[i] = v;
+          ss += v * v;
+        }
+      }
+      // LlamaRMSNorm: h * rsqrt(mean(h^2) + eps) in fp32, cast to T, times the weight in T.
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + feps);
+      T* orow = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) orow[i] = round_to<T>(wf[i] * as_stored<T>(buf[i] * inv));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, name, " must be a contiguous 2-d CPU tensor");
+}
+
+// out = rms_norm(h + y) with h updated in place to h + y; y may be None (out = rms_norm(h)).
+at::Tensor add_rms_norm(at::Tensor h, c10::optional<at::Tensor> y, at::Tensor w, double eps) {
+  check_rows(h, "h");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == h.size(1) && w.scalar_type() == h.scalar_type(), "bad norm weight");
+  if (y) {
+    check_rows(*y, "y");
+    TORCH_CHECK(y->sizes() == h.sizes() && y->scalar_type() == h.scalar_type(), "y must match h");
+  }
+  at::Tensor out = at::empty_like(h);
+  const at::Tensor* yp = y ? &*y : nullptr;
+  if (h.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(h, yp, w, out, eps);
+  } else if (h.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<c10::BFloat16>(h, yp, w, out, eps);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+// transformers' apply_rotary_pos_emb on one head: x * cos + rotate_half(x) * sin, each product
+// and the sum rounded to T as the eager ops round them.
+template <typename T>
+inline void rotate(const T* x, const float* c, const float* s, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    float a = as_stored<T>(to_float(x[d]) * c[d]);
+    float b = as_stored<T>(-to_float(x[d + half]) * s[d]);
+    out[d] = round_to<T>(a + b);
+  }
+#pragma omp simd
+  for (int64_t d = half; d < dim; ++d) {
+    float a = as_stored<T>(to_float(x[d]) * c[d]);
+    float b = as_stored<T>(to_float(x[d - half]) * s[d]);
+    out[d] = round_to<T>(a + b);
+  }
+}
+
+template <typename T>
+void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& q, int64_t heads, int64_t kv_heads) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), dim = cos.size(1);
+  const int64_t cache_slots = k_cache.size(1);
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> c(dim), s(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      load_row(cp + t * dim, c.data(), dim);
+      load_row(sp + t * dim, s.data(), dim);
+      const T* row = src + t * width;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c.data(), s.data(), qp + (t * heads + h) * dim, dim);
+      const int64_t at_slot = slot[t];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        T* kdst = kc + (h * cache_slots + at_slot) * dim;
+        rotate(row + (heads + h) * dim, c.data(), s.data(), kdst, dim);
+        const T* v = row + (heads + kv_heads + h) * dim;
+        T* vdst = vc + (h * cache_slots + at_slot) * dim;
+        for (int64_t d = 0; d < dim; ++d) vdst[d] = v[d];
+      }
+    }
+  });
+}
+
+// qkv [T, (H + 2 Hkv) D] -> rotated q [T, H, D]; rotated k and v written to the layer's cache
+// [Hkv, slots, D] at each token's slot. cos and sin: [T, D].
+at::Tensor rope_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
+                      at::Tensor v_cache, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t tokens = qkv.size(0), dim = cos.size(1);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv width must be (H + 2 Hkv) * D");
+  TORCH_CHECK(cos.size(0) == tokens && sin.sizes() == cos.sizes(), "cos and sin must be [T, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens && slots.is_contiguous(), "slots: [T] int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(0) == kv_heads &&
+                  k_cache.size(2) == dim && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous [Hkv, slots, D]");
+  for (const auto& t : {cos, sin, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "every tensor must have qkv's dtype");
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_cache_impl<float>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rope_cache_impl<c10::BFloat16>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
+  } else {
+    TORCH_CHECK(false, "rope_cache: float32 or bfloat16 only");
+  }
+  return q;
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows,
+                          const at::Tensor& context, const at::Tensor& tables, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, double scale) {
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block = k_cache.size(2);
+  const int64_t group = heads / kv_heads, n = tokens.numel(), table_width = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* ctx = context.data_ptr<int64_t>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / kv_heads, kvh = item % kv_heads;
+      const int64_t t = tok[i], length = ctx[i];
+      const int64_t* table = tab + row[i] * table_width;
+      scores.resize(group * length);
+      for (int64_t g = 0; g < group; ++g) load_row(qp + (t * heads + kvh * group + g) * dim, qf.data() + g * dim, dim);
+      // Scores: each key once, against the query heads that share its kv head.
+      for (int64_t j = 0; j < length; ++j) {
+        const T* k = kc + ((kvh * num_blocks + table[j / block]) * block + j % block) * dim;
+        load_row(k, kf.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
+          scores[g * length + j] = dot * fscale;
+        }
+      }
+      std::vector<float> total(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * length;
+        float top = sg[0];
+        for (int64_t j = 1; j < length; ++j) top = sg[j] > top ? sg[j] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < length; ++j) {
+          sg[j] = exp_nonpositive(sg[j] - top);
+          sum += sg[j];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < length; ++j) {
+        const T* v = vc + ((kvh * num_blocks + table[j / block]) * block + j % block) * dim;
+        load_row(v, kf.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * length + j];
+          float* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * kf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = op + (t * heads + kvh * group + g) * dim;
+        const float inv = 1.0f / total[g];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = round_to<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+// For each listed query token tokens[i] of q [T, H, D]: attention over keys 0 .. context[i]-1 of
+// the sequence whose block table is tables[rows[i]], read in place from the layer's cache
+// [Hkv, blocks, block_size, D]; the result goes to out[tokens[i]].
+void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
+                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
+              "q and out must be contiguous [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(0) == 0,
+              "caches must be contiguous [Hkv, blocks, block_size, D], H a multiple of Hkv");
+  for (const auto& t : {tokens, rows, context})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == tokens.numel(),
+                "tokens, rows and context: [N] int64");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2, "tables: [R, B] int64");
+  for (const auto& t : {out, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "every tensor must have q's dtype");
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    paged_attention_impl<c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "out = rms_norm(h + y), h updated to h + y");
+  m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
+  m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
+}

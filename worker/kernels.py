@@ -1,0 +1,64 @@
+"""The CPU step kernels (worker/csrc/step_kernels.cpp), compiled once per machine and cached.
+
+The first worker on a machine compiles them for its CPU (about half a minute on 2 cores); later
+starts load the cached build in well under a second. The build lands in `STREAMQ_KERNEL_CACHE_DIR`
+(default `~/.cache/streamq/kernels`), named by a hash of the source, the torch version, the
+compiler flags and the CPU's flags, so a changed source or another CPU builds anew. When the build fails (no compiler, no ninja) the worker logs why and
+runs the eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from shared.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "step_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    key = "\n".join([SOURCE.read_text(), torch.__version__, " ".join(FLAGS), platform.machine(), _cpu_flags()])
+    return f"streamq_step_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def load(settings: WorkerSettings | None = None) -> ModuleType | None:
+    """The compiled kernels, built in the settings' kernel cache; None (logged) where they
+    cannot be built."""
+    return load_from((settings or WorkerSettings()).kernel_cache_dir)
+
+
+@cache
+def load_from(folder: Path) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    directory = folder / name
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(directory), verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the eager path still serves
+        log.warning("CPU step kernels unavailable, the eager path serves (slower): %s",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None
+    log.info("CPU step kernels loaded", extra={"build": str(directory)})
+    return module
