@@ -25,8 +25,11 @@ class Weight:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device):
         self.w, self.bias = w, bias
         self.packed = _pack(w, bias) if device.type == "cpu" else None
+        self.small = None  # the step kernels' small_linear, for a step of one token (set by the runner)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] == 1:
+            return self.small(x, self.w, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.w, self.bias)

@@ -102,6 +102,22 @@ class PagedRunner:
         # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
         usable = self.fused is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernels = kernels if usable else None
+        self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
+        if self.kernels is not None:
+            self.one_token = self._one_token_layers(dtype)
+
+    def _one_token_layers(self, dtype: torch.dtype):
+        ops, layers = self.kernels, self.fused
+        if dtype == torch.bfloat16 and ops.small_linear_rows > 0:  # bf16 matmuls of one row (AVX512-BF16)
+            for w in [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]:
+                w.small = ops.small_linear
+        core = self.model.model
+        def args(name: str) -> list[tuple]:
+            return [(p.w, p.packed, p.bias) for p in (getattr(w, name) for w in layers)]
+        return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args("qkv"), args("o"), args("gate_up"),
+                          args("down"), self.model.config.num_attention_heads, self.kv_heads,
+                          core.layers[0].input_layernorm.variance_epsilon,
+                          getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -257,6 +273,11 @@ class PagedRunner:
         eps = core.layers[0].input_layernorm.variance_epsilon
         heads, total = self.model.config.num_attention_heads, h.shape[0]
         scale = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        if total == 1 and self.one_token is not None:  # one stream decoding: the layers in one call
+            h = self.one_token.run(h, cos, sin, step.slots, self.k_cache, self.v_cache, paged.tokens, paged.rows,
+                                   paged.context, paged.tables)
+            return self.lm_head(ops.add_rms_norm(h[step.logits_index], None, core.norm.weight.data,
+                                                 core.norm.variance_epsilon))
         y = None
         for i, w in enumerate(self.fused):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]

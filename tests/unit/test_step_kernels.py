@@ -103,3 +103,32 @@ def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypa
     assert "eager path serves" in caplog.text and "g++ not found" in caplog.text
     engine = _engine(tiny_llama, fuse=True, kernels=False, dtype=torch.float32)
     assert engine.runner.kernels is None and run(engine, prompts(2))[0].output_ids
+
+
+def test_small_linear_is_the_matmul_of_a_few_rows(ops):
+    if ops.small_linear_rows == 0:
+        pytest.skip("this CPU has no AVX512-BF16: bf16 one-row matmuls use torch's")
+    gen = torch.Generator().manual_seed(3)
+    for rows, inner in [(1, 64), (3, 80), (4, 576), (2, 1000)]:  # 80 and 1000: a partial last 32-wide chunk
+        x = _randn(rows, inner, dtype=torch.bfloat16, gen=gen)
+        w, b = _randn(37, inner, dtype=torch.bfloat16, gen=gen), _randn(37, dtype=torch.bfloat16, gen=gen)
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(ops.small_linear(x, w, b).float(), want, rtol=1e-2, atol=1e-2 * inner ** 0.5)
+        torch.testing.assert_close(ops.small_linear(x, w, None).float(), want - b.float(), rtol=1e-2,
+                                   atol=1e-2 * inner ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_llama, dtype):
+    """A one-token step runs every layer in one kernel call; its logits are the per-layer path's."""
+    logits = []
+    for one_call in (True, False):
+        engine = _engine(tiny_llama, fuse=True, kernels=True, dtype=dtype)
+        if not one_call:
+            engine.runner.one_token = None
+        seen = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda out: seen.append(execute(out)) or seen[-1]
+        run(engine, prompts(1, seed=3))  # one request alone: its decode steps are one token each
+        logits.append(torch.cat(seen[1:]))  # past the prefill
+    assert logits[0].shape[0] > 1 and torch.equal(logits[0], logits[1])

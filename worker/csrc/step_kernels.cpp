@@ -20,6 +20,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -296,10 +300,164 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
   }
 }
 
+#if defined(__AVX512BF16__)
+// out[m, n] = x[m] . w[n] (+ bias[n]) for M rows of x, weight rows n0 .. n1, with the CPU's bf16
+// dot-product instruction (exact products, fp32 sums). Four weight rows stream at a time.
+template <int M>
+void small_gemm_rows(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                     int64_t k_total, int64_t n_total, int64_t n0, int64_t n1) {
+  const int64_t k_full = k_total / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k_total - k_full)) - 1);
+  auto finish = [&](int m, int64_t n, __m512 acc) {
+    float v = _mm512_reduce_add_ps(acc) + (bias ? static_cast<float>(bias[n]) : 0.0f);
+    out[m * n_total + n] = c10::BFloat16(v);
+  };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* rows[4] = {w + n * k_total, w + (n + 1) * k_total, w + (n + 2) * k_total, w + (n + 3) * k_total};
+    for (int64_t k = 0; k < k_total; k += 32) {
+      const __mmask32 mask = k < k_full ? ~__mmask32{0} : tail;
+      __m512i wv[4];
+      for (int r = 0; r < 4; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, rows[r] + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + m * k_total + k);
+        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r) finish(m, n + r, acc[m][r]);
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_total; k += 32) {
+      const __mmask32 mask = k < k_full ? ~__mmask32{0} : tail;
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + n * k_total + k);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k_total + k), (__m512bh)wv);
+    }
+    for (int m = 0; m < M; ++m) finish(m, n, acc[m]);
+  }
+}
+#endif
+
+constexpr int64_t kSmallRows = 4;
+
+// x [M, K] @ w[N, K].T (+ bias) in bf16 for M <= 4: the matmul of a step with few tokens, which
+// reads every weight once and is bound by memory, not arithmetic.
+at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+#if defined(__AVX512BF16__)
+  check_rows(x, "x");
+  check_rows(w, "w");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bfloat16 only");
+  TORCH_CHECK(x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= kSmallRows, "small_linear: x [1..4, K], w [N, K]");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == w.size(0) && bias->scalar_type() == at::kBFloat16, "bad bias");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* bp = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(end * 4, n);
+    switch (m) {
+      case 1: small_gemm_rows<1>(xp, wp, bp, op, k, n, n0, n1); break;
+      case 2: small_gemm_rows<2>(xp, wp, bp, op, k, n, n0, n1); break;
+      case 3: small_gemm_rows<3>(xp, wp, bp, op, k, n, n0, n1); break;
+      default: small_gemm_rows<4>(xp, wp, bp, op, k, n, n0, n1); break;
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "small_linear needs a CPU with AVX512-BF16");
+#endif
+}
+
+// oneDNN's matmul over a prepacked weight, the op worker/fused_layers.py's Weight calls.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One projection, chosen as Weight.__call__ chooses: small_linear for one bf16 row where the CPU
+// has it, else the prepacked weight where there is one, else the plain matmul (F.linear's op).
+struct Projection {
+  at::Tensor w;
+  c10::optional<at::Tensor> packed, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16 && x.size(0) == 1) return small_linear(x, w, bias);
+#endif
+    return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
+  }
+};
+
+// A llama-family model's layers for a step of one token (one stream decoding): the same kernels
+// and matmuls as the per-layer calls from Python, in one call, so the step pays no per-op Python
+// overhead. Each projection is given as (weight, prepacked weight or None, bias or None).
+using ProjectionArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+
+struct Layers {
+  std::vector<at::Tensor> ln1, ln2;
+  std::vector<Projection> qkv, o, gate_up, down;
+  int64_t heads, kv_heads;
+  double eps, scale;
+
+  static std::vector<Projection> projections(const std::vector<ProjectionArgs>& args) {
+    std::vector<Projection> out;
+    for (const auto& [w, packed, bias] : args) out.push_back(Projection{w, packed, bias});
+    return out;
+  }
+
+  Layers(std::vector<at::Tensor> ln1, std::vector<at::Tensor> ln2, const std::vector<ProjectionArgs>& qkv,
+         const std::vector<ProjectionArgs>& o, const std::vector<ProjectionArgs>& gate_up,
+         const std::vector<ProjectionArgs>& down, int64_t heads, int64_t kv_heads, double eps, double scale)
+      : ln1(std::move(ln1)), ln2(std::move(ln2)), qkv(projections(qkv)), o(projections(o)),
+        gate_up(projections(gate_up)), down(projections(down)), heads(heads), kv_heads(kv_heads), eps(eps),
+        scale(scale) {}
+
+  // h [T, hidden] (updated in place); returns h after the last layer's residual.
+  at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache,
+                 at::Tensor tokens, at::Tensor rows, at::Tensor context, at::Tensor tables) {
+    const int64_t total = h.size(0), dim = cos.size(1);
+    c10::optional<at::Tensor> y;
+    for (size_t i = 0; i < qkv.size(); ++i) {
+      at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+      at::Tensor x = add_rms_norm(h, y, ln1[i], eps);
+      at::Tensor q = rope_cache(qkv[i](x), cos, sin, slots, kc.view({kv_heads, -1, dim}), vc.view({kv_heads, -1, dim}),
+                                heads, kv_heads);
+      at::Tensor attended = at::empty_like(q);
+      paged_attention(q, attended, tokens, rows, context, tables, kc, vc, scale);
+      x = add_rms_norm(h, o[i](attended.view({total, -1})), ln2[i], eps);
+      at::Tensor gu = gate_up[i](x);
+      const int64_t inter = gu.size(1) / 2;
+      y = down[i](at::mul(at::silu(gu.narrow(1, 0, inter)), gu.narrow(1, inter, inter)));
+    }
+    return y ? h.add_(*y) : h;
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "out = rms_norm(h + y), h updated to h + y");
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
   m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
+  m.def("small_linear", &small_linear, "bf16 x @ w.T (+ bias) for 1 to 4 rows of x");
+  pybind11::class_<Layers>(m, "Layers")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, const std::vector<ProjectionArgs>&,
+                          const std::vector<ProjectionArgs>&, const std::vector<ProjectionArgs>&,
+                          const std::vector<ProjectionArgs>&, int64_t, int64_t, double, double>())
+      .def("run", &Layers::run, "the layers of a one-token step");
+#if defined(__AVX512BF16__)
+  m.attr("small_linear_rows") = kSmallRows;
+#else
+  m.attr("small_linear_rows") = 0;
+#endif
 }
