@@ -1,10 +1,11 @@
 """The CPU step kernels (worker/csrc/step_kernels.cpp), compiled once per machine and cached.
 
 The first worker on a machine compiles them for its CPU (about half a minute on 2 cores); later
-starts load the cached build in well under a second. The build lands in `STREAMQ_KERNEL_CACHE_DIR`
-(default `~/.cache/streamq/kernels`), named by a hash of the source, the torch version, the
-compiler flags and the CPU's flags, so a changed source or another CPU builds anew. When the build fails (no compiler, no ninja) the worker logs why and
-runs the eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
+starts load the cached build in well under a second. The build lands in
+`STREAMQ_KERNEL_CACHE_DIR` (default `~/.cache/streamq/kernels`), named by a hash of the source,
+the torch version, the compiler flags and the CPU's flags, so a changed source or another CPU
+builds anew. When the build fails (no compiler, no ninja) the worker logs why and runs the
+eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
 """
 from __future__ import annotations
 

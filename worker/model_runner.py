@@ -98,6 +98,9 @@ class PagedRunner:
         self.fused = fuse(model, device) if self.arch == "llama" and fusable(model) else None
         if self.fused is not None:
             self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device)
+            first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
+            self.eps = first.input_layernorm.variance_epsilon
+            self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
         # The CPU step kernels (worker/kernels.py), where given, run the fused layers' norms, rotary,
         # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
         usable = self.fused is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -111,13 +114,10 @@ class PagedRunner:
         if dtype == torch.bfloat16 and ops.small_linear_rows > 0:  # bf16 matmuls of one row (AVX512-BF16)
             for w in [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]:
                 w.small = ops.small_linear
-        core = self.model.model
         def args(name: str) -> list[tuple]:
             return [(p.w, p.packed, p.bias) for p in (getattr(w, name) for w in layers)]
         return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args("qkv"), args("o"), args("gate_up"),
-                          args("down"), self.model.config.num_attention_heads, self.kv_heads,
-                          core.layers[0].input_layernorm.variance_epsilon,
-                          getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+                          args("down"), self.model.config.num_attention_heads, self.kv_heads, self.eps, self.scale)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -255,9 +255,8 @@ class PagedRunner:
         h = core.embed_tokens(step.input_ids)
         cos, sin = core.rotary_emb(h[None], step.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
-        eps = core.layers[0].input_layernorm.variance_epsilon
+        eps, scale = self.eps, self.scale
         heads = self.model.config.num_attention_heads
-        scale = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         for i, w in enumerate(self.fused):
             q, k, v = before_attention(h, w, cos, sin, eps, heads, self.kv_heads, self.head_dim)
             o = self._attend(i, q, k, v, step, scale)
@@ -270,9 +269,8 @@ class PagedRunner:
         h = core.embed_tokens(step.input_ids)
         cos, sin = core.rotary_emb(h[None], step.positions[None])
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
-        eps = core.layers[0].input_layernorm.variance_epsilon
+        eps, scale = self.eps, self.scale
         heads, total = self.model.config.num_attention_heads, h.shape[0]
-        scale = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         if total == 1 and self.one_token is not None:  # one stream decoding: the layers in one call
             h = self.one_token.run(h, cos, sin, step.slots, self.k_cache, self.v_cache, paged.tokens, paged.rows,
                                    paged.context, paged.tables)

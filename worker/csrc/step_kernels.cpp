@@ -104,6 +104,18 @@ void add_rms_norm_impl(at::Tensor& h, const at::Tensor* y, const at::Tensor& w, 
   });
 }
 
+// Calls f with a value of the C++ type of `dtype` (float or c10::BFloat16): the kernels' one dispatch.
+template <typename F>
+void float_or_bfloat16(at::ScalarType dtype, const char* name, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only");
+  }
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, name, " must be a contiguous 2-d CPU tensor");
 }
@@ -118,13 +130,8 @@ at::Tensor add_rms_norm(at::Tensor h, c10::optional<at::Tensor> y, at::Tensor w,
   }
   at::Tensor out = at::empty_like(h);
   const at::Tensor* yp = y ? &*y : nullptr;
-  if (h.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(h, yp, w, out, eps);
-  } else if (h.scalar_type() == at::kBFloat16) {
-    add_rms_norm_impl<c10::BFloat16>(h, yp, w, out, eps);
-  } else {
-    TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16 only");
-  }
+  float_or_bfloat16(h.scalar_type(), "add_rms_norm",
+                    [&](auto type) { add_rms_norm_impl<decltype(type)>(h, yp, w, out, eps); });
   return out;
 }
 
@@ -195,13 +202,9 @@ at::Tensor rope_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
   for (const auto& t : {cos, sin, k_cache, v_cache})
     TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "every tensor must have qkv's dtype");
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
-  if (qkv.scalar_type() == at::kFloat) {
-    rope_cache_impl<float>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
-  } else if (qkv.scalar_type() == at::kBFloat16) {
-    rope_cache_impl<c10::BFloat16>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
-  } else {
-    TORCH_CHECK(false, "rope_cache: float32 or bfloat16 only");
-  }
+  float_or_bfloat16(qkv.scalar_type(), "rope_cache", [&](auto type) {
+    rope_cache_impl<decltype(type)>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
+  });
   return q;
 }
 
@@ -291,13 +294,9 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2, "tables: [R, B] int64");
   for (const auto& t : {out, k_cache, v_cache})
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "every tensor must have q's dtype");
-  if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
-  } else {
-    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
-  }
+  float_or_bfloat16(q.scalar_type(), "paged_attention", [&](auto type) {
+    paged_attention_impl<decltype(type)>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
+  });
 }
 
 #if defined(__AVX512BF16__)
