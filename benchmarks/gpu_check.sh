@@ -2,7 +2,8 @@
 # The GPU check: on a machine with an NVIDIA GPU and torch but no network, bring what is missing
 # from the wheels in benchmarks/gpu/wheels, build the model (SmolLM2-135M's shape with random
 # weights, unless real weights are here), run the GPU tests (tests/gpu), then workload W through
-# the whole stack (redis + worker + api, the built-in backend in bf16), and print one table.
+# the whole stack (redis + worker + api, the built-in backend in bf16; decode from CUDA graphs, then
+# eager, for their ratio), and print one table.
 # Ten minutes at most, start-up included; everything it writes goes to a temporary folder.
 #
 #   bash benchmarks/gpu_check.sh
@@ -131,7 +132,7 @@ step "GPU tests: pytest tests/gpu"
 tests_rc=0
 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -o timeout=120 2>&1 | tee "$OUT/pytest.log" || tests_rc=$?
 
-step "W through the whole stack: $DEVICE_NAME, $DTYPE, batch $BATCH"
+step "W through the whole stack: $DEVICE_NAME, $DTYPE, batch $BATCH (on CUDA: with CUDA graphs, then eager)"
 w_rc=0
 "$PY" "$KIT/stack_w.py" --model "$MODEL" --weights "$WEIGHTS" --device "$DEVICE" --device-name "$DEVICE_NAME" \
     --dtype "$DTYPE" --batch-size "$BATCH" --max-num-batched-tokens "$BUDGET" --kv-cache-gb "$KV_GB" \

@@ -91,6 +91,8 @@ class WorkerSettings(CommonSettings):
                                                 "off, or where they fail to build, the eager torch ops run.")
     kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
                                    description="Where the CPU step kernels are compiled, once per CPU and source.")
+    cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
+                                                "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")

@@ -69,9 +69,11 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     batch = batch_for_cache(settings, blocks)
     log.info("KV cache: %d blocks of %d tokens; batch of %d requests, %d tokens a step",
              blocks, settings.block_size, batch, settings.max_num_batched_tokens)
-    runner = PagedRunner(model, device, blocks, settings.block_size, step_kernels(settings, device))
-    log.info("step: %s", "CPU step kernels" if runner.kernels is not None else
-             "fused eager ops" if runner.fused is not None else "the modules' eager ops")
+    graph_batch = batch if settings.cuda_graphs and device.type == "cuda" else 0
+    runner = PagedRunner(model, device, blocks, settings.block_size, step_kernels(settings, device), graph_batch)
+    log.info("step: %s%s", "CPU step kernels" if runner.kernels is not None else
+             "fused eager ops" if runner.fused is not None else "the modules' eager ops",
+             f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "")
     batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
                       batch, max(batch, settings.max_num_batched_tokens))
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))

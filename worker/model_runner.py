@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
+from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
@@ -78,7 +79,7 @@ class _Step:
 
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
-                 kernels: ModuleType | None = None):
+                 kernels: ModuleType | None = None, graph_batch: int = 0):
         if not supports(model):
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
@@ -89,13 +90,16 @@ class PagedRunner:
         self.arch = "opt" if model.config.model_type == "opt" else "llama"
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
-        # Head-major: one head's keys of a block are contiguous, so a gather of a sequence's blocks
-        # gives each (sequence, head) its [context, head_dim] matrix in one piece for the matmuls.
-        shape = (layers, self.kv_heads, num_blocks, block_size, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self.fused = fuse(model, device) if self.arch == "llama" and fusable(model) else None
+        # Decode graphs (graph_batch > 0, fused llama layers without the CPU kernels) pad their
+        # batch with rows that write to one more cache block, which the block manager never hands out.
+        graphs = graph_batch > 0 and self.fused is not None and not (kernels is not None and device.type == "cpu")
+        # Head-major: one head's keys of a block are contiguous, so a gather of a sequence's blocks
+        # gives each (sequence, head) its [context, head_dim] matrix in one piece for the matmuls.
+        shape = (layers, self.kv_heads, num_blocks + graphs, block_size, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         if self.fused is not None:
             self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device)
             first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
@@ -108,6 +112,9 @@ class PagedRunner:
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None:
             self.one_token = self._one_token_layers(dtype)
+        # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
+        # static-buffer step runs eagerly, which only the tests ask for.
+        self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
 
     def _one_token_layers(self, dtype: torch.dtype):
         ops, layers = self.kernels, self.fused
@@ -123,6 +130,8 @@ class PagedRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step's chunks; return the logits the chunks need (Chunk.num_logits each: a
         sampling chunk's last token, and one row per proposed token), in chunk order."""
+        if self.graphs is not None and self.graphs.fits(out):
+            return self.graphs.execute(out)
         step = self._prepare(out)
         if self.arch == "opt":
             return self._opt(step)

@@ -4,8 +4,9 @@
 
 A private redis-server, one worker (the built-in backend) and one api replica
 (benchmarks/local_stack.py), loaded by `streamq bench --endpoint native` with W's prompts sent at
-once (greedy, ignore_eos, a fixed number of new tokens), after a short warm-up. benchmarks/gpu_check.sh
-runs it; it works on any device.
+once (greedy, ignore_eos, a fixed number of new tokens), after a short warm-up. On CUDA it runs
+twice, decode from CUDA graphs (the default) and eager (STREAMQ_CUDA_GRAPHS=false), one after the
+other, and reports the ratio. benchmarks/gpu_check.sh runs it; it works on any device.
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ from shared import bench  # noqa: E402
 W = ROOT / "benchmarks" / "workload_w.json"
 
 
-def run_w(args: argparse.Namespace) -> dict:
+def run_w(args: argparse.Namespace, graphs: bool) -> dict:
     settings = {"STREAMQ_MODEL": str(args.model), "STREAMQ_BACKEND": "hf", "STREAMQ_DEVICE": args.device,
                 "STREAMQ_DTYPE": args.dtype, "STREAMQ_BATCH_SIZE": str(args.batch_size),
                 "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
-                "STREAMQ_KV_CACHE_GB": str(args.kv_cache_gb)}
+                "STREAMQ_KV_CACHE_GB": str(args.kv_cache_gb), "STREAMQ_CUDA_GRAPHS": str(graphs).lower()}
     with local_stack("gpu-check", settings, timeout_s=args.ready_timeout) as url:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
@@ -39,17 +40,22 @@ def run_w(args: argparse.Namespace) -> dict:
             common + ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)])))
 
 
-def table(args: argparse.Namespace, report: dict) -> str:
-    ttft = report["ttft_ms"]
+def table(args: argparse.Namespace, reports: dict[str, dict]) -> str:
     expected = args.num_prompts * args.max_tokens
     rows = [
-        "| backend | device | dtype | weights | batch | requests x new tokens | tokens streamed | "
+        "| backend | device | dtype | weights | decode | batch | requests x new tokens | tokens streamed | "
         "output tok/s | TTFT p50 | TTFT p99 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| built-in (hf) | {args.device_name} | {args.dtype} | {args.weights} | {args.batch_size} | "
-        f"{args.num_prompts} x {args.max_tokens} | {report['received_tokens']:,} of {expected:,} | "
-        f"**{report['output_tokens_per_s']:.1f}** | {ttft['p50'] / 1000:.3f} s | {ttft['p99'] / 1000:.3f} s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for decode, report in reports.items():
+        ttft = report["ttft_ms"]
+        rows.append(
+            f"| built-in (hf) | {args.device_name} | {args.dtype} | {args.weights} | {decode} | {args.batch_size} | "
+            f"{args.num_prompts} x {args.max_tokens} | {report['received_tokens']:,} of {expected:,} | "
+            f"**{report['output_tokens_per_s']:.1f}** | {ttft['p50'] / 1000:.3f} s | {ttft['p99'] / 1000:.3f} s |")
+    if len(reports) == 2:
+        graphs, eager = (r["output_tokens_per_s"] for r in reports.values())
+        rows.append(f"\nCUDA graphs / eager, measured in this run: **{graphs / eager:.2f}x**")
     return "\n".join(rows)
 
 
@@ -70,15 +76,21 @@ def main() -> int:
     args = parser.parse_args()
     args.device_name = args.device_name or args.device
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still stops the stack
-    report = run_w(args)
-    report.pop("config", None)
+    cuda = args.device == "cuda"
+    variants = {"CUDA graphs": True, "eager": False} if cuda else {"CPU (no graphs)": False}
+    reports = {}
+    for decode, graphs in variants.items():
+        reports[decode] = run_w(args, graphs)
+        reports[decode].pop("config", None)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    print(table(args, report))
+        args.json.write_text(json.dumps(reports, indent=1))
+    print(table(args, reports))
     expected = args.num_prompts * args.max_tokens
-    complete = report["failed"] == 0 and report["output_tokens"] == report["received_tokens"] == expected
-    if not complete:
-        print(f"W did not complete: {report['failed']} failed {report['errors']}", file=sys.stderr)
+    complete = True
+    for decode, report in reports.items():
+        if not (report["failed"] == 0 and report["output_tokens"] == report["received_tokens"] == expected):
+            print(f"W ({decode}) did not complete: {report['failed']} failed {report['errors']}", file=sys.stderr)
+            complete = False
     return 0 if complete else 1
 
 

@@ -31,9 +31,10 @@ def texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
-def make_engine(model: torch.nn.Module, folder, budget: int = 32) -> Engine:
-    """Batch 8 and a 32-token budget: longer prompts are prefilled in chunks beside decodes."""
-    runner = PagedRunner(model, CUDA, num_blocks=256, block_size=4)
+def make_engine(model: torch.nn.Module, folder, budget: int = 32, graphs: bool = False) -> Engine:
+    """Batch 8 and a 32-token budget: longer prompts are prefilled in chunks beside decodes;
+    graphs: decode steps replay CUDA graphs (worker/cuda_graphs.py)."""
+    runner = PagedRunner(model, CUDA, num_blocks=256, block_size=4, graph_batch=8 if graphs else 0)
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, budget))
 
 
@@ -74,6 +75,7 @@ def test_the_worker_builds_its_engine_and_kv_cache_on_the_gpu(tiny_llama, tmp_pa
     assert {(p.device.type, p.dtype) for p in runner.model.parameters()} == {("cuda", dtype)}
     for cache in (runner.k_cache, runner.v_cache):
         assert cache.is_cuda and cache.dtype == dtype
+    assert runner.graphs is not None and runner.graphs.capture  # STREAMQ_CUDA_GRAPHS is on by default
     [seq] = run(engine, ["Once upon a time"], ignore_eos=True)
     assert len(seq.output_ids) == NEW_TOKENS
 
@@ -106,3 +108,28 @@ def test_seeded_sampling_on_cuda_is_the_same_in_any_batch(tiny_llama):
     alone = run(make_engine(model, tiny_llama), ["Once upon a time"], **params)[0].output_ids
     crowd = run(make_engine(model, tiny_llama), texts(5, seed=3) + ["Once upon a time"], **params)
     assert crowd[5].output_ids == alone
+
+
+def test_decode_graphs_replay_the_eager_steps_tokens_in_fp32(tiny_llama):
+    model = load_model(tiny_llama, CUDA, torch.float32)
+    prompts = texts(12, seed=5)
+    engine = make_engine(model, tiny_llama, graphs=True)
+    replayed = run(engine, prompts)
+    graphs = engine.runner.graphs
+    assert graphs.capture and graphs.steps > NEW_TOKENS
+    assert len({batch for batch, _ in graphs.graphs}) >= 2  # the batch grows and shrinks over buckets
+    eager = run(make_engine(model, tiny_llama), prompts)
+    assert [s.output_ids for s in replayed] == [s.output_ids for s in eager]
+    for seq in replayed:
+        assert seq.output_ids == generate(model, seq.prompt_ids), seq.id
+
+
+def test_decode_graphs_run_bf16_and_seeded_sampling(tiny_llama):
+    model = load_model(tiny_llama, CUDA, torch.bfloat16)
+    params = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    engine = make_engine(model, tiny_llama, graphs=True)
+    crowd = run(engine, texts(6, seed=4) + ["Once upon a time"], **params)
+    assert engine.runner.graphs.steps > 0
+    assert all(len(s.output_ids) == NEW_TOKENS for s in crowd)
+    again = run(make_engine(model, tiny_llama, graphs=True), texts(6, seed=4) + ["Once upon a time"], **params)
+    assert [s.output_ids for s in again] == [s.output_ids for s in crowd]  # replays are deterministic
