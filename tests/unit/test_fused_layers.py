@@ -14,15 +14,26 @@ from worker.runner import load_model
 from shared.tokenizer import Tokenizer
 
 
-def test_a_prepacked_weight_computes_the_plain_matmul_or_is_not_used():
+def test_an_fp32_prepacked_weight_computes_the_plain_matmul_at_every_batch_size_or_is_not_used():
     gen = torch.Generator().manual_seed(1)
-    for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn((96, 64), generator=gen).to(dtype)
-        b = torch.randn(96, generator=gen).to(dtype)
+    for shape in ((96, 64), (192, 64), (64, 128), (576, 576)):
+        w, b = torch.randn(shape, generator=gen), torch.randn(shape[0], generator=gen)
         weight = Weight(w, b, torch.device("cpu"))
-        x = torch.randn((5, 64), generator=gen).to(dtype)
-        # Packed only where the numbers are the plain matmul's (bf16 on a oneDNN CPU; fp32 differs there).
-        assert torch.equal(weight(x), torch.nn.functional.linear(x, w, b)) or weight.packed is None
+        for rows in range(1, 41):  # oneDNN picks its kernel by rows: one stream, decodes, chunks
+            x = torch.randn((rows, shape[1]), generator=gen)
+            assert weight.packed is None or torch.equal(weight(x), torch.nn.functional.linear(x, w, b)), (shape, rows)
+
+
+def test_a_bf16_weight_is_prepacked_where_onednn_packs_it():
+    w = torch.randn((96, 64)).to(torch.bfloat16)
+    weight = Weight(w, None, torch.device("cpu"))
+    try:
+        want = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    except (AttributeError, RuntimeError):
+        want = None
+    assert (weight.packed is None) == (want is None)
+    x = torch.randn((4, 64)).to(torch.bfloat16)
+    torch.testing.assert_close(weight(x), torch.nn.functional.linear(x, w))
 
 
 def test_fused_layers_give_the_tokens_of_the_modules_in_bf16(tiny_llama):
