@@ -97,7 +97,7 @@ def run_streamq(model, tok, prompts, new_tokens, batch, budget, blocks=4096, blo
     for group in ([[p] for p in prompts] if sequential else [prompts]):
         starts += [time.perf_counter()] * len(group)
         for p in group:
-            seq = engine.add(RequestPayload(id=f"r{len(times)}", model="m", prompt_token_ids=p, params=params), "0-0")
+            seq = engine.add(RequestPayload(id=f"r{len(times)}", model="m", prompt_token_ids=p, params=params))
             times[seq.id] = []
         while engine.has_work():
             outputs = engine.step()

@@ -58,7 +58,7 @@ def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], spec
         if speculate else None
     runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.load())
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
-    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q), "0-0",
+    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q),
                        resumed[i] if resumed else ())
             for i, (p, q) in enumerate(zip(prompts, params))]
     events: dict[str, list[TokenEvent]] = {s.id: list(resumed[i]) if resumed else [] for i, s in enumerate(seqs)}

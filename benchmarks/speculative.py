@@ -58,7 +58,7 @@ def run(model, tok, prompts, params: SamplingParams, make_spec=lambda runner: No
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
     steps = 0
     start = time.perf_counter()
-    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=params), "0-0")
+    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=params))
             for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()

@@ -20,7 +20,7 @@ class Backend(Protocol):
     batch_size: int
     last_step_size: int  # requests in the last step, for metrics
 
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         """Take a request (continuing after `resumed`, the tokens another worker delivered)."""
 
     def cancel(self, request_id: str) -> None:
@@ -70,8 +70,8 @@ class Threaded:
     def last_step_size(self) -> int:
         return getattr(self.engine, "last_step_size", 0)
 
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        return self.engine.add(payload, stream_entry, resumed)
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        return self.engine.add(payload, resumed)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)

@@ -12,37 +12,36 @@ weight, whatever their backlogs (every token scheduled is charged to its tenant)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.block_manager import BlockManager
 from worker.fair_queue import FairQueue
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Status
 
 
 @dataclass
 class Chunk:
-    """Tokens of one request to run in this step: token_ids[start:start + length]."""
+    """Tokens of one request to run in this step: input_ids at positions start .. start + length.
+
+    The runner reads input_ids, start, block_table and num_logits; the engine's postprocess
+    reads seq, draft and draft_probs."""
 
     seq: Sequence
     start: int
-    length: int
+    input_ids: list[int]  # the request's known tokens from start on, then any proposed ones
     block_table: list[int]
+    num_logits: int  # trailing positions whose logits the step needs: 1 when the chunk reaches the end of
+    #                  the known tokens (its last logits pick the next one) plus one per proposed token; else 0
     draft: list[int] = field(default_factory=list)  # proposed tokens after the known ones, to verify
+    draft_probs: Any = None  # the proposer's distributions over them (a draft model's), for the acceptance rule
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the known tokens, so its last logits pick the next one."""
-        return self.start + self.length - len(self.draft) == self.seq.num_tokens
-
-    @property
-    def input_ids(self) -> list[int]:
-        known = self.seq.token_ids[self.start:self.start + self.length - len(self.draft)]
-        return known + self.draft if self.draft else known
-
-    @property
-    def num_logits(self) -> int:
-        """Trailing positions whose logits the step needs: the last known token's, and one per
-        proposed token (the model's choice after each)."""
-        return 1 + len(self.draft) if self.samples else 0
+        return self.num_logits > 0
 
 
 @dataclass
@@ -68,6 +67,7 @@ class Batcher:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
         self.waiting.add(seq)
 
     def max_tokens_per_request(self) -> int:
@@ -79,7 +79,7 @@ class Batcher:
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or cancelled request out and free its blocks."""
-        if seq in self.running:
+        if seq in self.running:  # its status may say finished already
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -107,13 +107,15 @@ class Batcher:
             seq.num_computed = computed
             self.waiting.pop()
             self.running.append(seq)
+            seq.status = Status.RUNNING
             out.chunks.append(self._chunk(seq, computed, length))
             budget -= length
         return out
 
-    def speculate(self, out: SchedulerOutput, chunk: Chunk, draft: list[int]) -> int:
-        """Add proposed tokens to a decode chunk, as many as the step's leftover budget and the
-        free blocks allow without preempting anyone; return how many were added."""
+    def speculate(self, out: SchedulerOutput, chunk: Chunk, draft: list[int], probs: Any = None) -> int:
+        """Add proposed tokens (and the proposer's distributions over them, if any) to a decode
+        chunk, as many as the step's leftover budget and the free blocks allow without
+        preempting anyone; return how many were added."""
         seq, end = chunk.seq, chunk.start + chunk.length
         n = min(len(draft), self.max_num_batched_tokens - out.num_tokens)
         while n and self.blocks.blocks_needed(seq.id, end + n) > self.blocks.num_free:
@@ -121,21 +123,19 @@ class Batcher:
         if n:
             self.waiting.charge(seq, n)
             self.blocks.append_slots(seq.id, end + n)
-            chunk.draft, chunk.length = list(draft[:n]), chunk.length + n
+            chunk.draft, chunk.input_ids = list(draft[:n]), chunk.input_ids + list(draft[:n])
+            chunk.num_logits, chunk.draft_probs = 1 + n, None if probs is None else probs[:n]
             chunk.block_table = self.blocks.table(seq.id)
         return n
 
-    def update(self, out: SchedulerOutput) -> None:
-        """The step ran: its chunks' known tokens have keys and values in the cache now (the
-        proposed ones count once verified, see `verified`)."""
-        for chunk in out.chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length - len(chunk.draft)
-
-    def verified(self, seq: Sequence, kept: int) -> None:
-        """`kept` proposed tokens were accepted: their cache entries stand; the blocks that held
-        only rejected ones go back (the slots of rejected ones in a kept block are overwritten)."""
-        seq.num_computed += kept
-        self.blocks.truncate(seq.id, seq.num_computed + 1)
+    def computed(self, chunk: Chunk, kept: int = 0) -> None:
+        """The step ran the chunk: its known tokens, and `kept` of its proposed ones (those the
+        sampler accepted), have keys and values in the cache now. Blocks that held only rejected
+        proposals go back; the slots of rejected ones in a kept block are overwritten later."""
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.length - len(chunk.draft) + kept
+        if chunk.draft:
+            self.blocks.truncate(seq.id, seq.num_computed + 1)
 
     def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
         self.waiting.charge(seq, length)
@@ -144,7 +144,8 @@ class Batcher:
         # in this same step may share them, since every layer writes the step's keys and values
         # to the cache before any attention reads it.
         self.blocks.register(seq.id, seq.token_ids, start + length)
-        return Chunk(seq, start, length, self.blocks.table(seq.id))
+        end = start + length
+        return Chunk(seq, start, seq.token_ids[start:end], self.blocks.table(seq.id), int(end == seq.num_tokens))
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until `seq` fits; False if `seq` itself went."""
@@ -152,6 +153,7 @@ class Batcher:
             victim = self.running.pop()
             self.blocks.free(victim.id)
             victim.num_computed = 0
+            victim.status = Status.PREEMPTED
             self.waiting.add(victim)
             out.preempted.append(victim)
             self.num_preemptions += 1

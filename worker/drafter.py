@@ -17,7 +17,7 @@ import torch
 from worker.batcher import Chunk, SchedulerOutput
 from worker.block_manager import BlockManager, NoFreeBlocks
 from worker.model_runner import PagedRunner
-from worker.sampler import make_generator, propose_from
+from worker.sampler import SamplingBatch, SamplingRow, make_generator, propose_from
 from worker.sequence import Sequence
 
 
@@ -44,7 +44,7 @@ class DraftProposer:
         self.blocks = blocks
         self.vocab = vocab  # the target's logits width: q is given over the target's vocabulary
         self._computed: dict[str, int] = {}  # leading tokens whose keys and values the draft cache holds
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._sampling: dict[str, SamplingRow] = {}  # the target's parameters, the draft's own random stream
 
     @classmethod
     def beside(cls, target: PagedRunner, model: torch.nn.Module) -> "DraftProposer":
@@ -63,8 +63,9 @@ class DraftProposer:
                 self.blocks.append_slots(seq.id, seq.num_tokens + k - 1)
             except NoFreeBlocks:
                 continue  # the draft cache is full: this request decodes plainly this step
-            if seq.id not in self._generators:
-                self._generators[seq.id] = self._generator(seq)
+            if seq.id not in self._sampling:
+                self._sampling[seq.id] = SamplingRow(seq.payload.params, self._generator(seq), seq.token_ids,
+                                                     seq.output_ids)
             drafts.append(_Draft(seq, k, list(seq.token_ids)))
         q_rows: dict[str, list[torch.Tensor]] = {d.seq.id: [] for d in drafts}
         for i in range(max((d.k for d in drafts), default=0)):
@@ -72,11 +73,9 @@ class DraftProposer:
             chunks = []
             for d in active:
                 start = self._computed.get(d.seq.id, 0)
-                # A _Draft stands in for the Sequence: the runner reads only its tokens.
-                chunks.append(Chunk(d, start, d.num_tokens - start, self.blocks.table(d.seq.id)))  # type: ignore
+                chunks.append(Chunk(d.seq, start, d.token_ids[start:], self.blocks.table(d.seq.id), num_logits=1))
             logits = self.runner.execute(SchedulerOutput(chunks))
-            tokens, q = propose_from(logits, [d.seq for d in active],
-                                     [self._generators[d.seq.id] for d in active], self.vocab)
+            tokens, q = propose_from(logits, SamplingBatch([self._sampling[d.seq.id] for d in active]), self.vocab)
             for d, token, qi in zip(active, tokens, q):
                 self._computed[d.seq.id] = d.num_tokens
                 d.token_ids.append(token)
@@ -92,7 +91,7 @@ class DraftProposer:
 
     def forget(self, seq_id: str) -> None:
         self._computed.pop(seq_id, None)
-        self._generators.pop(seq_id, None)
+        self._sampling.pop(seq_id, None)
         self.blocks.free(seq_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

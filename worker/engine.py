@@ -1,9 +1,14 @@
-"""The continuous-batching engine: schedule, execute, update, once per step.
+"""The continuous-batching engine: one step is schedule, propose, run, postprocess.
 
-The batcher picks each step's requests and token counts, the speculator (when on) adds
-proposed tokens to decodes, the paged runner runs them all in one forward, and the update
-samples each request's next tokens and decides whether it ends. A finished or cancelled
-request leaves the batch at once and its slot is refilled next step.
+The batcher picks each step's requests and token counts, the speculator (when on) puts
+proposed tokens on decodes, the paged runner runs them all in one forward, and postprocess
+samples each request's next tokens, settles what the cache holds and decides whether each
+request ends. A finished or cancelled request leaves the batch at once and its slot is
+refilled next step.
+
+Only the model thread touches the batcher and the requests in it. The event loop hands new
+requests and cancels over through inboxes, drained at the start of each step, and reads the
+engine's state from views the step leaves behind.
 """
 from __future__ import annotations
 
@@ -14,9 +19,9 @@ import torch
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.batcher import Batcher, SchedulerOutput
-from worker.model_runner import PagedRunner
-from worker.sampler import fail_sampling, make_generator, sample_each
 from worker.cancels import CancelInbox
+from worker.model_runner import PagedRunner
+from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import Speculator
 
@@ -29,25 +34,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.batcher = batcher
         self.batch_size = batcher.max_num_seqs
-        self._generators: dict[str, torch.Generator | None] = {}
-        self._refused: list[Sequence] = []  # requests that can never fit, ended at the next step
         self.cancels = CancelInbox()
         self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
-        self._lock = threading.RLock()  # add() and the views come from the event loop, step() from the model thread
+        self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
+        self._arrivals: list[Sequence] = []  # added since the last step began
+        self._arrivals_lock = threading.Lock()
+        self._running: list[Sequence] = []  # views of the batcher as the last step left it
+        self._waiting: list[Sequence] = []
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
-        need = len(payload.prompt_token_ids) + (payload.params.max_tokens or 0)
-        with self._lock:
-            if need > self.batcher.max_tokens_per_request():
-                seq.finish_reason = FinishReason.ERROR
-                seq.error = (f"the request needs {need} tokens of KV cache; this worker's cache holds "
-                             f"{self.batcher.max_tokens_per_request()}")
-                self._refused.append(seq)
-            else:
-                self._generators[seq.id] = make_generator(payload.params, self.runner.device)
-                self.batcher.add(seq)
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, self.tokenizer.decode, resumed)
+        with self._arrivals_lock:
+            self._arrivals.append(seq)
         return seq
 
     def cancel(self, request_id: str) -> None:
@@ -55,91 +54,105 @@ class Engine:
 
     @property
     def running(self) -> list[Sequence]:
-        with self._lock:
-            return list(self.batcher.running)
+        return list(self._running)
 
     @property
     def waiting(self) -> list[Sequence]:
-        with self._lock:
-            return list(self.batcher.waiting)
+        with self._arrivals_lock:
+            return self._waiting + self._arrivals
 
     @property
     def free_slots(self) -> int:
         """Requests to take from the queue now: just enough to fill the batch. The rest stay
         queued in Redis (truthfully 'queued', and free for another worker to take)."""
-        return max(0, self.batch_size - len(self.batcher.running) - len(self.batcher.waiting))
+        return max(0, self.batch_size - len(self._running) - len(self.waiting))
 
     def has_work(self) -> bool:
-        return self.batcher.has_work() or bool(self._refused)
+        return bool(self._running or self.waiting)
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
-        with self._lock:
-            outputs = self._end_cancelled() + [StepOutput(s, None, True) for s in self._refused]
-            self._refused = []
-            scheduled = self.batcher.schedule()
-            self.last_step_size = len(scheduled.chunks)
-            stamp = now()
-            for chunk in scheduled.chunks:
-                if chunk.seq.scheduled_at is None:
-                    chunk.seq.scheduled_at = stamp
-            spec = self.speculator
-            wanted = spec.wanted(scheduled, self.batcher, self.runner.context_length) if spec else []
-        if wanted:
-            proposals = spec.proposer.propose(wanted)  # unlocked: a draft model's forwards take a while
-            with self._lock:
-                spec.attach(scheduled, self.batcher, proposals)
+        outputs = self._admit() + self._end_cancelled()
+        scheduled = self.batcher.schedule()
+        _stamp_first_step(scheduled)
+        if self.speculator:
+            self.speculator.plan(scheduled, self.batcher, self.runner.context_length)
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
-            self.batcher.update(scheduled)
-            outputs += self._update(scheduled, logits)
+            outputs += self._postprocess(scheduled, logits)
+        self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting)
+        self.last_step_size = len(scheduled.chunks)
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
-        """End every admitted request with an error (the step itself failed)."""
+        """End every admitted request with an error (the step itself failed; no step runs now)."""
         outputs = []
-        for seq in self.running + self.waiting:
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
+        with self._arrivals_lock:
+            arrivals, self._arrivals = self._arrivals, []
+        for seq in list(self.batcher.running) + list(self.batcher.waiting) + arrivals:
+            seq.finish(FinishReason.ERROR, error)
             self._remove(seq)
             outputs.append(StepOutput(seq, None, True))
+        self._running, self._waiting = [], []
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
         return outputs
+
+    def _admit(self) -> list[StepOutput]:
+        """Requests added since the last step join the batcher's queue; one that can never fit
+        the cache ends here with an error."""
+        with self._arrivals_lock:
+            arrivals, self._arrivals = self._arrivals, []
+        refused = []
+        most = self.batcher.max_tokens_per_request()
+        for seq in arrivals:
+            need = len(seq.prompt_ids) + (seq.payload.params.max_tokens or 0)
+            if need > most:
+                seq.finish(FinishReason.ERROR, f"the request needs {need} tokens of KV cache; "
+                                               f"this worker's cache holds {most}")
+                refused.append(StepOutput(seq, None, True))
+            else:
+                self._sampling[seq.id] = SamplingRow.of(seq, self.runner.device)
+                self.batcher.add(seq)
+        return refused
 
     def _end_cancelled(self) -> list[StepOutput]:
         cancelled = self.cancels.take()
         outputs = []
-        for seq in self.running + self.waiting:
+        for seq in list(self.batcher.running) + list(self.batcher.waiting):
             if seq.id in cancelled:
-                seq.finish_reason = FinishReason.CANCELLED
+                seq.finish(FinishReason.CANCELLED)
                 self._remove(seq)
                 outputs.append(StepOutput(seq, None, True))
         return outputs
 
     def _remove(self, seq: Sequence) -> None:
         self.batcher.remove(seq)
-        self._generators.pop(seq.id, None)
+        self._sampling.pop(seq.id, None)
         if self.speculator:
             self.speculator.forget(seq.id)
 
-    def _update(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
-        chunks = [c for c in scheduled.chunks if c.samples]
-        spec = self.speculator
-        picked = sample_each(logits, [c.seq for c in chunks], [c.draft for c in chunks],
-                             [self._generators[c.seq.id] for c in chunks],
-                             [spec.draft_probs(c) if spec else None for c in chunks])
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        """Sample each sampling chunk's tokens; record what the cache holds now; emit the tokens
+        and end the requests that are done."""
+        sampling = [c for c in scheduled.chunks if c.samples]
+        batch = SamplingBatch([self._sampling[c.seq.id] for c in sampling], [c.draft for c in sampling],
+                              [c.draft_probs for c in sampling])
+        picked = dict(zip(map(id, sampling), sample_each(logits, batch)))
         outputs = []
         eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
-        for chunk, result in zip(chunks, picked):
-            seq = chunk.seq
+        for chunk in scheduled.chunks:
+            seq, result = chunk.seq, picked.get(id(chunk), ([], []))
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
+                self.batcher.computed(chunk)
                 fail_sampling(seq, result)
                 self._remove(seq)
                 outputs.append(StepOutput(seq, None, True))
                 continue
             tokens, logprobs = result
-            if chunk.draft:  # every emitted token but the last was a proposed one, kept
-                self.batcher.verified(seq, len(tokens) - 1)
-                spec.verified(chunk, len(tokens) - 1)
+            kept = max(0, len(tokens) - 1) if chunk.draft else 0  # every emitted token but the last was proposed
+            self.batcher.computed(chunk, kept)
+            if chunk.draft:
+                self.speculator.settle(chunk, kept)
             for token, lp in zip(tokens, logprobs):
                 text = seq.accept(token, eos, context)
                 outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
@@ -147,3 +160,11 @@ class Engine:
                     self._remove(seq)
                     break
         return outputs
+
+
+def _stamp_first_step(scheduled: SchedulerOutput) -> None:
+    """When each request's first step here began (its queue time ends there)."""
+    stamp = now()
+    for chunk in scheduled.chunks:
+        if chunk.seq.scheduled_at is None:
+            chunk.seq.scheduled_at = stamp

@@ -29,8 +29,8 @@ class NullEngine:
         self._next = time.monotonic()
         self.last_step_size = 0
 
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, lambda ids: "", resumed)
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, lambda ids: "", resumed)
         with self._lock:
             self._waiting.add(seq)
         return seq
@@ -70,14 +70,14 @@ class NullEngine:
         still = []
         for seq in self._running:
             if seq.id in cancelled:
-                seq.finish_reason = FinishReason.CANCELLED
+                seq.finish(FinishReason.CANCELLED)
                 outputs.append(StepOutput(seq, None, True))
                 continue
             seq.append(NULL_TOKEN)
             self._waiting.charge(seq, 1)
             seq.detokenizer.text += stamp
             if len(seq.output_ids) >= (seq.payload.params.max_tokens or 1):
-                seq.finish_reason = FinishReason.LENGTH
+                seq.finish(FinishReason.LENGTH)
             event = TokenEvent(index=len(seq.output_ids) - 1, token_id=NULL_TOKEN, text=stamp)
             outputs.append(StepOutput(seq, event, seq.finished))
             if not seq.finished:
@@ -88,7 +88,7 @@ class NullEngine:
     def fail_all(self, error: str) -> list[StepOutput]:
         outputs = []
         for seq in self._running + list(self._waiting):
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
+            seq.finish(FinishReason.ERROR, error)
             outputs.append(StepOutput(seq, None, True))
         self._running, self._waiting = [], FairQueue()
         return outputs

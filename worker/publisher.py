@@ -15,6 +15,11 @@ class Publisher:
         self.redis = redis
         self.prefix = queue.prefix
         self.queue = queue
+        self.entries: dict[str, str] = {}  # request id -> its queue entry, acked when the request ends
+
+    def taken(self, request_id: str, entry_id: str) -> None:
+        """A request the backend now runs, from this queue entry."""
+        self.entries[request_id] = entry_id
 
     async def publish(self, outputs: list[StepOutput]) -> None:
         """Token log XADD + PUBLISH for each new token; on finish the record, final event and XACK."""
@@ -37,6 +42,9 @@ class Publisher:
                 if out.finished:
                     self._finish(pipe, out, log, channel, stamp)
             await pipe.execute()
+        for out in outputs:  # only once published: a retried publish acks them again
+            if out.finished:
+                self.entries.pop(out.seq.id, None)
 
     def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
         seq = out.seq
@@ -52,6 +60,6 @@ class Publisher:
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
         pipe.publish(channel, final)
-        pipe.xack(self.queue.stream_of(seq.payload), keys.WORKER_GROUP, seq.stream_entry)
+        pipe.xack(self.queue.stream_of(seq.payload), keys.WORKER_GROUP, self.entries[seq.id])
         pipe.expire(record, keys.RESULT_TTL_S)
         pipe.expire(log, keys.RESULT_TTL_S)

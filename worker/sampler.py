@@ -8,15 +8,56 @@ bias and penalties. Log-probabilities are those of the model's raw distribution.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.messages import FinishReason
 from shared.sampling import SamplingParams
 from worker.sequence import Logprobs, Sequence
-from worker.speculation import accept_greedy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingRow:
+    """One request's sampling state, made when it joins the batch: its parameters, its own
+    random stream, and its tokens (read, not copied, for the penalties)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int]  # prompt then output
+    output_ids: list[int]
+
+    @classmethod
+    def of(cls, seq: Sequence, device: torch.device) -> "SamplingRow":
+        return cls(seq.payload.params, make_generator(seq.payload.params, device), seq.token_ids, seq.output_ids)
+
+
+@dataclass
+class SamplingBatch:
+    """What the sampler needs of one step, one entry per sampling request in the step's order:
+    its SamplingRow, and the tokens proposed after its known ones (with the proposer's
+    distributions over them, for a draft model) that this step verifies."""
+
+    rows: list[SamplingRow]
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.drafts = self.drafts or [[] for _ in self.rows]
+        self.draft_probs = self.draft_probs or [None] * len(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def one(self, i: int) -> "SamplingBatch":
+        return SamplingBatch([self.rows[i]], [self.drafts[i]], [self.draft_probs[i]])
+
+    def logits_rows(self) -> list[SamplingRow]:
+        """The request of each logits row: 1 + len(draft) rows a request."""
+        return [r for r, d in zip(self.rows, self.drafts) for _ in range(1 + len(d))]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -31,96 +72,108 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample_verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-                  generators: list[torch.Generator | None],
-                  draft_probs: list[torch.Tensor | None]) -> list[tuple[list[int], list[Logprobs | None]]]:
+def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]]]:
     """The tokens each request emits this step, with their log-probabilities.
 
-    Request i owns 1 + len(drafts[i]) consecutive rows of `logits`: the model's scores after
-    its known tokens, then after each proposed token. With nothing proposed this is plain
+    Request i owns 1 + len(batch.drafts[i]) consecutive rows of `logits`: the model's scores
+    after its known tokens, then after each proposed token. With nothing proposed this is plain
     sampling. Greedy keeps the agreeing prefix and the model's next token. Sampling draws each
     position from the model's own distribution p with the request's random stream and goes on
     while the draw equals the proposal: for a proposal made with certainty (prompt lookup) this
     is the rejection rule exactly, and it emits what plain seeded sampling would. A draft
-    model's proposal x, drawn from its q (`draft_probs[i]`, one row per proposed token), is kept
-    with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
+    model's proposal x, drawn from its q (`batch.draft_probs[i]`, one row per proposed token), is
+    kept with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
     max(0, p - q), renormalised. Either way the output is distributed as the model's.
     """
-    row_seqs = [s for s, d in zip(seqs, drafts) for _ in range(1 + len(d))]
-    raw, choices, probs = _scores(logits, row_seqs)
+    row_of = batch.logits_rows()
+    raw, choices, probs = _scores(logits, row_of)
     emitted, rows, row = [], [], 0
-    for seq, draft, gen, q in zip(seqs, drafts, generators, draft_probs):
-        if seq.payload.params.greedy:
+    for req, draft, q in zip(batch.rows, batch.drafts, batch.draft_probs):
+        if req.params.greedy:
             tokens = accept_greedy(draft, choices[row:row + len(draft) + 1])
         elif q is None:
-            tokens = _sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], gen)
+            tokens = _sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], req.generator)
         else:
-            tokens = _sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, gen)
+            tokens = _sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, req.generator)
         emitted.append(tokens)
         rows += range(row, row + len(tokens))  # emitted token j was chosen from row + j
         row += len(draft) + 1
     flat = [t for tokens in emitted for t in tokens]
-    logprobs = iter(_logprobs(raw, rows, flat, [row_seqs[r].payload.params for r in rows]))
+    logprobs = iter(_logprobs(raw, rows, flat, [row_of[r].params for r in rows]))
     return [(tokens, [next(logprobs) for _ in tokens]) for tokens in emitted]
 
 
-def sample_each(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-                generators: list[torch.Generator | None], draft_probs: list[torch.Tensor | None],
-                ) -> list[tuple[list[int], list[Logprobs | None]] | Exception]:
+def sample_each(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]] | Exception]:
     """sample_verify, but a request whose sampling raises gets its exception instead of tokens,
     and every other request exactly the tokens it would have had without it.
 
     The batched pass runs first; only when it raises is each request sampled alone, after its
     random stream is rewound to where the batched pass found it (so no draw is taken twice).
     """
-    states = [None if g is None else g.get_state() for g in generators]
+    states = [None if r.generator is None else r.generator.get_state() for r in batch.rows]
     try:
-        return sample_verify(logits, seqs, drafts, generators, draft_probs)
+        return sample_verify(logits, batch)
     except Exception:  # noqa: BLE001 - found again, and kept, row by row below
         pass
     out: list[tuple[list[int], list[Logprobs | None]] | Exception] = []
     row = 0
-    for seq, draft, gen, state, q in zip(seqs, drafts, generators, states, draft_probs):
-        if gen is not None:
-            gen.set_state(state)
-        rows = logits[row:row + 1 + len(draft)]
-        row += 1 + len(draft)
+    for i, (req, state) in enumerate(zip(batch.rows, states)):
+        if req.generator is not None:
+            req.generator.set_state(state)
+        width = 1 + len(batch.drafts[i])
+        rows = logits[row:row + width]
+        row += width
         try:
-            out.append(sample_verify(rows, [seq], [draft], [gen], [q])[0])
+            out.append(sample_verify(rows, batch.one(i))[0])
         except Exception as exc:  # noqa: BLE001 - this request's parameters broke its own sampling
             out.append(exc)
     return out
 
 
+def accept_greedy(proposed: Tokens[int], choices: Tokens[int]) -> list[int]:
+    """The tokens a greedy step emits: `choices[i]` is the model's argmax after the prefix plus
+    proposed[:i] (len(proposed) + 1 of them); the agreeing prefix, then the model's own token.
+    Exactly what plain greedy decoding would emit, several steps' worth."""
+    if len(choices) != len(proposed) + 1:
+        raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} choices, got {len(choices)}")
+    out = []
+    for token, choice in zip(proposed, choices):
+        if token != choice:
+            break
+        out.append(token)
+    out.append(choices[len(out)])
+    return out
+
+
+
 def fail_sampling(seq: Sequence, exc: Exception) -> None:
     """End a request whose own parameters broke its sampling (sample_each gave its exception)."""
     log.warning("request %s failed in sampling: %r", seq.id, exc)
-    seq.finish_reason, seq.error = FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}"
+    seq.finish(FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}")
 
 
-def propose_from(logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None],
-                 vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
+def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
     """A draft model's next token for each row: its argmax for greedy requests, else a draw
     from its distribution q under the request's parameters (q is returned, `vocab` wide, for
     the acceptance rule)."""
-    _, tokens, probs = _scores(logits[:, :vocab], seqs)
-    q: list[torch.Tensor | None] = [None] * len(seqs)
+    _, tokens, probs = _scores(logits[:, :vocab], batch.rows)
+    q: list[torch.Tensor | None] = [None] * len(batch)
     for i, p in probs.items():
         q[i] = torch.nn.functional.pad(p, (0, vocab - p.shape[-1]))
-        tokens[i] = _draw(q[i], generators[i])
+        tokens[i] = _draw(q[i], batch.rows[i].generator)
     return tokens, q
 
 
-def _scores(logits: torch.Tensor, row_seqs: list[Sequence]) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
-    """Per row (of the request `row_seqs[row]`): the raw logits as float, the argmax after bias,
+def _scores(logits: torch.Tensor, row_of: list[SamplingRow]) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+    """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after bias,
     processors and penalties, and for sampled requests' rows the filtered distribution."""
     raw = logits.float()
     x = raw
-    params = [s.payload.params for s in row_seqs]
+    params = [r.params for r in row_of]
     if any(p.logit_bias or p.logits_processors or p.needs_history for p in params):
         x = raw.clone()
-        for row, (seq, p) in enumerate(zip(row_seqs, params)):
-            _adjust(x[row], seq, p)  # a request with penalties is never given proposals: one row each
+        for row, req in enumerate(row_of):
+            _adjust(x[row], req)  # a request with penalties is never given proposals: one row each
     choices = x.argmax(dim=-1).tolist()
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     if not sampled:
@@ -157,9 +210,9 @@ def _sample_draft(draft: list[int], p: list[torch.Tensor], q: torch.Tensor, gen:
     return out
 
 
-def _adjust(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> None:
+def _adjust(row: torch.Tensor, req: SamplingRow) -> None:
     """Bias, processors and penalties, in place on one row of logits."""
-    vocab = row.shape[0]
+    vocab, p = row.shape[0], req.params
     if p.logit_bias:
         ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long, device=row.device)
         row[ids] += torch.tensor([p.logit_bias[t] for t in ids.tolist()], device=row.device)
@@ -168,11 +221,11 @@ def _adjust(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> None:
         row[banned] = float("-inf")
     if p.needs_history:
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+            seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=row.device)
             values = row[seen]
             row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if seq.output_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(seq.output_ids, device=row.device), minlength=vocab)[:vocab]
+        if req.output_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(req.output_ids, device=row.device), minlength=vocab)[:vocab]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

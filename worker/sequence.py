@@ -1,20 +1,30 @@
 """One request inside the worker: its tokens so far and how it ends (pure Python)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from worker.detokenizer import Detokenizer
 
 
+class Status(enum.Enum):
+    """Where a request is in the engine (vLLM's RequestStatus, without the finish reasons)."""
+
+    WAITING = "waiting"  # not yet admitted to the batch
+    RUNNING = "running"  # in the batch, with KV blocks
+    PREEMPTED = "preempted"  # put back in the queue, its blocks given up; recomputed when readmitted
+    FINISHED = "finished"  # ended: finish_reason says how
+
+
 @dataclass(eq=False)
 class Sequence:
     payload: RequestPayload
     detokenizer: Detokenizer
-    stream_entry: str  # id of the request-stream entry, acked when the request ends
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt then output: what the model has seen or will
     num_computed: int = 0  # leading token_ids whose keys and values are in the KV cache
+    status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
@@ -30,7 +40,10 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -49,24 +62,23 @@ class Sequence:
         params = self.payload.params
         self.append(token_id)
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
-            self.finish_reason = FinishReason.STOP
+            self.finish(FinishReason.STOP)
             return self.detokenizer.flush()
         text = self.detokenizer.push(token_id)
         if self.detokenizer.stopped:
-            self.finish_reason = FinishReason.STOP
+            self.finish(FinishReason.STOP)
             return text
         limit = params.max_tokens or context_length
         if len(self.output_ids) >= limit or self.num_tokens >= context_length:
-            self.finish_reason = FinishReason.LENGTH
+            self.finish(FinishReason.LENGTH)
             return text + self.detokenizer.flush()
         return text
 
 
-def new_sequence(payload: RequestPayload, stream_entry: str, decode,
-                 resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+def new_sequence(payload: RequestPayload, decode, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
     """A request as the engine takes it: fresh, or continuing after the tokens another worker
     already delivered (they are prefilled with the prompt, and indices carry on after them)."""
-    seq = Sequence(payload, Detokenizer(decode, payload.params.stop), stream_entry)
+    seq = Sequence(payload, Detokenizer(decode, payload.params.stop))
     if resumed:
         for event in resumed:
             seq.append(event.token_id)

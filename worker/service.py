@@ -190,7 +190,8 @@ class WorkerService:
             "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
             "resumed_after": len(resumed)})
         self.metrics.taken(payload)
-        self.engine.add(payload, entry_id, resumed)
+        self.publisher.taken(payload.id, entry_id)
+        self.engine.add(payload, resumed)
 
     async def _listen_cancels(self) -> None:
         while True:

@@ -50,21 +50,6 @@ def propose_ngram(tokens: Tokens[int], k: int, max_n: int = 4, min_n: int = 1) -
     return list(tokens[best_at + 1:best_at + 1 + k])
 
 
-def accept_greedy(proposed: Tokens[int], choices: Tokens[int]) -> list[int]:
-    """The tokens a greedy step emits: `choices[i]` is the model's argmax after the prefix plus
-    proposed[:i] (len(proposed) + 1 of them); the agreeing prefix, then the model's own token.
-    Exactly what plain greedy decoding would emit, several steps' worth."""
-    if len(choices) != len(proposed) + 1:
-        raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} choices, got {len(choices)}")
-    out = []
-    for token, choice in zip(proposed, choices):
-        if token != choice:
-            break
-        out.append(token)
-    out.append(choices[len(out)])
-    return out
-
-
 class Proposer(Protocol):
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], Any]]:
         """For (request, most tokens) pairs: request id -> (proposed tokens, the proposer's
@@ -112,39 +97,28 @@ class Speculator:
     disable_by_batch_size: int = 0  # pause while more requests than this run (0: never)
     stats: SpecStats = field(default_factory=SpecStats)
     _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
-    _q: dict[str, Any] = field(default_factory=dict)  # this step's proposer distributions
 
     def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> None:
-        """Put proposed tokens on this step's decode chunks, within the step's leftover budget
-        and the free KV blocks (speculation never preempts anyone)."""
-        self.attach(out, batcher, self.proposer.propose(self.wanted(out, batcher, context_length)))
-
-    def wanted(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> list[tuple[Sequence, int]]:
-        """The step's decodes that may carry proposals, and how many tokens each."""
+        """Put proposed tokens (and the proposer's distributions over them) on this step's
+        decode chunks, within the step's leftover budget and the free KV blocks (speculation
+        never preempts anyone)."""
         for seq in out.preempted:
             self.proposer.forget(seq.id)
-        self._q = {}
         if self.disable_by_batch_size and len(batcher.running) > self.disable_by_batch_size:
-            return []  # where a big batch is compute-bound, proposed tokens cost nearly full price
-        return [(c.seq, k) for c in out.chunks
-                if self._eligible(c) and (k := self._room(c.seq, context_length)) > 0]
-
-    def attach(self, out: SchedulerOutput, batcher: Batcher, proposals: dict[str, tuple[list[int], Any]]) -> None:
-        chunks = {c.seq.id: c for c in out.chunks}
-        for seq_id, (tokens, q) in proposals.items():
-            added = batcher.speculate(out, chunks[seq_id], tokens)
+            return  # where a big batch is compute-bound, proposed tokens cost nearly full price
+        chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
+        wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
+        for seq_id, (tokens, q) in self.proposer.propose(wanted).items() if wanted else ():
+            added = batcher.speculate(out, chunks[seq_id], tokens, q)
             if not added:
                 self.proposer.verified(chunks[seq_id].seq)  # none will run: the proposer forgets them now
             else:
-                self._q[seq_id] = None if q is None else q[:added]
                 self.stats.drafts += 1
                 self.stats.proposed += added
 
-    def draft_probs(self, chunk: Chunk) -> Any:
-        return self._q.get(chunk.seq.id)
-
-    def verified(self, chunk: Chunk, kept: int) -> None:
-        """`kept` of the chunk's proposed tokens were accepted; the rest are already rolled back."""
+    def settle(self, chunk: Chunk, kept: int) -> None:
+        """The step verified the chunk's proposals: `kept` of them were accepted (the batcher has
+        rolled back the rest). Adapt the request's proposal length to it."""
         proposed = len(chunk.draft)
         self.stats.accepted += kept
         k = self._k.get(chunk.seq.id, self.max_k)

@@ -14,7 +14,7 @@ import torch
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
-from worker.sampler import fail_sampling, make_generator, sample_each
+from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
 from worker.cancels import CancelInbox
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
@@ -26,12 +26,12 @@ class StaticEngine:
         self.batch_size = batch_size
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # the current batch, finished rows included
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._sampling: dict[str, SamplingRow] = {}
         self.cancels = CancelInbox()
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, self.tokenizer.decode, resumed)
         self.waiting.append(seq)
         return seq
 
@@ -66,7 +66,7 @@ class StaticEngine:
         """End every admitted request with an error (the step itself failed)."""
         outputs = []
         for seq in self.running + list(self.waiting):
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
+            seq.finish(FinishReason.ERROR, error)
             outputs.append(StepOutput(seq, None, True))
         self.rows, self.waiting = [], deque()
         self.runner.release()
@@ -77,7 +77,7 @@ class StaticEngine:
         outputs = []
         for seq in self.running + list(self.waiting):
             if seq.id in cancelled:
-                seq.finish_reason = FinishReason.CANCELLED
+                seq.finish(FinishReason.CANCELLED)
                 outputs.append(StepOutput(seq, None, True))
         self.waiting = deque(s for s in self.waiting if not s.finished)
         return outputs
@@ -89,7 +89,7 @@ class StaticEngine:
         while self.waiting and len(self.rows) < self.batch_size:
             seq = self.waiting.popleft()
             seq.scheduled_at = now()
-            self._generators[seq.id] = make_generator(seq.payload.params, self.runner.device)
+            self._sampling[seq.id] = SamplingRow.of(seq, self.runner.device)
             self.rows.append(seq)
         return True
 
@@ -102,18 +102,17 @@ class StaticEngine:
     def _update(self, logits: torch.Tensor) -> list[StepOutput]:
         rows = [(row, seq) for row, seq in enumerate(self.rows) if not seq.finished]
         seqs = [seq for _, seq in rows]
-        picked = sample_each(logits[[row for row, _ in rows]], seqs, [[] for _ in seqs],
-                             [self._generators[s.id] for s in seqs], [None] * len(seqs))
+        picked = sample_each(logits[[row for row, _ in rows]], SamplingBatch([self._sampling[s.id] for s in seqs]))
         outputs = []
         for seq, result in zip(seqs, picked):
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
                 fail_sampling(seq, result)
-                self._generators.pop(seq.id, None)
+                self._sampling.pop(seq.id, None)
                 outputs.append(StepOutput(seq, None, True))
                 continue
             ([token], [lp]) = result
             text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
             if seq.finished:
-                self._generators.pop(seq.id, None)
+                self._sampling.pop(seq.id, None)
             outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
         return outputs

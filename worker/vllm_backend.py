@@ -123,8 +123,8 @@ class VllmBackend:
         return cls(engine, tokenizer, settings.batch_size, context)
 
     # -- the Backend protocol ------------------------------------------------------------------
-    def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        seq = new_sequence(payload, self.tokenizer.decode, resumed)
         limit = payload.params.max_tokens or self.context_length
         remaining = min(limit - len(seq.output_ids), self.context_length - seq.num_tokens)
         task = asyncio.create_task(self._run(seq, max(1, remaining)), name=f"vllm-{seq.id}")
@@ -134,7 +134,7 @@ class VllmBackend:
     def cancel(self, request_id: str) -> None:
         if request_id in self._active:
             seq, task = self._active[request_id]
-            seq.finish_reason = FinishReason.CANCELLED
+            seq.finish(FinishReason.CANCELLED)
             task.cancel()
 
     @property
@@ -165,7 +165,7 @@ class VllmBackend:
     def fail_all(self, error: str) -> list[StepOutput]:
         outputs = []
         for seq, task in list(self._active.values()):
-            seq.finish_reason, seq.error = FinishReason.ERROR, error
+            seq.finish(FinishReason.ERROR, error)
             task.cancel()
             outputs.append(StepOutput(seq, None, True))
         self._active.clear()
@@ -196,7 +196,7 @@ class VllmBackend:
                         await self.engine.abort(seq.id)
                         return
                 if out.finished:  # vLLM ended it first (its eos, or a limit of its own)
-                    seq.finish_reason = FinishReason.STOP if completion.finish_reason == "stop" else FinishReason.LENGTH
+                    seq.finish(FinishReason.STOP if completion.finish_reason == "stop" else FinishReason.LENGTH)
                     seq.detokenizer.flush()
                     self._events.put_nowait(StepOutput(seq, None, True))
                     return
@@ -207,7 +207,7 @@ class VllmBackend:
             raise
         except Exception as exc:  # noqa: BLE001 - one request's failure ends that request only
             log.exception("vLLM failed request %s", seq.id)
-            seq.finish_reason, seq.error = FinishReason.ERROR, f"vLLM: {type(exc).__name__}: {exc}"
+            seq.finish(FinishReason.ERROR, f"vLLM: {type(exc).__name__}: {exc}")
             self._events.put_nowait(StepOutput(seq, None, True))
         finally:
             self._active.pop(seq.id, None)

@@ -46,7 +46,7 @@ def run(engine: Engine, prompts: list[str], **params) -> list:
             i, text = pending.pop(0)
             p = SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, **params})
             ids = engine.tokenizer.encode(text)
-            seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=ids, params=p), "0-0"))
+            seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=ids, params=p)))
         engine.step()
         steps += 1
     return seqs

@@ -17,14 +17,14 @@ def seq(prompt_len: int, first: int = 1000) -> Sequence:
     n = next(_ids)
     payload = RequestPayload(id=f"r{n}", model="m", prompt_token_ids=list(range(first + n * 1000, first + n * 1000 + prompt_len)),
                              params=SamplingParams(max_tokens=8))
-    return Sequence(payload, Detokenizer(lambda ids: ""), stream_entry="0-0")
+    return Sequence(payload, Detokenizer(lambda ids: ""))
 
 
 def step(batcher: Batcher, new_token: int = 7):
     """Schedule, 'run', update; sampled chunks get a new token, as the engine does."""
     out = batcher.schedule()
-    batcher.update(out)
     for chunk in out.chunks:
+        batcher.computed(chunk)
         if chunk.samples:
             chunk.seq.append(new_token)
     return out

@@ -39,7 +39,7 @@ def bad(i: int, tok: Tokenizer) -> RequestPayload:
 
 
 def drain(engine, payloads: list[RequestPayload]) -> dict[str, tuple]:
-    seqs = [engine.add(p, "0-0") for p in payloads]
+    seqs = [engine.add(p) for p in payloads]
     while engine.has_work():
         engine.step()
     return {s.id: (s.finish_reason, s.output_ids, s.error) for s in seqs}

@@ -51,9 +51,9 @@ def test_decodes_through_the_static_buffers_give_transformers_tokens_in_fp32(tin
 
 def _chunk(start: int, length: int, table: list[int], draft: tuple[int, ...] = ()) -> Chunk:
     """A chunk of a request whose known tokens end at start + length - len(draft): it samples."""
-    known = start + length - len(draft)
-    seq = SimpleNamespace(token_ids=[5 + i % 7 for i in range(known)], num_tokens=known)
-    return Chunk(seq, start, length, table, list(draft))
+    known = [5 + i % 7 for i in range(start + length - len(draft))]
+    seq = SimpleNamespace(token_ids=known, num_tokens=len(known))
+    return Chunk(seq, start, known[start:] + list(draft), table, 1 + len(draft), list(draft))
 
 
 def test_padding_rows_write_only_the_scratch_block(tiny_llama):

@@ -59,7 +59,7 @@ def run(engine: Engine, texts: list[str], arrive_every: int = 1, **params) -> li
         if pending and steps % arrive_every == 0:
             i, text = pending.pop(0)
             p = SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, **params})
-            seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=tok.encode(text), params=p), "0-0"))
+            seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=tok.encode(text), params=p)))
         engine.step()
         steps += 1
     return seqs

@@ -18,7 +18,7 @@ def request(tenant: str, priority: int = 0, weight: float = 1.0) -> Sequence:
     payload = RequestPayload(id=f"{tenant}{n}", model="m", prompt_token_ids=[1 + n % 7, 2, 3, 4],
                              params=SamplingParams(max_tokens=OUTPUT), owner=tenant, priority=priority,
                              weight=weight)
-    return Sequence(payload, Detokenizer(lambda ids: ""), stream_entry="0-0")
+    return Sequence(payload, Detokenizer(lambda ids: ""))
 
 
 class Run:
@@ -32,7 +32,8 @@ class Run:
     def step(self) -> None:
         before = set(map(id, self.batcher.running))
         out = self.batcher.schedule()
-        self.batcher.update(out)
+        for chunk in out.chunks:
+            self.batcher.computed(chunk)
         self.admitted += [s for s in self.batcher.running if id(s) not in before]
         for chunk in out.chunks:
             if chunk.samples:

@@ -6,22 +6,28 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from worker.detokenizer import Detokenizer
-from worker.sampler import make_generator, sample_verify
+from worker.sampler import SamplingBatch, SamplingRow, make_generator, sample_verify
 from worker.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])
 CPU = torch.device("cpu")
 
 
+
+def verify(logits, seqs, drafts, generators, draft_probs):
+    """sample_verify over a batch of these requests, with these random streams and proposals."""
+    rows = [SamplingRow(s.payload.params, g, s.token_ids, s.output_ids) for s, g in zip(seqs, generators)]
+    return sample_verify(logits, SamplingBatch(rows, drafts, draft_probs))
+
 def sample_batch(logits, seqs, generators):
     """The next token of each row (nothing proposed) and its log-probabilities, as plain sampling."""
-    picked = sample_verify(logits, seqs, [[] for _ in seqs], generators, [None] * len(seqs))
+    picked = verify(logits, seqs, [[] for _ in seqs], generators, [None] * len(seqs))
     return [tokens[0] for tokens, _ in picked], [lps[0] for _, lps in picked]
 
 
 def seq(outputs=(), prompt=(0,), **params) -> Sequence:
     s = Sequence(RequestPayload(id="r", model="m", prompt_token_ids=list(prompt), params=SamplingParams(**params)),
-                 Detokenizer(lambda ids: ""), "0-0")
+                 Detokenizer(lambda ids: ""))
     for t in outputs:
         s.append(t)
     return s
@@ -117,16 +123,16 @@ UNIFORM = torch.full((3,), 1 / 3)
 def test_greedy_verification_keeps_the_agreeing_prefix_and_adds_the_models_token():
     s = seq(temperature=0)
     onehot = torch.eye(3) * 5  # row i: the model picks token i
-    [(tokens, lps)] = sample_verify(onehot[[2, 0, 1]], [s], [[2, 1]], [None], [None])
+    [(tokens, lps)] = verify(onehot[[2, 0, 1]], [s], [[2, 1]], [None], [None])
     assert tokens == [2, 0] and lps == [None, None]  # 2 agreed, 1 did not: the model's 0 instead
-    [(tokens, _)] = sample_verify(onehot[[2, 0, 1]], [s], [[2, 0]], [None], [None])
+    [(tokens, _)] = verify(onehot[[2, 0, 1]], [s], [[2, 0]], [None], [None])
     assert tokens == [2, 0, 1]  # all agreed, plus a bonus token
 
 
 def test_verification_reports_each_emitted_tokens_own_logprob():
     s = seq(temperature=0, logprobs=1)
     logits = torch.log(torch.stack([P, UNIFORM]))
-    [(tokens, lps)] = sample_verify(logits, [s], [[0]], [None], [None])
+    [(tokens, lps)] = verify(logits, [s], [[0]], [None], [None])
     assert tokens == [0, 0]
     assert math.isclose(lps[0].logprob, math.log(0.5), rel_tol=1e-5)
     assert math.isclose(lps[1].logprob, math.log(1 / 3), rel_tol=1e-5)
@@ -144,7 +150,7 @@ def test_sampled_verification_keeps_the_models_distribution(with_draft):
     counts = [0, 0, 0]
     for proposal in proposals:
         draft = [proposal] if with_draft else [2]
-        [(tokens, _)] = sample_verify(logits, [s], [draft], [gen], [q[None] if with_draft else None])
+        [(tokens, _)] = verify(logits, [s], [draft], [gen], [q[None] if with_draft else None])
         counts[tokens[0]] += 1
     for token, prob in enumerate(P.tolist()):
         # The binomial standard deviation is ~0.0065 at this size; the seed makes the result fixed.
@@ -162,5 +168,5 @@ def test_lookup_verification_emits_what_plain_seeded_sampling_would():
     plain_gen = make_generator(s.payload.params, CPU)
     plain = [sample_batch(rows[i][None], [s], [plain_gen])[0][0] for i in range(4)]
     gen = make_generator(s.payload.params, CPU)
-    [(tokens, _)] = sample_verify(rows, [s], [plain[:3]], [gen], [None])  # a lookup that guessed right
+    [(tokens, _)] = verify(rows, [s], [plain[:3]], [gen], [None])  # a lookup that guessed right
     assert tokens == plain

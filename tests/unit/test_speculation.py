@@ -10,7 +10,8 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.detokenizer import Detokenizer
 from worker.sequence import Sequence
-from worker.speculation import NgramProposer, Speculator, accept_greedy, propose_ngram
+from worker.sampler import accept_greedy
+from worker.speculation import NgramProposer, Speculator, propose_ngram
 
 _ids = itertools.count()
 
@@ -41,7 +42,7 @@ def seq(tokens: list[int], **params) -> Sequence:
     """A request whose prompt is tokens[:-1]; its prefill will emit tokens[-1]."""
     payload = RequestPayload(id=f"s{next(_ids)}", model="m", prompt_token_ids=tokens[:-1],
                              params=SamplingParams(**{"max_tokens": 100, "temperature": 0, **params}))
-    s = Sequence(payload, Detokenizer(lambda ids: ""), stream_entry="0-0")
+    s = Sequence(payload, Detokenizer(lambda ids: ""))
     FIRST[s.id] = tokens[-1]
     return s
 
@@ -58,8 +59,8 @@ def decoding(batcher: Batcher, *seqs: Sequence) -> None:
         batcher.add(s)
     while any(not s.output_ids for s in seqs):
         out = batcher.schedule()
-        batcher.update(out)
         for chunk in out.chunks:
+            batcher.computed(chunk)
             if chunk.samples:
                 chunk.seq.append(FIRST[chunk.seq.id])
 
@@ -76,10 +77,8 @@ def test_proposals_ride_on_decodes_and_rejected_ones_give_their_blocks_back():
     assert chunk.draft == [12, 13, 14, 15] and chunk.length == 5
     assert chunk.input_ids == [11, 12, 13, 14, 15] and chunk.num_logits == 5
     assert len(blocks.table(s.id)) == 4  # room for 14 tokens
-    batcher.update(out)
-    assert s.num_computed == 10  # only the known token counts until verified
-    batcher.verified(s, kept=1)  # 12 kept, 13 rejected: the model emits 12 and its own token
-    spec.verified(chunk, kept=1)
+    batcher.computed(chunk, kept=1)  # 12 kept, 13 rejected: the model emits 12 and its own token
+    spec.settle(chunk, kept=1)
     assert s.num_computed == 11 and len(blocks.table(s.id)) == 3  # 12 tokens need 3 blocks
     assert blocks.num_free == 29
     assert (spec.stats.drafts, spec.stats.proposed, spec.stats.accepted) == (1, 4, 1)
@@ -96,10 +95,9 @@ def test_proposal_length_adapts_to_each_requests_acceptance():
         spec.plan(out, batcher, context_length=256)
         [chunk] = out.chunks
         lengths.append(len(chunk.draft))
-        batcher.update(out)
         kept = len(chunk.draft) if kept_all else 0
-        batcher.verified(s, kept)
-        spec.verified(chunk, kept)
+        batcher.computed(chunk, kept)
+        spec.settle(chunk, kept)
         for t in chunk.draft[:kept]:
             s.append(t)
         s.append(10 + (s.token_ids[-1] - 9) % 8)  # the model's own token: the pattern goes on
@@ -157,7 +155,7 @@ def test_speculation_pauses_while_the_batch_is_bigger_than_its_limit():
     spec.plan(out, batcher, context_length=256)
     assert [len(c.draft) for c in out.chunks] == [0, 0]  # two running, more than 1
     batcher.remove(b)
-    batcher.update(out)
+    batcher.computed(out.chunks[0])
     a.append(12)
     out = batcher.schedule()
     spec.plan(out, batcher, context_length=256)
