@@ -24,7 +24,8 @@ def stub_numpy(folder: Path) -> None:
     info = "numpy-2.3.0.dist-info"
     with zipfile.ZipFile(folder / "numpy-2.3.0-py3-none-any.whl", "w") as wheel:
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: numpy\nVersion: 2.3.0\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
 
 
@@ -47,12 +48,12 @@ def test_the_downloaded_wheels_are_what_the_offline_check_installs(tmp_path):
     pip = [sys.executable, str(next(wheels.glob("pip-*.whl")) / "pip")]  # as the check runs it
     for python in PYTHONS:
         report = tmp_path / f"plan-{python}.json"
-        platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+        target = ["--python-version", python, "--implementation", "cp", "--abi", "cp" + python.replace(".", ""),
+                  "--abi", "abi3", "--abi", "none", *(a for p in PLATFORMS for a in ("--platform", p))]
         plan = subprocess.run([*pip, "install", "--isolated", "--disable-pip-version-check", "--quiet", "--no-index",
                                "--find-links", str(wheels), "--find-links", str(stub), "--dry-run",
-                               "--ignore-installed", "--report", str(report), "--only-binary=:all:",
-                               "--python-version", python, "--implementation", "cp", "--abi", "cp" + python.replace(".", ""),
-                               "--abi", "abi3", "--abi", "none", *platforms, "-r", str(KIT / "requirements.txt")],
+                               "--ignore-installed", "--report", str(report), "--only-binary=:all:", *target,
+                               "-r", str(KIT / "requirements.txt")],
                               capture_output=True, text=True, timeout=300)
         assert plan.returncode == 0, (python, plan.stderr[-3000:])
         installed = {canonicalize_name(d["metadata"]["name"]): d["metadata"]["version"]
