@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean vllm-env openvino-env
+.PHONY: run test install clean vllm-env openvino-env gpu-wheels
 
 # Re-install when pyproject.toml changes.
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -31,6 +31,10 @@ vllm-env:
 ## make openvino-env: a third venv, .venv-openvino, with OpenVINO GenAI, for benchmarks/engine.py --modes openvino (not used by make test)
 openvino-env:
 	scripts/openvino-env.sh .venv-openvino
+
+## make gpu-wheels: on a machine with network, the wheels benchmarks/gpu_check.sh installs offline (pinned in benchmarks/gpu/wheels.txt) into benchmarks/gpu/wheels
+gpu-wheels:
+	bash benchmarks/gpu_check.sh --download
 
 clean:
 	rm -rf $(VENV) .pytest_cache

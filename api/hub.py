@@ -94,6 +94,8 @@ class PubSubHub:
                     queue.put_nowait(TICK)
 
     async def _read(self) -> None:
+        # The reconnection is by hand, not a redis-py Retry: between tries it must drop the socket,
+        # and the first message on the new connection must resync every stream.
         delay = 0.0  # > 0 while the connection is down
         while True:
             try:

