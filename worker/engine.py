@@ -37,7 +37,8 @@ class Engine:
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
+        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed,
+                           self.tokenizer.decode_stream)
         need = len(payload.prompt_token_ids) + (payload.params.max_tokens or 0)
         with self._lock:
             if need > self.batcher.max_tokens_per_request():

@@ -31,7 +31,8 @@ class StaticEngine:
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, stream_entry: str, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed)
+        seq = new_sequence(payload, stream_entry, self.tokenizer.decode, resumed,
+                           self.tokenizer.decode_stream)
         self.waiting.append(seq)
         return seq
 
