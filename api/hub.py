@@ -9,12 +9,17 @@ without a timer per stream (a timeout per awaited message costs more than the me
 When the connection drops (a Redis restart), redis-py reconnects it and subscribes again to
 every channel; what was published in between is lost. So once the connection is back the hub
 puts RESYNC on every queue, and each stream reads what it missed from the token log.
+
+If the reader task crashes (anything but a lost connection), its done-callback logs the error
+and starts it again on a fresh connection: the crash may have eaten a message, a subscribe
+confirmation or half a reply. The subscribers stay; redis-py subscribes the new connection to
+every channel, and the streams resync from their logs as after a reconnection.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from redis.asyncio import Redis
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 TICK = ""  # put on every queue each tick_s; never a real message (those are JSON)
 RESYNC = "resync"  # put on every queue after a reconnection: messages may have been lost
 OUTAGE_S = 60.0  # how long a stream waits for Redis to come back before it gives up
+RETRY_MAX_S = 2.0  # the longest pause between reconnection tries, and between restarts of a crashing task
 
 
 class PubSubHub:
@@ -35,17 +41,47 @@ class PubSubHub:
         self._tick_s = tick_s
         self._queues: dict[str, set[asyncio.Queue[str]]] = {}
         self._confirmed: dict[str, asyncio.Future[None]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._crashes = 0  # reader crashes since it last handled a message: spaces the restarts
+        self._restart: asyncio.TimerHandle | None = None
+        self._closing = False
 
     async def start(self) -> None:
         await self._pubsub.subscribe(self._home)
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._tick())]
+        self._run("reader", self._read)
+        self._run("ticker", self._tick)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        self._closing = True
+        if self._restart is not None:
+            self._restart.cancel()
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self._pubsub.aclose()
+
+    def _run(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        task = asyncio.create_task(loop(), name=f"pubsub-{name}")
+        task.add_done_callback(lambda done: self._ended(done, name))
+        self._tasks[name] = task
+
+    def _ended(self, task: asyncio.Task[None], name: str) -> None:
+        """Both tasks run until close(): any other end is a crash, logged, and the task restarted."""
+        if self._closing or task.cancelled():
+            return
+        error = task.exception()
+        log.error("pub/sub %s task %s; restarting it", name,
+                  f"crashed ({type(error).__name__}: {error})" if error else "ended", exc_info=error)
+        if name == "ticker":  # it sleeps tick_s before it can fail again
+            self._run(name, self._tick)
+            return
+        self._crashes += 1  # the first restart is at once; a reader that keeps crashing, spaced out
+        delay = 0.0 if self._crashes == 1 else min(RETRY_MAX_S, 0.1 * 2 ** (self._crashes - 2))
+        self._restart = asyncio.get_running_loop().call_later(delay, self._restart_reader)
+
+    def _restart_reader(self) -> None:
+        if not self._closing:
+            self._run("reader", lambda: self._read(fresh=True))
 
     @property
     def channels(self) -> int:
@@ -93,23 +129,24 @@ class PubSubHub:
                 for queue in queues:
                     queue.put_nowait(TICK)
 
-    async def _read(self) -> None:
+    async def _read(self, fresh: bool = False) -> None:
+        """Relay every message to its channel's queues. `fresh`: after a crash, start from a new
+        connection (redis-py subscribes it to every channel) and resync every stream."""
         # The reconnection is by hand, not a redis-py Retry: between tries it must drop the socket,
         # and the first message on the new connection must resync every stream.
         delay = 0.0  # > 0 while the connection is down
+        if fresh:
+            await self._disconnect()
+            delay = 0.1
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)  # block: no timer per message
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep relaying; redis-py reconnects the pubsub
-                if not delay:
-                    log.warning("pub/sub connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
+            except REDIS_DOWN as exc:  # redis-py reconnects the pubsub at the next read
+                delay = min(RETRY_MAX_S, delay * 2 or 0.1)
+                log.warning("pub/sub connection lost (%s: %s); reconnecting in %.1f s", type(exc).__name__, exc, delay)
                 # Start the next try from a closed socket: a reconnect whose resubscription failed
                 # (Redis still loading its AOF) would otherwise look connected, subscribed to nothing.
-                if self._pubsub.connection is not None:
-                    await self._pubsub.connection.disconnect()
-                delay = min(2.0, delay * 2 or 0.1)
+                await self._disconnect()
                 await asyncio.sleep(delay)
                 continue
             if message is None:
@@ -126,3 +163,8 @@ class PubSubHub:
             elif message["type"] == "message":
                 for queue in self._queues.get(channel, ()):
                     queue.put_nowait(message["data"])
+            self._crashes = 0
+
+    async def _disconnect(self) -> None:
+        if self._pubsub.connection is not None:
+            await self._pubsub.connection.disconnect()

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class ChatTemplateError(ValueError):
@@ -68,6 +70,12 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self) -> Callable[[int], Optional[str]]:
+        """A fresh incremental decoder for one output: give it each new id; it returns the text
+        that id completes (special tokens skipped, as `decode` does), or None while a character
+        is still partial."""
+        return partial(DecodeStream(skip_special_tokens=True).step, self._tok)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat messages, as the model was trained to read them."""

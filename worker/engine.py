@@ -44,7 +44,7 @@ class Engine:
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, self.tokenizer.decode, resumed)
+        seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         with self._arrivals_lock:
             self._arrivals.append(seq)
         return seq

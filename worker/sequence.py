@@ -75,10 +75,12 @@ class Sequence:
         return text
 
 
-def new_sequence(payload: RequestPayload, decode, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+def new_sequence(payload: RequestPayload, decode, resumed: list[TokenEvent] | tuple = (),
+                 decode_stream=None) -> Sequence:
     """A request as the engine takes it: fresh, or continuing after the tokens another worker
-    already delivered (they are prefilled with the prompt, and indices carry on after them)."""
-    seq = Sequence(payload, Detokenizer(decode, payload.params.stop))
+    already delivered (they are prefilled with the prompt, and indices carry on after them).
+    `decode_stream` is `Tokenizer.decode_stream` where the tokenizer has one."""
+    seq = Sequence(payload, Detokenizer(decode, payload.params.stop, decode_stream))
     if resumed:
         for event in resumed:
             seq.append(event.token_id)

@@ -31,7 +31,7 @@ class StaticEngine:
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, self.tokenizer.decode, resumed)
+        seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         self.waiting.append(seq)
         return seq
 

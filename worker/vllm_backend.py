@@ -124,7 +124,7 @@ class VllmBackend:
 
     # -- the Backend protocol ------------------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
-        seq = new_sequence(payload, self.tokenizer.decode, resumed)
+        seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         limit = payload.params.max_tokens or self.context_length
         remaining = min(limit - len(seq.output_ids), self.context_length - seq.num_tokens)
         task = asyncio.create_task(self._run(seq, max(1, remaining)), name=f"vllm-{seq.id}")

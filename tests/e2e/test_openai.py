@@ -76,9 +76,21 @@ def test_chat_stream_with_the_async_client(stack, model):
 
 
 def test_best_of_returns_the_most_likely(client, model):
-    reply = client.completions.create(model=model, prompt="a b", max_tokens=5, temperature=1.0, n=1, best_of=3,
-                                      seed=3, logprobs=0)
-    assert len(reply.choices) == 1 and reply.usage.completion_tokens >= 3
+    """best_of=3 runs the same three seeded samples as n=3 (sample i gets the request's seed + i):
+    the one it returns is the candidate with the highest cumulative logprob."""
+    common = dict(model=model, prompt="a b", max_tokens=5, temperature=1.0, seed=3, logprobs=0)
+    reply = client.completions.create(n=1, best_of=3, **common)
+    candidates = client.completions.create(n=3, **common).choices
+    totals = [sum(c.logprobs.token_logprobs) for c in candidates]
+    best = max(range(3), key=totals.__getitem__)
+    assert len({c.text for c in candidates}) > 1, "the samples must differ for the ranking to mean anything"
+    assert best != 0, "with sample 0 the best, returning the first sample would pass too: pick another seed"
+    assert len(reply.choices) == 1
+    chosen = reply.choices[0]
+    assert chosen.text == candidates[best].text
+    assert sum(chosen.logprobs.token_logprobs) == pytest.approx(totals[best])
+    assert all(totals[best] > t + 1e-6 for i, t in enumerate(totals) if i != best)
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in candidates)
 
 
 @pytest.mark.parametrize("kwargs,param", [

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.relay import _Cursor
-from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, decode_event, encode_event
+from shared.messages import (FinalEvent, FinishReason, RequestStatus, StatusEvent, TokenEvent, Usage, decode_event,
+                             encode_event)
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_tokenizer
 from worker.detokenizer import Detokenizer
@@ -23,13 +25,54 @@ def test_token_events_round_trip(index, token_id, text, logprob):
     assert decode_event(encode_event(event)) == event
 
 
-@given(st.binary(max_size=200))
-def test_garbage_never_decodes_into_an_event_silently(data):
+EVENT_TYPES = {"token": TokenEvent, "status": StatusEvent, "final": FinalEvent}
+events = st.one_of(
+    st.builds(TokenEvent, index=st.integers(0, 10**9), token_id=st.integers(0, 2**31), text=texts,
+              logprob=st.one_of(st.none(), st.floats(-1e6, 0, allow_nan=False)),
+              top_logprobs=st.one_of(st.none(), st.lists(st.tuples(st.integers(0, 2**31),
+                                                                   st.floats(-1e6, 0, allow_nan=False)), max_size=3))),
+    st.builds(StatusEvent, status=st.sampled_from(RequestStatus), worker=st.one_of(st.none(), texts)),
+    st.builds(FinalEvent, status=st.sampled_from(RequestStatus), finish_reason=st.sampled_from(FinishReason),
+              usage=st.builds(Usage, prompt_tokens=st.integers(0, 10**6), completion_tokens=st.integers(0, 10**6)),
+              error=st.one_of(st.none(), texts)),
+)
+
+
+@given(events)
+def test_every_event_decodes_to_the_type_it_was_encoded_from(event):
+    decoded = decode_event(encode_event(event))
+    assert type(decoded) is type(event)
+    assert decoded == event
+
+
+@st.composite
+def damaged(draw) -> tuple[bytes, str | None]:
+    """A well-formed event with one thing wrong, and the required field it lost (if it lost one)."""
+    event = draw(events)
+    fields = json.loads(encode_event(event))
+    how = draw(st.sampled_from(["drop", "retype", "truncate"]))
+    if how == "drop":
+        key = draw(st.sampled_from(sorted(fields)))
+        del fields[key]
+        required = {n for n, f in type(event).model_fields.items() if f.is_required()}
+        return json.dumps(fields).encode(), key if key in required else None
+    if how == "retype":
+        fields["type"] = draw(st.sampled_from(sorted(EVENT_TYPES)))
+        return json.dumps(fields).encode(), None
+    data = json.dumps(fields).encode()
+    return data[:draw(st.integers(0, len(data) - 1))], None
+
+
+@given(st.one_of(st.tuples(st.binary(max_size=200), st.none()), damaged()))
+def test_garbage_is_refused_or_decodes_to_the_type_it_names(case):
+    data, lost = case
     try:
         event = decode_event(data)
     except ValueError:
         return
-    assert event.type in ("token", "status", "final")  # only well-formed messages get through
+    assert lost is None, f"decoded without its required field {lost!r}"
+    assert type(event) is EVENT_TYPES[json.loads(data)["type"]]
+    assert decode_event(encode_event(event)) == event
 
 
 class FakeLog:
