@@ -9,10 +9,24 @@ The built-in engines step synchronously (a model forward), so they run in a thre
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.messages import RequestPayload, TokenEvent
 from worker.sequence import Sequence, StepOutput
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Running totals a backend keeps, for the worker's metrics; zero where it has no such thing
+    (only the paged engine shares prefixes, preempts and speculates)."""
+
+    prefix_queries: int = 0  # prompt blocks looked up in the prefix cache
+    prefix_hits: int = 0  # of which found
+    preemptions: int = 0
+    spec_drafts: int = 0  # decodes that carried proposed tokens
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class Backend(Protocol):
@@ -46,6 +60,9 @@ class Backend(Protocol):
     def kv_blocks(self) -> tuple[int, int] | None:
         """(free, total) KV-cache blocks, when the backend knows them."""
 
+    def counts(self) -> Counts:
+        """Its running totals, read after each step."""
+
 
 class Threaded:
     """A built-in engine (Engine, StaticEngine, NullEngine) as a Backend: its blocking step runs
@@ -57,18 +74,8 @@ class Threaded:
         self.batch_size = engine.batch_size
 
     @property
-    def batcher(self) -> Any:
-        """The engine's batcher when it has one (its cache and preemption figures feed metrics)."""
-        return getattr(self.engine, "batcher", None)
-
-    @property
-    def speculator(self) -> Any:
-        """The paged engine's speculator when speculative decoding is on (its counts feed metrics)."""
-        return getattr(self.engine, "speculator", None)
-
-    @property
     def last_step_size(self) -> int:
-        return getattr(self.engine, "last_step_size", 0)
+        return self.engine.last_step_size
 
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         return self.engine.add(payload, resumed)
@@ -98,7 +105,7 @@ class Threaded:
         return self.engine.fail_all(error)
 
     def kv_blocks(self) -> tuple[int, int] | None:
-        batcher = self.batcher
-        if batcher is None:
-            return None
-        return batcher.blocks.num_free, len(batcher.blocks.blocks)
+        return self.engine.kv_blocks()
+
+    def counts(self) -> Counts:
+        return self.engine.counts()

@@ -18,12 +18,13 @@ import torch
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
+from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
 from worker.cancels import CancelInbox
 from worker.model_runner import PagedRunner
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
-from worker.speculation import Speculator
+from worker.speculation import SpecStats, Speculator
 
 
 class Engine:
@@ -69,6 +70,16 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self._running or self.waiting)
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, total) KV-cache blocks."""
+        blocks = self.batcher.blocks
+        return blocks.num_free, len(blocks.blocks)
+
+    def counts(self) -> Counts:
+        blocks, stats = self.batcher.blocks, self.speculator.stats if self.speculator else SpecStats()
+        return Counts(blocks.prefix_queries, blocks.prefix_hits, self.batcher.num_preemptions,
+                      stats.drafts, stats.proposed, stats.accepted)
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import asdict
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from shared.messages import RequestPayload
+from worker.backend import Backend
 from worker.sequence import StepOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -62,7 +63,11 @@ class WorkerMetrics:
                                      registry=r)
         self._last_token: dict[str, float] = {}  # request id -> when its last token was published
         self._first_token: dict[str, float] = {}  # request id -> when its first token was published
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "proposed": 0, "accepted": 0}
+        # Counts (worker/backend.py) field -> its counter; the backend keeps running totals.
+        self._totals = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                        "preemptions": self.preemptions, "spec_drafts": self.spec_drafts,
+                        "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
+        self._seen = dict.fromkeys(self._totals, 0)
 
     def serve(self, host: str, port: int) -> WSGIServer:
         """Start the /metrics HTTP server in a thread (its server_port is the port it bound)."""
@@ -73,10 +78,10 @@ class WorkerMetrics:
         self.queue_time.observe(max(0.0, time.time() - payload.created_at))
         self.prompt_tokens.inc(len(payload.prompt_token_ids))
 
-    def step(self, outputs: list[StepOutput], duration_s: float, engine: Any, worker: str = "") -> None:
+    def step(self, outputs: list[StepOutput], duration_s: float, engine: Backend, worker: str = "") -> None:
         stamp = time.time()
         self.step_time.observe(duration_s)
-        if scheduled := getattr(engine, "last_step_size", 0):
+        if scheduled := engine.last_step_size:
             self.batch_size.observe(scheduled)
         for out in outputs:
             rid = out.seq.id
@@ -102,7 +107,7 @@ class WorkerMetrics:
                              "e2e_s": round(stamp - created, 4), "error": out.seq.error})
         self.gauges(engine)
 
-    def gauges(self, engine: Any) -> None:
+    def gauges(self, engine: Backend) -> None:
         """Batch and cache state, read from the engine after each step."""
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
@@ -111,19 +116,11 @@ class WorkerMetrics:
             self.kv_used.set(total - free)
             self.kv_free.set(free)
             self.kv_usage.set((total - free) / total)
-        if spec := getattr(engine, "speculator", None):
-            self._advance(self.spec_drafts, "drafts", spec.stats.drafts)
-            self._advance(self.spec_proposed, "proposed", spec.stats.proposed)
-            self._advance(self.spec_accepted, "accepted", spec.stats.accepted)
-        batcher = getattr(engine, "batcher", None)
-        if batcher is None:  # only the paged engine has a prefix cache and preempts
-            return
-        self._advance(self.prefix_queries, "queries", batcher.blocks.prefix_queries)
-        self._advance(self.prefix_hits, "hits", batcher.blocks.prefix_hits)
-        self._advance(self.preemptions, "preemptions", batcher.num_preemptions)
+        for name, total in asdict(engine.counts()).items():
+            self._advance(name, total)
 
-    def _advance(self, counter: Counter, name: str, total: int) -> None:
+    def _advance(self, name: str, total: int) -> None:
         """Counters the engine keeps as running totals become Prometheus counters."""
         if total > self._seen[name]:
-            counter.inc(total - self._seen[name])
+            self._totals[name].inc(total - self._seen[name])
             self._seen[name] = total

@@ -13,6 +13,7 @@ import time
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from worker.cancels import CancelInbox
 from worker.fair_queue import FairQueue
+from worker.backend import Counts
 from worker.sequence import Sequence, StepOutput, new_sequence
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
@@ -52,6 +53,12 @@ class NullEngine:
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
+
+    def kv_blocks(self) -> None:
+        return None  # no paged cache
+
+    def counts(self) -> Counts:
+        return Counts()
 
     def step(self) -> list[StepOutput]:
         """Wait for the next tick, then give every running request one token."""

@@ -16,6 +16,7 @@ from shared.tokenizer import Tokenizer
 from worker.runner import BatchRunner
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
 from worker.cancels import CancelInbox
+from worker.backend import Counts
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 
 
@@ -49,6 +50,12 @@ class StaticEngine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def kv_blocks(self) -> None:
+        return None  # no paged cache
+
+    def counts(self) -> Counts:
+        return Counts()
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -20,6 +20,7 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
+from worker.backend import Counts
 from worker.sequence import Logprobs, Sequence, StepOutput, new_sequence, token_event
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,9 @@ class VllmBackend:
             outputs.append(StepOutput(seq, None, True))
         self._active.clear()
         return outputs
+
+    def counts(self) -> Counts:
+        return Counts()  # vLLM keeps its own (its prefix cache, preemptions), not read here
 
     def kv_blocks(self) -> tuple[int, int] | None:
         return None

@@ -6,7 +6,7 @@ import threading
 from shared import keys
 from shared.settings import WorkerSettings
 from tests.waiting import until
-from worker.backend import Threaded
+from worker.backend import Counts, Threaded
 from worker.service import WorkerService
 
 
@@ -24,6 +24,7 @@ class BlockingEngine:
     """Stands in for the engine: its step blocks until released, as a long forward would."""
 
     batch_size = 4
+    last_step_size = 0
 
     def __init__(self):
         self.release = threading.Event()
@@ -48,6 +49,12 @@ class BlockingEngine:
     @property
     def free_slots(self):
         return 0
+
+    def kv_blocks(self):
+        return None
+
+    def counts(self):
+        return Counts()
 
 
 async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, prefix):
