@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "default"
@@ -69,33 +69,65 @@ class ApiSettings(CommonSettings):
                                      description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
 
 
-class WorkerSettings(CommonSettings):
-    """Settings of one model worker process."""
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
 
+
+class BatchingSettings(_Section):
+    batch_size: int  # most requests in one step (max_num_seqs)
+    max_num_batched_tokens: int  # the step's token budget
+
+
+class CacheSettings(_Section):
+    block_size: int
+    num_kv_blocks: int | None  # None: sized from kv_cache_gb
+    kv_cache_gb: float
+    prefix_caching: bool
+
+
+class StepSettings(_Section):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    device: Literal["auto", "cpu", "cuda"]
+    cpu_kernels: bool
+    kernel_cache_dir: Path
+    cuda_graphs: bool
+
+
+class SpeculativeSettings(_Section):
+    speculative_method: Literal["off", "ngram", "draft"]
+    num_speculative_tokens: int
+    ngram_min: int
+    ngram_max: int
+    speculative_disable_by_batch_size: int
+    speculative_model: str | None
+
+
+class VllmSettings(_Section):
+    vllm_gpu_memory_utilization: float
+    vllm_max_model_len: int | None
+    vllm_enforce_eager: bool
+    vllm_tensor_parallel_size: int
+    vllm_quantization: str | None
+    vllm_speculative_config: dict | None
+
+
+def _section(settings: BaseSettings, section: type[_Section]):
+    """The fields of one section of the settings, as their own object."""
+    return section(**{name: getattr(settings, name) for name in section.model_fields})
+
+
+class WorkerSettings(CommonSettings):
+    """Settings of one model worker process, in sections; the worker hands each section on as
+    one object (`batching`, `cache`, `step`, `speculative`, `vllm`). The environment variables
+    stay flat: STREAMQ_<FIELD>."""
+
+    # -- the process -------------------------------------------------------------------------------
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                              description="Consumer name in the request group; unique per process.")
     backend: Literal["hf", "vllm", "null"] = Field(
         "hf", description="'hf': the built-in engine on transformers weights; 'vllm': vLLM's async engine "
                           "(needs vLLM installed); 'null': no model, tokens at null_tokens_per_s.")
     null_tokens_per_s: float = Field(20.0, gt=0, le=10_000, description="Tokens per second per request (null backend).")
-    batch_size: int = Field(128, ge=1, le=1024,
-                            description="Most requests run together in one step (max_num_seqs); the built-in engine "
-                                        "lowers it to what its KV cache holds at 256 tokens a request.")
-    max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
-                                        description="Token budget of one step; longer prompts are prefilled in chunks.")
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
-    kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
-    prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
-    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/kernels.py); "
-                                                "off, or where they fail to build, the eager torch ops run.")
-    kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
-                                   description="Where the CPU step kernels are compiled, once per CPU and source.")
-    cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
-                                                "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
     intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
     engine_stall_s: float = Field(120.0, gt=0, le=86_400,
@@ -105,6 +137,32 @@ class WorkerSettings(CommonSettings):
                               description="Port of the worker's Prometheus /metrics; 0 picks a free one "
                                           "(logged, and in the heartbeat); -1 for none.")
     metrics_host: str = Field("127.0.0.1", description="Address the worker's /metrics binds.")
+
+    # -- batching: how much runs in one step (BatchingSettings) ------------------------------------
+    batch_size: int = Field(128, ge=1, le=1024,
+                            description="Most requests run together in one step (max_num_seqs); the built-in engine "
+                                        "lowers it to what its KV cache holds at 256 tokens a request.")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
+                                        description="Token budget of one step; longer prompts are prefilled in chunks.")
+
+    # -- the KV cache (CacheSettings) --------------------------------------------------------------
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
+    kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
+    prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
+
+    # -- how a step computes (StepSettings) --------------------------------------------------------
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
+    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/kernels.py); "
+                                                "off, or where they fail to build, the eager torch ops run.")
+    kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
+                                   description="Where the CPU step kernels are compiled, once per CPU and source.")
+    cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
+                                                "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
+
+    # -- speculative decoding in the built-in engine (SpeculativeSettings) -------------------------
     speculative_method: Literal["off", "ngram", "draft"] = Field(
         "off", description="Speculative decoding in the built-in engine: 'ngram' proposes by prompt lookup, "
                            "'draft' with speculative_model; the output is the model's either way.")
@@ -117,7 +175,8 @@ class WorkerSettings(CommonSettings):
     speculative_model: str | None = Field(
         None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
                           "as a folder or a Hugging Face id in the local cache.")
-    # vLLM's engine settings (backend=vllm); max_num_seqs is batch_size, dtype and prefix_caching as above.
+
+    # -- vLLM's engine, backend=vllm (VllmSettings); max_num_seqs is batch_size, dtype and prefix_caching as above ---
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
     vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
     vllm_enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs / torch.compile (faster start).")
@@ -126,6 +185,26 @@ class WorkerSettings(CommonSettings):
     vllm_speculative_config: dict | None = Field(
         None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4}.')
+
+    @property
+    def batching(self) -> BatchingSettings:
+        return _section(self, BatchingSettings)
+
+    @property
+    def cache(self) -> CacheSettings:
+        return _section(self, CacheSettings)
+
+    @property
+    def step(self) -> StepSettings:
+        return _section(self, StepSettings)
+
+    @property
+    def speculative(self) -> SpeculativeSettings:
+        return _section(self, SpeculativeSettings)
+
+    @property
+    def vllm(self) -> VllmSettings:
+        return _section(self, VllmSettings)
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":

@@ -11,7 +11,7 @@ from shared.redis_client import connect, until_redis_answers
 from shared import model_files
 from shared.logs import route_transformers
 from shared.models import model_dir, prepare_model, served_name, weights_dir
-from shared.settings import WorkerSettings
+from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer
 from worker import kernels
 from worker.backend import Backend, Threaded
@@ -30,13 +30,13 @@ from worker.vllm_backend import VllmBackend, VllmUnavailable  # vLLM itself is i
 log = logging.getLogger("streamq.worker")
 
 
-def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
+def num_kv_blocks(cache: CacheSettings, batching: BatchingSettings, model, dtype) -> int:
     """From the setting, else as many as kv_cache_gb holds, but no more than a full batch can use."""
-    if settings.num_kv_blocks:
-        return settings.num_kv_blocks
+    if cache.num_kv_blocks:
+        return cache.num_kv_blocks
     context = int(getattr(model.config, "max_position_embeddings", 2048))
-    useful = settings.batch_size * (-(-context // settings.block_size))
-    return min(useful, blocks_for_bytes(model, dtype, settings.block_size, int(settings.kv_cache_gb * 2**30)))
+    useful = batching.batch_size * (-(-context // cache.block_size))
+    return min(useful, blocks_for_bytes(model, dtype, cache.block_size, int(cache.kv_cache_gb * 2**30)))
 
 
 # A request's KV working set the batch is sized for: a chat turn and its answer. A batch the
@@ -44,68 +44,71 @@ def num_kv_blocks(settings: WorkerSettings, model, dtype) -> int:
 TOKENS_PER_REQUEST = 256
 
 
-def batch_for_cache(settings: WorkerSettings, blocks: int) -> int:
-    """batch_size, lowered to the requests the cache holds at TOKENS_PER_REQUEST each."""
-    return max(1, min(settings.batch_size, blocks * settings.block_size // TOKENS_PER_REQUEST))
+def batch_for_cache(batching: BatchingSettings, cache: CacheSettings, blocks: int) -> int:
+    """batch_size, lowered to the requests `blocks` cache blocks hold at TOKENS_PER_REQUEST each."""
+    return max(1, min(batching.batch_size, blocks * cache.block_size // TOKENS_PER_REQUEST))
 
 
 def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine:
     """One of the built-in engines (they step synchronously: the service runs them in a thread)."""
+    batching, cache, step = settings.batching, settings.cache, settings.step
     if settings.backend == "null":
         log.info("null backend: no model, %.1f tokens/s per request", settings.null_tokens_per_s)
-        return NullEngine(settings.batch_size, settings.null_tokens_per_s)
+        return NullEngine(batching.batch_size, settings.null_tokens_per_s)
     tokenizer = Tokenizer(prepare_model(settings))
-    device = pick_device(settings.device)
-    dtype = pick_dtype(settings.dtype, device)
+    device = pick_device(step.device)
+    dtype = pick_dtype(step.dtype, device)
     model = load_model(weights_dir(settings), device, dtype)
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
     if not supports(model):
         log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
-        if settings.speculative_method != "off":
+        if settings.speculative.speculative_method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
         pad = next(iter(tokenizer.eos_token_ids), 0)
-        return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, settings.batch_size)
-    blocks = num_kv_blocks(settings, model, dtype)
-    batch = batch_for_cache(settings, blocks)
+        return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, batching.batch_size)
+    blocks = num_kv_blocks(cache, batching, model, dtype)
+    batch = batch_for_cache(batching, cache, blocks)
+    budget = max(batch, batching.max_num_batched_tokens)
     log.info("KV cache: %d blocks of %d tokens; batch of %d requests, %d tokens a step",
-             blocks, settings.block_size, batch, settings.max_num_batched_tokens)
-    graph_batch = batch if settings.cuda_graphs and device.type == "cuda" else 0
-    runner = PagedRunner(model, device, blocks, settings.block_size, step_kernels(settings, device), graph_batch)
+             blocks, cache.block_size, batch, budget)
+    runner = PagedRunner(model, device, num_blocks=blocks, block_size=cache.block_size,
+                         kernels=step_kernels(step, device),
+                         graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0)
     log.info("step: %s%s", "CPU step kernels" if runner.kernels is not None else
              "fused eager ops" if runner.fused is not None else "the modules' eager ops",
              f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "")
-    batcher = Batcher(BlockManager(blocks, settings.block_size, settings.prefix_caching),
-                      batch, max(batch, settings.max_num_batched_tokens))
+    blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
+    batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
 
 
-def step_kernels(settings: WorkerSettings, device):
+def step_kernels(step: StepSettings, device):
     """The compiled CPU step kernels for a CPU worker (built on first use, then cached), or None."""
-    if device.type != "cpu" or not settings.cpu_kernels:
+    if device.type != "cpu" or not step.cpu_kernels:
         return None
-    return kernels.load(settings)
+    return kernels.load_from(step.kernel_cache_dir)
 
 
 def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: Tokenizer) -> Speculator | None:
-    k = settings.num_speculative_tokens
-    if settings.speculative_method == "off":
+    spec = settings.speculative
+    k = spec.num_speculative_tokens
+    if spec.speculative_method == "off":
         return None
-    if settings.speculative_method == "ngram":
+    if spec.speculative_method == "ngram":
         log.info("speculative decoding: prompt lookup, up to %d tokens, n-grams %d..%d",
-                 k, settings.ngram_min, settings.ngram_max)
-        return Speculator(NgramProposer(k, settings.ngram_min, settings.ngram_max), k,
-                          settings.speculative_disable_by_batch_size)
-    draft_settings = settings.model_copy(update={"model": settings.speculative_model})
+                 k, spec.ngram_min, spec.ngram_max)
+        return Speculator(NgramProposer(k, spec.ngram_min, spec.ngram_max), k, spec.speculative_disable_by_batch_size)
+    draft_settings = settings.model_copy(update={"model": spec.speculative_model})
     draft_tokenizer = Tokenizer(prepare_model(draft_settings))
     if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
-        raise ValueError(f"the draft model {settings.speculative_model!r} has another tokenizer than "
+        raise ValueError(f"the draft model {spec.speculative_model!r} has another tokenizer than "
                          f"{settings.model!r}; speculative decoding needs the same one")
     model = load_model(weights_dir(draft_settings), target.device, next(target.model.parameters()).dtype)
     if not supports(model):
         raise ValueError(f"no paged runner for the draft model's model_type={model.config.model_type!r}")
-    log.info("speculative decoding: draft model %s (%s), up to %d tokens", settings.speculative_model,
+    log.info("speculative decoding: draft model %s (%s), up to %d tokens", spec.speculative_model,
              model.config.model_type, k)
-    return Speculator(DraftProposer.beside(target, model), k, settings.speculative_disable_by_batch_size)
+    return Speculator(DraftProposer.beside(target, model), k, spec.speculative_disable_by_batch_size)
 
 
 async def build_backend(settings: WorkerSettings) -> Backend:

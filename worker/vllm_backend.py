@@ -61,22 +61,23 @@ def sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
 
 def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
     """AsyncEngineArgs for the worker's settings."""
+    batching, vllm = settings.batching, settings.vllm
     kwargs: dict[str, Any] = {
         "model": model_dir,
         "tokenizer": model_dir,
-        "dtype": settings.dtype,
-        "max_num_seqs": settings.batch_size,
-        "max_num_batched_tokens": max(settings.max_num_batched_tokens, settings.vllm_max_model_len or 0) or None,
-        "max_model_len": settings.vllm_max_model_len,
-        "gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
-        "enforce_eager": settings.vllm_enforce_eager,
-        "tensor_parallel_size": settings.vllm_tensor_parallel_size,
-        "quantization": settings.vllm_quantization,
-        "enable_prefix_caching": settings.prefix_caching,
+        "dtype": settings.step.dtype,
+        "max_num_seqs": batching.batch_size,
+        "max_num_batched_tokens": max(batching.max_num_batched_tokens, vllm.vllm_max_model_len or 0) or None,
+        "max_model_len": vllm.vllm_max_model_len,
+        "gpu_memory_utilization": vllm.vllm_gpu_memory_utilization,
+        "enforce_eager": vllm.vllm_enforce_eager,
+        "tensor_parallel_size": vllm.vllm_tensor_parallel_size,
+        "quantization": vllm.vllm_quantization,
+        "enable_prefix_caching": settings.cache.prefix_caching,
         "disable_log_stats": True,
     }
-    if settings.vllm_speculative_config:
-        kwargs["speculative_config"] = settings.vllm_speculative_config
+    if vllm.vllm_speculative_config:
+        kwargs["speculative_config"] = vllm.vllm_speculative_config
     return {k: v for k, v in kwargs.items() if v is not None}
 
 

@@ -7,7 +7,22 @@ def test_the_batch_is_what_the_cache_holds_at_a_chat_turn_a_request():
     settings = WorkerSettings(block_size=16)
     assert settings.batch_size == 128 and settings.max_num_batched_tokens == 2048
     blocks_for = lambda requests: requests * TOKENS_PER_REQUEST // 16  # noqa: E731
-    assert batch_for_cache(settings, blocks_for(1000)) == 128  # a big cache: the setting
-    assert batch_for_cache(settings, blocks_for(40)) == 40  # a small one: what it holds
-    assert batch_for_cache(settings, 1) == 1
-    assert batch_for_cache(WorkerSettings(batch_size=4), blocks_for(40)) == 4
+    assert batch_for_cache(settings.batching, settings.cache, blocks_for(1000)) == 128  # a big cache: the setting
+    assert batch_for_cache(settings.batching, settings.cache, blocks_for(40)) == 40  # a small one: what it holds
+    assert batch_for_cache(settings.batching, settings.cache, 1) == 1
+    assert batch_for_cache(WorkerSettings(batch_size=4).batching, settings.cache, blocks_for(40)) == 4
+
+
+def test_the_settings_sections_hold_every_worker_field_under_its_flat_environment_name(monkeypatch):
+    monkeypatch.setenv("STREAMQ_BLOCK_SIZE", "32")
+    monkeypatch.setenv("STREAMQ_BATCH_SIZE", "12")
+    monkeypatch.setenv("STREAMQ_NGRAM_MAX", "7")
+    monkeypatch.setenv("STREAMQ_VLLM_ENFORCE_EAGER", "true")
+    settings = WorkerSettings()
+    assert settings.cache.block_size == 32 and settings.batching.batch_size == 12
+    assert settings.speculative.ngram_max == 7 and settings.vllm.vllm_enforce_eager
+    sections = [settings.batching, settings.cache, settings.step, settings.speculative, settings.vllm]
+    grouped = [name for section in sections for name in type(section).model_fields]
+    assert len(grouped) == len(set(grouped))  # each field in one section at most
+    for section in sections:
+        assert all(getattr(section, name) == getattr(settings, name) for name in type(section).model_fields)
