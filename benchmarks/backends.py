@@ -51,7 +51,7 @@ from shared import bench  # noqa: E402
 from shared.models import prepare_model, served_name, weights_dir  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
-from worker.runner import pick_dtype  # noqa: E402
+from worker.model_loader import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

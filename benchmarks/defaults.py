@@ -25,7 +25,7 @@ from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared import bench  # noqa: E402
 from shared.models import served_name  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
-from worker.runner import pick_dtype  # noqa: E402
+from worker.model_loader import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 SETTINGS = {

@@ -54,7 +54,7 @@ from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
-from worker.runner import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, pick_dtype  # noqa: E402
 
 SYSTEM = ("You are a careful, friendly assistant for a public library. Answer in plain words, keep answers short, "
           "cite no sources you cannot name, and when a question is about opening hours, membership, borrowing "

@@ -43,7 +43,7 @@ from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
-from worker.runner import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, pick_dtype  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402
 
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512

@@ -28,7 +28,7 @@ from shared import bench  # noqa: E402
 from shared.models import prepare_model, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.runner import load_model  # noqa: E402
+from worker.model_loader import load_model  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 

@@ -20,11 +20,11 @@ from worker.block_manager import BlockManager
 from worker.drafter import DraftProposer
 from worker.engine import Engine
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
-from worker.runner import BatchRunner, load_model, pick_device, pick_dtype
+from worker.model_loader import load_model, pick_device, pick_dtype
 from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
 from worker.speculation import NgramProposer, Speculator
-from worker.static_engine import StaticEngine
+from worker.static_engine import BatchRunner, StaticEngine
 from worker.vllm_backend import VllmBackend, VllmUnavailable  # vLLM itself is imported only when chosen
 
 log = logging.getLogger("streamq.worker")

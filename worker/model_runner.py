@@ -8,7 +8,7 @@ attention is at most three batched calls per layer: no per-request Python loop i
 
 The KV cache is allocated once, at start, and never grows. The weights are transformers'
 own modules; this file only decides how they are called. Llama-family models (Llama,
-Mistral, Qwen2, SmolLM) and OPT run here; other architectures use worker/runner.py.
+Mistral, Qwen2, SmolLM) and OPT run here; other architectures use worker/static_engine.py.
 """
 from __future__ import annotations
 

@@ -38,9 +38,9 @@ LANES_REFRESH_S = 1.0  # a new lane is also announced on the doorbell stream; th
 
 
 class WorkerService:
-    def __init__(self, redis: Redis, engine: Backend, settings: WorkerSettings, model: str):
+    def __init__(self, redis: Redis, backend: Backend, settings: WorkerSettings, model: str):
         self.redis = redis
-        self.engine = engine
+        self.backend = backend
         self.settings = settings
         self.model = model
         self.name = settings.worker_name
@@ -93,8 +93,8 @@ class WorkerService:
                 self._progress = time.monotonic()
                 if not self._stopping.is_set():
                     # Idle: wait for work. Busy: take what is there without waiting, then step.
-                    await self._intake(block=not self.engine.has_work())
-                if self.engine.has_work():
+                    await self._intake(block=not self.backend.has_work())
+                if self.backend.has_work():
                     await self._step()
                 elif self._stopping.is_set():
                     return
@@ -102,7 +102,7 @@ class WorkerService:
             # What it ran stays pending in the group: the scheduler hands it to another worker,
             # which continues after the tokens this one published, as after a crash.
             log.warning("stopping while Redis is unreachable (%s): %d requests left to be taken over",
-                        exc, len(self.engine.running) + len(self.engine.waiting))
+                        exc, len(self.backend.running) + len(self.backend.waiting))
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Retry while Redis is away, unless this worker is stopping: then a stop must not wait for it."""
@@ -111,12 +111,12 @@ class WorkerService:
     async def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = await self.engine.step()
+            outputs = await self.backend.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
             log.exception("step failed")
-            outputs = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
+            outputs = self.backend.fail_all(f"{type(exc).__name__}: {exc}")
         # Counted before publishing: whoever sees a request end sees it in /metrics too.
-        self.metrics.step(outputs, time.perf_counter() - started, self.engine, self.name)
+        self.metrics.step(outputs, time.perf_counter() - started, self.backend, self.name)
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
         await self._retry("publish", lambda: self.publisher.publish(outputs))
@@ -126,11 +126,11 @@ class WorkerService:
         slot, the head of each lane that has none waiting here (so the batcher can choose fairly
         between tenants when a slot frees), unless another worker has room. Wait for some if `block`."""
         lanes = await self._retry("lanes", self._lane_streams)
-        free = self.engine.free_slots
+        free = self.backend.free_slots
         if free:
             wanted = lanes
         elif len(lanes) > 1:
-            here = {self.queue.stream_of(seq.payload) for seq in self.engine.waiting}
+            here = {self.queue.stream_of(seq.payload) for seq in self.backend.waiting}
             wanted = [lane for lane in lanes if lane not in here]
         else:
             wanted = []
@@ -191,7 +191,7 @@ class WorkerService:
             "resumed_after": len(resumed)})
         self.metrics.taken(payload)
         self.publisher.taken(payload.id, entry_id)
-        self.engine.add(payload, resumed)
+        self.backend.add(payload, resumed)
 
     async def _listen_cancels(self) -> None:
         # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh
@@ -202,7 +202,7 @@ class WorkerService:
                 await pubsub.subscribe(keys.cancel_channel(self.settings.prefix))
                 async for message in pubsub.listen():
                     if message["type"] == "message":
-                        self.engine.cancel(message["data"])
+                        self.backend.cancel(message["data"])
             except REDIS_DOWN as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
@@ -221,8 +221,8 @@ class WorkerService:
                           "withdrawing this worker", stalled, self.settings.engine_stall_s)
                 raise EngineStalled(f"no progress for {stalled:.0f} s")
             beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
-                    "capacity": self.engine.batch_size, "running": len(self.engine.running),
-                    "waiting": len(self.engine.waiting), "metrics_port": self.metrics_port,
+                    "capacity": self.backend.batch_size, "running": len(self.backend.running),
+                    "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
                     **self._kv_blocks()}
             try:
                 await self.redis.set(key, json.dumps(beat), px=ttl_ms)
@@ -231,7 +231,7 @@ class WorkerService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _kv_blocks(self) -> dict[str, int]:
-        blocks = self.engine.kv_blocks()
+        blocks = self.backend.kv_blocks()
         return {} if blocks is None else {"kv_blocks_free": blocks[0], "kv_blocks_total": blocks[1]}
 
 

@@ -1,19 +1,20 @@
 """The static-batch engine: the slower path for architectures the paged runner lacks.
 
 A batch is formed from the waiting requests when the previous one has drained; its rows
-share one transformers KV cache (worker/runner.py). A finished or cancelled row stops
+share one transformers KV cache (BatchRunner, below). A finished or cancelled row stops
 producing tokens at once; its slot is reused when the batch drains. Llama-family and OPT
 models use the continuous engine (worker/engine.py) instead.
 """
 from __future__ import annotations
 
+import inspect
 from collections import deque
 
 import torch
+from transformers import DynamicCache
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
-from worker.runner import BatchRunner
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
 from worker.cancels import CancelInbox
 from worker.backend import Counts
@@ -123,3 +124,57 @@ class StaticEngine:
                 self._sampling.pop(seq.id, None)
             outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
         return outputs
+
+
+class BatchRunner:
+    """Forward passes over one batch of rows that share a KV cache."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_id: int = 0):
+        self.model = model
+        self.device = device
+        self.pad_id = pad_id
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._next_pos: torch.Tensor | None = None
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Start a new batch; return the logits of each prompt's last position, [rows, vocab]."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._cache = DynamicCache(config=self.model.config)
+        self._mask = mask
+        self._next_pos = positions[:, -1] + 1
+        return self._forward(ids, positions)
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """Feed one new token per row; return next-token logits, [rows, vocab]."""
+        assert self._cache is not None and self._mask is not None and self._next_pos is not None
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        positions = self._next_pos.unsqueeze(1)
+        self._next_pos = self._next_pos + 1
+        return self._forward(ids, positions)
+
+    def release(self) -> None:
+        """Free the batch's KV cache."""
+        self._cache = self._mask = self._next_pos = None
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache})
+        return out.logits[:, -1, :]

@@ -17,7 +17,7 @@ from worker.block_manager import BlockManager
 from worker.engine import Engine
 from worker.main import build_engine
 from worker.model_runner import PagedRunner
-from worker.runner import load_model, pick_device, pick_dtype
+from worker.model_loader import load_model, pick_device, pick_dtype
 
 pytestmark = pytest.mark.gpu
 

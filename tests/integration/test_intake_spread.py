@@ -84,7 +84,7 @@ async def test_idle_workers_split_a_burst_on_a_lane_they_read(redis, redis_url, 
         return all(v.startswith("8:") for v in (await redis.hgetall(free_key)).values())
     await until(all_idle, what="every worker idle again")
     for service, _ in services:
-        service.engine.engine.interval = 1.0  # from now on nothing ends during the test
+        service.backend.engine.interval = 1.0  # from now on nothing ends during the test
     burst = [_payload("t") for _ in range(9)]
     await _burst(redis, prefix, burst)
     taken = await _taken_by(store, burst)

@@ -13,7 +13,8 @@ from shared.messages import FinishReason, RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import make_engine
-from worker.runner import BatchRunner, load_model
+from worker.model_loader import load_model
+from worker.static_engine import BatchRunner
 from worker.static_engine import StaticEngine
 
 GOOD = [("Once upon a time", {"temperature": 0}), ("The capital of France", {"temperature": 1.0, "seed": 7}),

@@ -14,7 +14,7 @@ from worker.block_manager import BlockManager
 from worker.cuda_graphs import batch_buckets, block_buckets
 from worker.engine import Engine
 from worker.model_runner import PagedRunner
-from worker.runner import load_model
+from worker.model_loader import load_model
 
 BLOCKS, BLOCK_SIZE = 256, 4
 

@@ -16,7 +16,7 @@ from worker.block_manager import BlockManager
 from worker.engine import Engine
 from worker import kernels
 from worker.model_runner import PagedRunner
-from worker.runner import load_model
+from worker.model_loader import load_model
 
 WORDS = "once upon a time the capital of France is Paris and Seoul streams batches caches 안녕 😀 🚀".split()
 NEW_TOKENS = 16

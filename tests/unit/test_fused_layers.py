@@ -10,7 +10,7 @@ from worker.engine import Engine
 from worker.fused_layers import Weight
 from worker import kernels as step_kernels
 from worker.model_runner import PagedRunner
-from worker.runner import load_model
+from worker.model_loader import load_model
 from shared.tokenizer import Tokenizer
 
 

@@ -10,7 +10,7 @@ from tests.unit.test_engine import NEW_TOKENS, _check, make_engine, prompts, run
 from tests.tiny_models import build_model
 from worker.drafter import DraftProposer
 from worker.engine import Engine
-from worker.runner import load_model
+from worker.model_loader import load_model
 from worker.speculation import NgramProposer, Speculator
 
 # Prompts that repeat themselves, so lookup has something to propose, mixed with plain ones.
