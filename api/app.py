@@ -15,14 +15,14 @@ from shared.redis_client import arq_settings, connect
 from api.auth import TenantDep, auth_enabled
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
-from api.models import Models
+from api.served_models import Models
 from api.generation import ApiError
 from api.hub import PubSubHub
 from api.relay import Relay
 from api.routes import batches, health, openai, playground, requests, seed
-from shared import keys
-from shared.apikeys import KeyStore
-from shared.models import model_dir, served_name
+from shared import redis_keys
+from shared.api_keys import KeyStore
+from shared.model_paths import model_dir, served_name
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
@@ -32,7 +32,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = connect(settings.redis_url)
-        hub = PubSubHub(redis, keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
+        hub = PubSubHub(redis, redis_keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
         await hub.start()
         store = RequestStore(redis, settings.prefix)
         app.state.settings = settings

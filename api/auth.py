@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.generation import ApiError
-from shared.apikeys import KeyStore
+from shared.api_keys import KeyStore
 
 
 def auth_enabled(mode: str, host: str) -> bool:

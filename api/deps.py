@@ -6,7 +6,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.generation import Generation
-from api.models import Models
+from api.served_models import Models
 from api.hub import PubSubHub
 from api.relay import Relay
 from shared.settings import ApiSettings

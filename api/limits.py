@@ -15,7 +15,7 @@ import math
 from redis.asyncio import Redis
 
 from api.generation import ApiError
-from shared import keys
+from shared import redis_keys
 from shared.messages import now
 
 # KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
@@ -74,16 +74,16 @@ class Limits:
     async def set(self, tenant: str, rpm: int = 0, tpm: int = 0, concurrent: int = 0, weight: float = 1.0) -> None:
         if weight <= 0:
             raise ValueError(f"weight must be positive; got {weight}")
-        await self.redis.hset(keys.tenant_limits(self.prefix, tenant),
+        await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant),
                               mapping={"rpm": rpm, "tpm": tpm, "concurrent": concurrent, "weight": weight})
 
     async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
         """Record the admission of these requests and return the tenant's scheduling weight,
         or raise 429 naming the limit and the wait."""
-        record_prefix, record_suffix = keys.request_record(self.prefix, "|").split("|")
+        record_prefix, record_suffix = redis_keys.request_record(self.prefix, "|").split("|")
         result = await self._admit(
-            keys=[keys.tenant_limits(self.prefix, tenant)] +
-                 [keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
+            keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
+                 [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
             args=[now(), " ".join(request_ids), tokens, record_prefix, record_suffix, self.active_ttl_s])
         if result[0] == 0:
             return float(result[1])
@@ -94,7 +94,7 @@ class Limits:
     async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
         """Undo `admit` for requests that were then refused (e.g. by backpressure), in one step."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
-            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
-            pipe.zrem(keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)
             await pipe.execute()

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from api.hub import OUTAGE_S, RESYNC, TICK, PubSubHub
-from shared import keys
+from shared import redis_keys
 from shared.messages import FinalEvent, StatusEvent, TokenEvent, decode_event
 from shared.redis_client import until_redis_answers
 from shared.store import RequestStore
@@ -28,7 +28,7 @@ class Relay:
 
     async def events(self, request_id: str, after: int = -1) -> AsyncIterator[Event | None]:
         """Events after token index `after`, ending with the final one; None means "still alive"."""
-        channel = keys.request_channel(self.store.prefix, request_id)
+        channel = redis_keys.request_channel(self.store.prefix, request_id)
         async with self.hub.subscribe(channel) as queue:
             cursor = _Cursor(self.store, request_id, after)
             for event in await cursor.catch_up():

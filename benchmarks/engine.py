@@ -45,7 +45,7 @@ from benchmarks import openvino_peer  # noqa: E402
 from benchmarks.matmul_ref import gemm_limit, run_matmul_ref  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared.messages import RequestPayload  # noqa: E402
-from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared.messages import RequestPayload, TokenEvent  # noqa: E402
-from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.engine import run_streamq  # noqa: E402
 from benchmarks.local_stack import local_stack  # noqa: E402
 from shared import bench  # noqa: E402
-from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.model_loader import load_model  # noqa: E402

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.messages import RequestPayload  # noqa: E402
-from shared.models import prepare_model, weights_dir  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
 from shared.store import RequestStore
@@ -49,10 +49,10 @@ def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tu
 
 async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
     store = RequestStore(redis, prefix)
-    record_key, results_key = keys.batch_record(prefix, batch_id), keys.batch_results(prefix, batch_id)
+    record_key, results_key = redis_keys.batch_record(prefix, batch_id), redis_keys.batch_results(prefix, batch_id)
     queue = RequestQueue(redis, prefix, model)
     await redis.hset(record_key, mapping={"status": "in_progress", "started_at": now()})
-    items = [json.loads(i) for i in await redis.lrange(keys.batch_items(prefix, batch_id), 0, -1)]
+    items = [json.loads(i) for i in await redis.lrange(redis_keys.batch_items(prefix, batch_id), 0, -1)]
     finished = set(await redis.hkeys(results_key))
     todo = [i for i in items if i["custom_id"] not in finished]
     in_flight: dict[str, dict] = {}
@@ -76,7 +76,7 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
                 del in_flight[rid]
         await asyncio.sleep(POLL_S)
     await redis.hset(record_key, mapping={"status": "completed", "completed_at": now()})
-    for key in (record_key, results_key, keys.batch_items(prefix, batch_id)):
-        await redis.expire(key, keys.RESULT_TTL_S)
+    for key in (record_key, results_key, redis_keys.batch_items(prefix, batch_id)):
+        await redis.expire(key, redis_keys.RESULT_TTL_S)
     log.info("batch %s: %d requests in %.1f s", batch_id, len(items), time.monotonic() - started)
     return {"requests": len(items)}

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import (
     FinalEvent,
     FinishReason,
@@ -37,11 +37,11 @@ async def _trim(redis: Redis, stream: str) -> int:
         groups = await redis.xinfo_groups(stream)
     except ResponseError:  # no such stream yet
         return 0
-    group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+    group = next((g for g in groups if g["name"] == redis_keys.WORKER_GROUP), None)
     if group is None:
         return 0
     floor = group["last-delivered-id"]
-    pending = await redis.xpending(stream, keys.WORKER_GROUP)
+    pending = await redis.xpending(stream, redis_keys.WORKER_GROUP)
     if pending["pending"]:
         floor = min(floor, pending["min"], key=_entry_order)
     if floor == "0-0":
@@ -114,26 +114,26 @@ async def reclaim_dead_workers(redis: Redis, prefix: str, model: str, heartbeat_
 async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl_s: float,
                    max_attempts: int) -> dict[str, int]:
     try:
-        consumers = await redis.xinfo_consumers(stream, keys.WORKER_GROUP)
+        consumers = await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)
     except ResponseError:  # no stream or group yet
         return {}
     ttl_ms = int(heartbeat_ttl_s * 1000)
     outcomes: dict[str, int] = {}
     for consumer in consumers:
         name = consumer["name"]
-        if not consumer["pending"] or await redis.exists(keys.worker_heartbeat(prefix, name)):
+        if not consumer["pending"] or await redis.exists(redis_keys.worker_heartbeat(prefix, name)):
             continue
-        pending = await redis.xpending_range(stream, keys.WORKER_GROUP, min="-", max="+", count=1000,
+        pending = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=1000,
                                              consumername=name)
         ids = [p["message_id"] for p in pending if p["time_since_delivered"] >= ttl_ms]
         if not ids:
             continue
-        for entry_id, fields in await redis.xclaim(stream, keys.WORKER_GROUP, keys.RECLAIMER, ttl_ms, ids):
+        for entry_id, fields in await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, ttl_ms, ids):
             outcome = await _requeue(redis, script, prefix, stream, entry_id, fields, max_attempts)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             log.warning("request entry %s of dead worker %s: %s", entry_id, name, outcome)
-        if name != keys.RECLAIMER:
-            await redis.xgroup_delconsumer(stream, keys.WORKER_GROUP, name)
+        if name != redis_keys.RECLAIMER:
+            await redis.xgroup_delconsumer(stream, redis_keys.WORKER_GROUP, name)
     return outcomes
 
 
@@ -142,20 +142,20 @@ async def _requeue(redis: Redis, script, prefix: str, stream: str, entry_id: str
     try:
         payload = RequestPayload.model_validate_json(fields.get("payload", ""))
     except ValidationError:
-        await redis.xack(stream, keys.WORKER_GROUP, entry_id)
+        await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
         return "malformed"
     rid = payload.id
-    record = await redis.hgetall(keys.request_record(prefix, rid))
-    delivered = await redis.xlen(keys.token_log(prefix, rid))
+    record = await redis.hgetall(redis_keys.request_record(prefix, rid))
+    delivered = await redis.xlen(redis_keys.token_log(prefix, rid))
     usage = Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=delivered)
     failed = FinalEvent(status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, usage=usage,
                         error=f"the request took down its worker {int(record.get('attempts', 0)) + 1} times")
     cancelled = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, usage=usage)
     return await script(
-        keys=[keys.request_record(prefix, rid), keys.token_log(prefix, rid), keys.request_channel(prefix, rid),
-              stream, keys.dead_letter_stream(prefix)],
+        keys=[redis_keys.request_record(prefix, rid), redis_keys.token_log(prefix, rid), redis_keys.request_channel(prefix, rid),
+              stream, redis_keys.dead_letter_stream(prefix)],
         args=[entry_id, payload.model_dump_json(), rid, max_attempts, encode_event(failed), encode_event(cancelled),
-              now(), keys.RESULT_TTL_S, keys.WORKER_GROUP])
+              now(), redis_keys.RESULT_TTL_S, redis_keys.WORKER_GROUP])
 
 
 async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
@@ -171,7 +171,7 @@ async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
             groups = await redis.xinfo_groups(stream)
         except ResponseError:
             continue
-        group = next((g for g in groups if g["name"] == keys.WORKER_GROUP), None)
+        group = next((g for g in groups if g["name"] == redis_keys.WORKER_GROUP), None)
         start = f"({group['last-delivered-id']}" if group else "-"
         for _entry_id, fields in await redis.xrange(stream, min=start, count=10_000):
             try:

@@ -15,8 +15,8 @@ from shared.redis_client import REDIS_DOWN, arq_settings, connect, until_redis_a
 
 from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
-from shared import keys
-from shared.models import served_name
+from shared import redis_keys
+from shared.model_paths import served_name
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def worker_settings(settings: SchedulerSettings) -> type:
 
     return type("StreamqScheduler", (), {
         "redis_settings": arq_settings(settings.redis_url),
-        "queue_name": keys.arq_queue(settings.prefix),
+        "queue_name": redis_keys.arq_queue(settings.prefix),
         "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
         "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
                            unique=True, timeout=60, keep_result=0),

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler_main()
     elif args.command == "prepare-model":
         from shared.logs import route_transformers  # noqa: PLC0415
-        from shared.models import prepare_model  # noqa: PLC0415
+        from shared.model_paths import prepare_model  # noqa: PLC0415
         from shared.settings import CommonSettings  # noqa: PLC0415
         route_transformers()
         print(prepare_model(CommonSettings()))
@@ -85,7 +85,7 @@ def _keys(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from shared.apikeys import KeyStore  # noqa: PLC0415
+    from shared.api_keys import KeyStore  # noqa: PLC0415
     from shared.redis_client import connect  # noqa: PLC0415
     from shared.settings import CommonSettings  # noqa: PLC0415
 

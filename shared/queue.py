@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import RequestPayload
 
 ANONYMOUS = "-"  # the lane's tenant part when auth is off
@@ -74,13 +74,13 @@ class RequestQueue:
         self.redis = redis
         self.prefix = prefix
         self.model = model
-        self.lanes_key = keys.request_lanes(prefix, model)
-        self.doorbell = keys.lane_doorbell(prefix, model)
-        self.stream_prefix = keys.request_stream(prefix, model, "")  # a lane's stream is this and the lane
+        self.lanes_key = redis_keys.request_lanes(prefix, model)
+        self.doorbell = redis_keys.lane_doorbell(prefix, model)
+        self.stream_prefix = redis_keys.request_stream(prefix, model, "")  # a lane's stream is this and the lane
         self._backlog = redis.register_script(BACKLOG_LUA + "return {backlog(KEYS[1], ARGV[1], ARGV[2])}")
 
     def stream_of(self, payload: RequestPayload) -> str:
-        return keys.request_stream(self.prefix, self.model, lane_of(payload))
+        return redis_keys.request_stream(self.prefix, self.model, lane_of(payload))
 
     async def streams(self, backend: str | None = None) -> list[str]:
         """Every lane's stream (only those a worker of `backend` reads, when given), in a stable order."""
@@ -88,7 +88,7 @@ class RequestQueue:
 
     def lane_streams(self, lanes: Iterable[str], backend: str | None = None) -> list[str]:
         """The streams of these lanes (only those a worker of `backend` reads, when given), sorted."""
-        return sorted(keys.request_stream(self.prefix, self.model, lane)
+        return sorted(redis_keys.request_stream(self.prefix, self.model, lane)
                       for lane in lanes if backend is None or served_by(lane, backend))
 
     async def ensure_groups(self) -> None:
@@ -96,7 +96,7 @@ class RequestQueue:
         a Redis that lost them). The doorbell has none: every worker reads all of it."""
         for stream in await self.streams():
             try:
-                await self.redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+                await self.redis.xgroup_create(stream, redis_keys.WORKER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -104,5 +104,5 @@ class RequestQueue:
     async def backlog(self) -> tuple[int, int]:
         """(requests no worker has taken yet, requests ever taken), summed over the lanes."""
         waiting, taken = await self._backlog(keys=[self.lanes_key],
-                                             args=[self.stream_prefix, keys.WORKER_GROUP])
+                                             args=[self.stream_prefix, redis_keys.WORKER_GROUP])
         return int(waiting), int(taken)

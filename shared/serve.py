@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.models import served_name
+from shared.model_paths import served_name
 from shared.children import die_with_parent, terminate
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
 from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
@@ -126,22 +126,22 @@ class RequestStore:
                 "created_at": payload.created_at,
                 **({"expires_at": payload.expires_at} if payload.expires_at else {}),
             }
-            request_keys += [keys.request_record(self.prefix, payload.id), queue.stream_of(payload)]
+            request_keys += [redis_keys.request_record(self.prefix, payload.id), queue.stream_of(payload)]
             args += [lane_of(payload), payload.model_dump_json(), len(record),
                      *[x for item in record.items() for x in item]]
         queued, waiting, taken = await self._submit(
             keys=[queue.lanes_key, queue.doorbell, *request_keys],
-            args=[keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix, *args])
+            args=[redis_keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix, *args])
         return Admission(bool(queued), int(waiting), int(taken))
 
     async def claim(self, request_id: str, worker: str) -> bool:
         """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""
-        record = keys.request_record(self.prefix, request_id)
+        record = redis_keys.request_record(self.prefix, request_id)
         started = now()
         ok = await self._claim(keys=[record], args=[worker, started])
         if ok:
             event = encode_event(StatusEvent(status=RequestStatus.RUNNING, worker=worker))
-            await self.redis.publish(keys.request_channel(self.prefix, request_id), event)
+            await self.redis.publish(redis_keys.request_channel(self.prefix, request_id), event)
         return bool(ok)
 
     async def cancel(self, request_id: str, prompt_tokens: int) -> RequestStatus | None:
@@ -149,13 +149,13 @@ class RequestStore:
         final = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED,
                            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0))
         status = await self._cancel(
-            keys=[keys.request_record(self.prefix, request_id), keys.token_log(self.prefix, request_id),
-                  keys.request_channel(self.prefix, request_id)],
-            args=[encode_event(final), now(), keys.RESULT_TTL_S])
+            keys=[redis_keys.request_record(self.prefix, request_id), redis_keys.token_log(self.prefix, request_id),
+                  redis_keys.request_channel(self.prefix, request_id)],
+            args=[encode_event(final), now(), redis_keys.RESULT_TTL_S])
         if status is None:
             return None
         if status == RequestStatus.RUNNING.value:
-            await self.redis.publish(keys.cancel_channel(self.prefix), request_id)
+            await self.redis.publish(redis_keys.cancel_channel(self.prefix), request_id)
         return RequestStatus(status)
 
     async def expire(self, payload: RequestPayload) -> bool:
@@ -174,13 +174,13 @@ class RequestStore:
         final = FinalEvent(status=status, finish_reason=reason, error=error,
                            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0))
         done = await self._end(
-            keys=[keys.request_record(self.prefix, request_id), keys.token_log(self.prefix, request_id),
-                  keys.request_channel(self.prefix, request_id)],
-            args=[encode_event(final), now(), keys.RESULT_TTL_S, error, status.value, reason.value])
+            keys=[redis_keys.request_record(self.prefix, request_id), redis_keys.token_log(self.prefix, request_id),
+                  redis_keys.request_channel(self.prefix, request_id)],
+            args=[encode_event(final), now(), redis_keys.RESULT_TTL_S, error, status.value, reason.value])
         return bool(done)
 
     async def record(self, request_id: str) -> dict[str, str]:
-        return await self.redis.hgetall(keys.request_record(self.prefix, request_id))
+        return await self.redis.hgetall(redis_keys.request_record(self.prefix, request_id))
 
     async def output(self, request_id: str) -> list[TokenEvent]:
         """The request's token events so far, by index (a retried publish may log one twice)."""
@@ -193,5 +193,5 @@ class RequestStore:
     async def events(self, request_id: str, after_entry: str = "-") -> list[tuple[str, str]]:
         """Token-log entries (entry id, encoded event) after the given entry id."""
         start = "-" if after_entry == "-" else f"({after_entry}"
-        entries = await self.redis.xrange(keys.token_log(self.prefix, request_id), min=start)
+        entries = await self.redis.xrange(redis_keys.token_log(self.prefix, request_id), min=start)
         return [(entry_id, fields[EVENT_FIELD]) for entry_id, fields in entries]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from shared import keys
+from shared import redis_keys
 from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,8 +114,8 @@ class Stack:
         import redis
 
         with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
-            lanes = client.smembers(keys.request_lanes(self.prefix, self.model_name))
-            return sum(int(client.xinfo_stream(keys.request_stream(self.prefix, self.model_name, lane))["entries-added"])
+            lanes = client.smembers(redis_keys.request_lanes(self.prefix, self.model_name))
+            return sum(int(client.xinfo_stream(redis_keys.request_stream(self.prefix, self.model_name, lane))["entries-added"])
                        for lane in lanes)
 
     def wait_for_record(self, match, timeout_s: float = 60.0) -> dict:

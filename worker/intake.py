@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 from shared.queue import BACKLOG_LUA, RequestQueue
 
 # KEYS: free-slots hash, then the lanes to read. ARGV: group, consumer, free slots, idle (0/1),
@@ -108,7 +108,7 @@ class Intake:
         self.queue = queue
         self.worker = worker
         self.ttl_ms = int(ttl_s * 1000)
-        self.free_key = keys.worker_free_slots(queue.prefix, queue.model)
+        self.free_key = redis_keys.worker_free_slots(queue.prefix, queue.model)
         self._take = redis.register_script(BACKLOG_LUA + _TAKE)
 
     async def lanes(self, backend: str) -> tuple[list[str], str]:
@@ -124,7 +124,7 @@ class Intake:
         """Claim this worker's share of the requests waiting in `lanes` (with no free slot and
         nobody else free, the head of each lane), and announce the free slots left."""
         reply = await self._take(keys=[self.free_key, *lanes],
-                                 args=[keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms])
+                                 args=[redis_keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms])
         taken = Taken(entries=[(lanes[i - 1], entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
                                for i, entry_id, flat in reply[1:1 + reply[0]]])
         if not taken.entries:

@@ -8,9 +8,9 @@ import signal
 
 from shared.redis_client import connect, until_redis_answers
 
-from shared import model_files
+from shared import tokenizer_files
 from shared.logs import route_transformers
-from shared.models import model_dir, prepare_model, served_name, weights_dir
+from shared.model_paths import model_dir, prepare_model, served_name, weights_dir
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer
 from worker import kernels
@@ -126,7 +126,7 @@ async def serve(settings: WorkerSettings) -> None:
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     redis = connect(settings.redis_url)
-    await until_redis_answers("model files", lambda: model_files.publish(
+    await until_redis_answers("model files", lambda: tokenizer_files.publish(
         redis, settings.prefix, served_name(settings), model_dir(settings)), log)
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
 from shared.store import EVENT_FIELD
@@ -29,7 +29,7 @@ class Publisher:
         async with self.redis.pipeline(transaction=False) as pipe:
             for out in outputs:
                 rid = out.seq.id
-                log, channel = keys.token_log(self.prefix, rid), keys.request_channel(self.prefix, rid)
+                log, channel = redis_keys.token_log(self.prefix, rid), redis_keys.request_channel(self.prefix, rid)
                 if out.token is not None:
                     data = encode_event(out.token)
                     pipe.xadd(log, {EVENT_FIELD: data})
@@ -38,7 +38,7 @@ class Publisher:
                         first = {"first_token_at": stamp}
                         if out.seq.scheduled_at:  # when its first step began (a backend may not say)
                             first["scheduled_at"] = out.seq.scheduled_at
-                        pipe.hset(keys.request_record(self.prefix, rid), mapping=first)
+                        pipe.hset(redis_keys.request_record(self.prefix, rid), mapping=first)
                 if out.finished:
                     self._finish(pipe, out, log, channel, stamp)
             await pipe.execute()
@@ -48,7 +48,7 @@ class Publisher:
 
     def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
         seq = out.seq
-        record = keys.request_record(self.prefix, seq.id)
+        record = redis_keys.request_record(self.prefix, seq.id)
         usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids))
         status = STATUS_OF_FINISH[seq.finish_reason]
         final = encode_event(FinalEvent(status=status, finish_reason=seq.finish_reason, usage=usage, error=seq.error))
@@ -60,6 +60,6 @@ class Publisher:
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
         pipe.publish(channel, final)
-        pipe.xack(self.queue.stream_of(seq.payload), keys.WORKER_GROUP, self.entries[seq.id])
-        pipe.expire(record, keys.RESULT_TTL_S)
-        pipe.expire(log, keys.RESULT_TTL_S)
+        pipe.xack(self.queue.stream_of(seq.payload), redis_keys.WORKER_GROUP, self.entries[seq.id])
+        pipe.expire(record, redis_keys.RESULT_TTL_S)
+        pipe.expire(log, redis_keys.RESULT_TTL_S)

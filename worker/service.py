@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
 from shared.queue import RequestQueue
 from shared.redis_client import REDIS_DOWN, until_redis_answers
@@ -82,7 +82,7 @@ class WorkerService:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(*REDIS_DOWN):  # else the heartbeat expires and the free-slots entry with it
-                await self.redis.delete(keys.worker_heartbeat(self.settings.prefix, self.name))
+                await self.redis.delete(redis_keys.worker_heartbeat(self.settings.prefix, self.name))
                 await self.intake.withdraw()
             if server is not None:
                 server.shutdown()
@@ -169,20 +169,20 @@ class WorkerService:
             request_id = _request_id(fields.get("payload", ""))
             if request_id is not None:
                 await self.store.fail_queued(request_id, f"the worker cannot run this request: {exc}")
-            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return
         if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
             log.info("request %s expired in the queue", payload.id)
-            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return
         if not await self.store.claim(payload.id, self.name):
             # Cancelled (or otherwise ended) while queued: nothing to run.
-            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return
         # A request put back after its worker died continues after the tokens already delivered.
         delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
         if any(isinstance(e, FinalEvent) for e in delivered):
-            await self.redis.xack(stream, keys.WORKER_GROUP, entry_id)
+            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
         log.info("request %s started", payload.id, extra={
@@ -199,7 +199,7 @@ class WorkerService:
         while True:
             pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(keys.cancel_channel(self.settings.prefix))
+                await pubsub.subscribe(redis_keys.cancel_channel(self.settings.prefix))
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self.backend.cancel(message["data"])
@@ -212,7 +212,7 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         """Announce this worker while its loop goes round; stop (and raise) if a step is stuck,
         so readiness and the scheduler see it gone and its requests are taken over."""
-        key = keys.worker_heartbeat(self.settings.prefix, self.name)
+        key = redis_keys.worker_heartbeat(self.settings.prefix, self.name)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while True:
             stalled = time.monotonic() - self._progress

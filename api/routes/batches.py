@@ -22,7 +22,7 @@ from api.generation import ApiError
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.openai import plan_chat, plan_completion
-from shared import keys
+from shared import redis_keys
 
 router = APIRouter(tags=["batches"], route_class=StrictJSONRoute)
 
@@ -80,18 +80,18 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     created = int(time.time())
     redis = store.redis
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.batch_record(store.prefix, batch_id), mapping={
+        pipe.hset(redis_keys.batch_record(store.prefix, batch_id), mapping={
             "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
             "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
-        pipe.rpush(keys.batch_items(store.prefix, batch_id), *items)
+        pipe.rpush(redis_keys.batch_items(store.prefix, batch_id), *items)
         await pipe.execute()
     await request.app.state.arq.enqueue_job("run_batch", batch_id, _job_id=batch_id,
-                                            _queue_name=keys.arq_queue(store.prefix))
+                                            _queue_name=redis_keys.arq_queue(store.prefix))
     return await _batch_object(store, batch_id, tenant)
 
 
 async def _batch_object(store, batch_id: str, tenant: str) -> dict:
-    record = await store.redis.hgetall(keys.batch_record(store.prefix, batch_id))
+    record = await store.redis.hgetall(redis_keys.batch_record(store.prefix, batch_id))
     if not record or record.get("owner", "") != tenant:
         raise ApiError(404, f"no batch {batch_id!r}", code="not_found")
 
@@ -115,7 +115,7 @@ async def get_batch(batch_id: str, store: StoreDep, tenant: TenantDep):
 async def batch_results(batch_id: str, store: StoreDep, tenant: TenantDep):
     """One JSON line per finished request, in submission order."""
     await _batch_object(store, batch_id, tenant)
-    items = await store.redis.lrange(keys.batch_items(store.prefix, batch_id), 0, -1)
-    results = await store.redis.hgetall(keys.batch_results(store.prefix, batch_id))
+    items = await store.redis.lrange(redis_keys.batch_items(store.prefix, batch_id), 0, -1)
+    results = await store.redis.hgetall(redis_keys.batch_results(store.prefix, batch_id))
     lines = [results[cid] for cid in (json.loads(i)["custom_id"] for i in items) if cid in results]
     return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""), media_type="application/jsonl")

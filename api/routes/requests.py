@@ -22,7 +22,7 @@ from api.json_body import StrictJSONRoute
 from api.relay import Event, Relay
 from api.schemas import SubmitRequest
 from api.sse import EventStreamResponse, sse_event
-from shared import keys
+from shared import redis_keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.store import RequestStore
 
@@ -117,7 +117,7 @@ async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: Settings
     before = await snapshot(store, request_id, await _record(store, request_id, tenant))
     if not wait or RequestStatus(before["status"]).finished:
         return before
-    async with hub.subscribe(keys.request_channel(store.prefix, request_id)) as queue:
+    async with hub.subscribe(redis_keys.request_channel(store.prefix, request_id)) as queue:
         # Read again after subscribing, so a change in between is not waited for.
         now = await snapshot(store, request_id, await store.record(request_id))
         if (now["status"], now["completion_tokens"]) != (before["status"], before["completion_tokens"]):

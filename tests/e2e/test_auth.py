@@ -94,7 +94,7 @@ def test_tenant_limits_apply_across_replicas(secured):
 def test_each_tenant_and_priority_has_its_own_lane_with_the_tenants_weight(secured):
     import redis
 
-    from shared import keys
+    from shared import redis_keys
     from shared.messages import RequestPayload
 
     key = keys_cli(secured, "create", "--tenant", "erin").stdout.strip()
@@ -107,7 +107,7 @@ def test_each_tenant_and_priority_has_its_own_lane_with_the_tenants_weight(secur
                           json={"prompt": "x", "priority": 99})
         assert bad.status_code == 422 and "priority" in bad.text
     with redis.Redis.from_url(secured.env["REDIS_URL"], decode_responses=True) as client:
-        assert "-3:erin" in client.smembers(keys.request_lanes(secured.prefix, secured.model_name))
-        [(_, fields)] = client.xrange(keys.request_stream(secured.prefix, secured.model_name, "-3:erin"))
+        assert "-3:erin" in client.smembers(redis_keys.request_lanes(secured.prefix, secured.model_name))
+        [(_, fields)] = client.xrange(redis_keys.request_stream(secured.prefix, secured.model_name, "-3:erin"))
     payload = RequestPayload.model_validate_json(fields["payload"])
     assert (payload.owner, payload.priority, payload.weight) == ("erin", -3, 2.5)

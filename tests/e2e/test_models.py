@@ -45,7 +45,7 @@ def test_default_model_engine_matches_transformers_greedy():
     """A few chat prompts through the continuous engine on SmolLM2, in fp32, against generate."""
     import torch
 
-    from shared.models import prepare_model, weights_dir
+    from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
     from tests.unit.test_engine import make_engine, run
 

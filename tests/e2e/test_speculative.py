@@ -64,7 +64,7 @@ PASSAGE = ("The harbour town of Ellery sits where the river meets the sea. Every
 
 @pytest.mark.slow
 def test_default_model_greedy_is_the_same_with_and_without_speculation(tmp_path):
-    from shared.models import prepare_model, weights_dir
+    from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
     from tests.unit.test_engine import make_engine, run
     from tests.unit.test_speculative_engine import with_draft, with_ngram

@@ -9,7 +9,7 @@ from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.limits import Limits
 from scheduler.jobs import reclaim_dead_workers
-from shared import keys
+from shared import redis_keys
 from shared.messages import RequestPayload
 from shared.queue import RequestQueue
 from shared.sampling import SamplingParams
@@ -63,7 +63,7 @@ async def test_a_multi_request_submit_is_all_or_none(redis, prefix):
     assert await _submit(replica, 2) and await _submit(replica, 1, owner="acme")
     assert not await _submit(replica, 2, owner="new-tenant")
     assert await _records(redis, prefix) == 3
-    assert await redis.smembers(keys.request_lanes(prefix, "m")) == {"0:-", "0:acme"}
+    assert await redis.smembers(redis_keys.request_lanes(prefix, "m")) == {"0:-", "0:acme"}
     assert await _submit(replica, 1)
     assert not await _submit(replica, 1)
 
@@ -71,8 +71,8 @@ async def test_a_multi_request_submit_is_all_or_none(redis, prefix):
 async def test_taken_requests_leave_the_backlog_and_reclaimed_ones_count_again(redis, prefix):
     replica, queue = _replica(redis, prefix), RequestQueue(redis, prefix, "m")
     assert await _submit(replica, LIMIT)
-    stream = keys.request_stream(prefix, "m", "0:-")
-    await redis.xreadgroup(keys.WORKER_GROUP, "w-dead", {stream: ">"}, count=2)  # a worker takes two
+    stream = redis_keys.request_stream(prefix, "m", "0:-")
+    await redis.xreadgroup(redis_keys.WORKER_GROUP, "w-dead", {stream: ">"}, count=2)  # a worker takes two
     assert await queue.backlog() == (2, 2)
     assert await _submit(replica, 1) and not await _submit(replica, 2)
     # The worker's heartbeat is gone: the scheduler puts its two back, to wait for a worker again.
@@ -89,4 +89,4 @@ async def test_a_refusal_releases_what_the_tenant_limits_took(redis, prefix):
     assert await _submit(replica, LIMIT - 1, owner="acme")
     assert not await _submit(replica, 2, owner="acme")  # backpressure refuses, after the limits admitted
     for kind in ("rpm", "tpm", "active"):
-        assert await redis.zcard(keys.tenant_usage(prefix, "acme", kind)) == (1 if kind == "tpm" else LIMIT - 1), kind
+        assert await redis.zcard(redis_keys.tenant_usage(prefix, "acme", kind)) == (1 if kind == "tpm" else LIMIT - 1), kind

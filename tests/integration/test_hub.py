@@ -6,7 +6,7 @@ import pytest
 
 from api.hub import PubSubHub
 from api.relay import Relay
-from shared import keys
+from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
 from shared.store import EVENT_FIELD, RequestStore
 from tests.waiting import until
@@ -33,7 +33,7 @@ class CrashOnce:
 
 @pytest.fixture
 async def hub(redis, prefix):
-    hub = PubSubHub(redis, keys.replica_channel(prefix, "test"), tick_s=30)
+    hub = PubSubHub(redis, redis_keys.replica_channel(prefix, "test"), tick_s=30)
     hub.crash = CrashOnce(hub._pubsub)
     hub._pubsub.get_message = hub.crash  # before start(): the reader's first read goes through it
     await hub.start()
@@ -43,12 +43,12 @@ async def hub(redis, prefix):
 
 async def _emit(redis, prefix, event):
     data = encode_event(event)
-    await redis.xadd(keys.token_log(prefix, RID), {EVENT_FIELD: data})
-    await redis.publish(keys.request_channel(prefix, RID), data)
+    await redis.xadd(redis_keys.token_log(prefix, RID), {EVENT_FIELD: data})
+    await redis.publish(redis_keys.request_channel(prefix, RID), data)
 
 
 async def _subscribers(redis, prefix) -> int:
-    return (await redis.pubsub_numsub(keys.request_channel(prefix, RID)))[0][1]
+    return (await redis.pubsub_numsub(redis_keys.request_channel(prefix, RID)))[0][1]
 
 
 async def _one_subscriber(redis, prefix) -> bool:
@@ -87,7 +87,7 @@ async def test_a_crashed_reader_is_logged_and_restarted_and_streams_carry_on(red
     # Live again, on the restarted reader's new connection (the old one is gone): token 2 only on
     # the channel, never logged, so it can reach the stream only live.
     await until(lambda: _one_subscriber(redis, prefix), what="only the new connection subscribed")
-    await redis.publish(keys.request_channel(prefix, RID), encode_event(TokenEvent(index=2, token_id=102, text="c")))
+    await redis.publish(redis_keys.request_channel(prefix, RID), encode_event(TokenEvent(index=2, token_id=102, text="c")))
     assert (await next_event()).index == 2
     await _emit(redis, prefix, FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
                                           usage=Usage(prompt_tokens=1, completion_tokens=3)))

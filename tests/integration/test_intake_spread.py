@@ -7,7 +7,7 @@ import asyncio
 import uuid
 from collections import Counter
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
@@ -35,7 +35,7 @@ async def _workers(redis, redis_url, prefix, count, batch_size=8, tokens_per_s=1
                                 heartbeat_interval_s=0.2, intake_block_ms=60_000)
         service = WorkerService(redis, Threaded(NullEngine(batch_size, tokens_per_s), "null"), config, "m")
         services.append((service, asyncio.create_task(service.run())))
-    free_key = keys.worker_free_slots(prefix, "m")
+    free_key = redis_keys.worker_free_slots(prefix, "m")
 
     async def all_waiting() -> bool:  # each has announced its room, so each is reading
         announced = await redis.hgetall(free_key)
@@ -78,7 +78,7 @@ async def test_idle_workers_split_a_burst_on_a_lane_they_read(redis, redis_url, 
     async def first_done() -> bool:
         return (await store.record(first.id)).get("status") == "done"
     await until(first_done, what="the first request done")
-    free_key = keys.worker_free_slots(prefix, "m")
+    free_key = redis_keys.worker_free_slots(prefix, "m")
 
     async def all_idle() -> bool:
         return all(v.startswith("8:") for v in (await redis.hgetall(free_key)).values())
@@ -98,7 +98,7 @@ async def test_a_busy_worker_leaves_a_burst_to_the_idle_one(redis, redis_url, pr
     first = [_payload("x") for _ in range(7)]  # alone, it takes them all: its batch has one slot left
     await _burst(redis, prefix, first)
     assert await _taken_by(store, first) == {busy.name: 7}
-    free_key = keys.worker_free_slots(prefix, "m")
+    free_key = redis_keys.worker_free_slots(prefix, "m")
 
     async def busy_announced() -> bool:
         return (await redis.hget(free_key, busy.name) or "").startswith("1:")
@@ -114,7 +114,7 @@ async def test_a_busy_worker_leaves_a_burst_to_the_idle_one(redis, redis_url, pr
 
 async def test_an_expired_announcement_is_dropped(redis, redis_url, prefix):
     store = RequestStore(redis, prefix)
-    free_key = keys.worker_free_slots(prefix, "m")
+    free_key = redis_keys.worker_free_slots(prefix, "m")
     await redis.hset(free_key, "gone", "64:1")  # a worker that died long ago, with room for 64
     services = await _workers(redis, redis_url, prefix, 1)
     burst = [_payload("t") for _ in range(6)]

@@ -6,7 +6,7 @@ import pytest
 
 from api.generation import ApiError
 from api.limits import Limits
-from shared import keys
+from shared import redis_keys
 
 
 def rid() -> str:
@@ -46,8 +46,8 @@ async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
     first, second = rid(), rid()
     for r in (first, second):
         await limits.admit("acme", [r], 1)
-        await redis.hset(keys.request_record(prefix, r), "status", "running")
+        await redis.hset(redis_keys.request_record(prefix, r), "status", "running")
     with pytest.raises(ApiError, match="concurrent"):
         await limits.admit("acme", [rid()], 1)
-    await redis.hset(keys.request_record(prefix, first), "status", "done")
+    await redis.hset(redis_keys.request_record(prefix, first), "status", "done")
     await limits.admit("acme", [rid()], 1)  # a finished request frees its slot

@@ -5,7 +5,7 @@ import pytest
 
 from api.hub import PubSubHub
 from api.relay import Relay
-from shared import keys
+from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
 from shared.store import EVENT_FIELD, RequestStore
 from tests.waiting import until
@@ -15,7 +15,7 @@ RID = "9a7c2a8e-1111-4222-8333-444455556666"
 
 @pytest.fixture
 async def relay(redis, prefix):
-    hub = PubSubHub(redis, keys.replica_channel(prefix, "test"), tick_s=30)
+    hub = PubSubHub(redis, redis_keys.replica_channel(prefix, "test"), tick_s=30)
     await hub.start()
     yield Relay(RequestStore(redis, prefix), hub)
     await hub.close()
@@ -33,14 +33,14 @@ def _final(n):
 async def _emit(redis, prefix, event, log=True, publish=True):
     data = encode_event(event)
     if log:
-        await redis.xadd(keys.token_log(prefix, RID), {EVENT_FIELD: data})
+        await redis.xadd(redis_keys.token_log(prefix, RID), {EVENT_FIELD: data})
     if publish:
-        await redis.publish(keys.request_channel(prefix, RID), data)
+        await redis.publish(redis_keys.request_channel(prefix, RID), data)
 
 
 async def _subscribed(redis, prefix):
     """Return once Redis itself reports the relay's subscription to the request channel."""
-    channel = keys.request_channel(prefix, RID)
+    channel = redis_keys.request_channel(prefix, RID)
 
     async def check():
         return (await redis.pubsub_numsub(channel))[0][1] > 0
@@ -105,7 +105,7 @@ async def test_many_streams_share_the_hub_connection(redis, prefix, relay):
 
 
 async def test_a_quiet_stream_gets_keepalives_from_the_hub_tick(redis, prefix):
-    hub = PubSubHub(redis, keys.replica_channel(prefix, "tick"), tick_s=0.05)
+    hub = PubSubHub(redis, redis_keys.replica_channel(prefix, "tick"), tick_s=0.05)
     await hub.start()
     relay = Relay(RequestStore(redis, prefix), hub)
     events = relay.events(RID)

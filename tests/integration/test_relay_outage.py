@@ -10,7 +10,7 @@ from redis.exceptions import BusyLoadingError
 
 from api.hub import PubSubHub
 from api.relay import Relay
-from shared import keys
+from shared import redis_keys
 from shared.messages import (
     FinalEvent,
     FinishReason,
@@ -39,7 +39,7 @@ async def server(tmp_path):
 @pytest.fixture
 async def relay(server):
     client = connect(server.url)
-    hub = PubSubHub(client, keys.replica_channel(PREFIX, "test"), tick_s=30)
+    hub = PubSubHub(client, redis_keys.replica_channel(PREFIX, "test"), tick_s=30)
     await hub.start()
     yield Relay(RequestStore(client, PREFIX), hub)
     await hub.close()
@@ -50,9 +50,9 @@ async def _emit(server, event, publish=True):
     """Write to the token log (and publish), as the worker does, on a fresh connection."""
     client = connect(server.url)
     data = encode_event(event)
-    await client.xadd(keys.token_log(PREFIX, RID), {EVENT_FIELD: data})
+    await client.xadd(redis_keys.token_log(PREFIX, RID), {EVENT_FIELD: data})
     if publish:
-        await client.publish(keys.request_channel(PREFIX, RID), data)
+        await client.publish(redis_keys.request_channel(PREFIX, RID), data)
     await client.aclose()
 
 
@@ -133,7 +133,7 @@ async def _collect(relay):
 async def _subscribed(server):
     client = connect(server.url)
     try:
-        return (await client.pubsub_numsub(keys.request_channel(PREFIX, RID)))[0][1] > 0
+        return (await client.pubsub_numsub(redis_keys.request_channel(PREFIX, RID)))[0][1] > 0
     finally:
         await client.aclose()
 

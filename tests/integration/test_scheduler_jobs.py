@@ -7,7 +7,7 @@ from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
 from scheduler.jobs import trim_request_stream
 from scheduler.main import trim, worker_settings
-from shared import keys
+from shared import redis_keys
 from shared.settings import SchedulerSettings
 
 
@@ -15,12 +15,12 @@ LANE = "0:-"  # priority 0, no tenant (auth off): where store.submit puts these 
 
 
 async def _setup(redis, prefix):
-    stream = keys.request_stream(prefix, "m", LANE)
-    await redis.sadd(keys.request_lanes(prefix, "m"), LANE)
-    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    stream = redis_keys.request_stream(prefix, "m", LANE)
+    await redis.sadd(redis_keys.request_lanes(prefix, "m"), LANE)
+    await redis.xgroup_create(stream, redis_keys.WORKER_GROUP, id="0", mkstream=True)
     ids = [await redis.xadd(stream, {"payload": str(i)}) for i in range(5)]
-    await redis.xreadgroup(keys.WORKER_GROUP, "w1", {stream: ">"}, count=3)
-    await redis.xack(stream, keys.WORKER_GROUP, ids[0], ids[1])
+    await redis.xreadgroup(redis_keys.WORKER_GROUP, "w1", {stream: ">"}, count=3)
+    await redis.xack(stream, redis_keys.WORKER_GROUP, ids[0], ids[1])
     return stream, ids
 
 
@@ -46,17 +46,17 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
     """A request a worker took and delivered `tokens` tokens of, as a worker leaves it."""
     store = RequestStore(redis, prefix)
-    stream = keys.request_stream(prefix, "m", LANE)
+    stream = redis_keys.request_stream(prefix, "m", LANE)
     payload = RequestPayload(id="7d1c2a8e-1111-4222-8333-444455556666", model="m", prompt_token_ids=[1, 2],
                              params=SamplingParams(max_tokens=8))
     await store.submit(payload)
-    [(_, [(entry_id, _)])] = await redis.xreadgroup(keys.WORKER_GROUP, consumer, {stream: ">"})
+    [(_, [(entry_id, _)])] = await redis.xreadgroup(redis_keys.WORKER_GROUP, consumer, {stream: ">"})
     assert await store.claim(payload.id, consumer)
     for i in range(tokens):
-        await redis.xadd(keys.token_log(prefix, payload.id),
+        await redis.xadd(redis_keys.token_log(prefix, payload.id),
                          {EVENT_FIELD: encode_event(TokenEvent(index=i, token_id=5, text="x"))})
     if record:
-        await redis.hset(keys.request_record(prefix, payload.id), mapping=record)
+        await redis.hset(redis_keys.request_record(prefix, payload.id), mapping=record)
     return store, stream, payload, entry_id
 
 
@@ -71,15 +71,15 @@ async def test_a_dead_workers_request_is_queued_again_once(redis, prefix):
     entries = await redis.xrange(stream)
     assert [e for e, _ in entries][-1] != entry_id
     assert RequestPayload.model_validate_json(entries[-1][1]["payload"]) == payload
-    assert (await redis.xpending(stream, keys.WORKER_GROUP))["pending"] == 0
+    assert (await redis.xpending(stream, redis_keys.WORKER_GROUP))["pending"] == 0
     # The next worker reads it like any new request, and can claim it.
-    [(_, [(new_entry, _)])] = await redis.xreadgroup(keys.WORKER_GROUP, "w-new", {stream: ">"})
+    [(_, [(new_entry, _)])] = await redis.xreadgroup(redis_keys.WORKER_GROUP, "w-new", {stream: ">"})
     assert await store.claim(payload.id, "w-new")
 
 
 async def test_a_live_worker_keeps_its_requests(redis, prefix):
     store, stream, payload, _ = await _running_request(redis, prefix, consumer="w-live")
-    await redis.set(keys.worker_heartbeat(prefix, "w-live"), "{}", px=60_000)
+    await redis.set(redis_keys.worker_heartbeat(prefix, "w-live"), "{}", px=60_000)
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {}
     assert (await store.record(payload.id))["status"] == "running"
 
@@ -89,7 +89,7 @@ async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"dead": 1}
     record = await store.record(payload.id)
     assert record["status"] == "failed" and "3 times" in record["error"]
-    [(_, dead)] = await redis.xrange(keys.dead_letter_stream(prefix))
+    [(_, dead)] = await redis.xrange(redis_keys.dead_letter_stream(prefix))
     assert dead["id"] == payload.id
     final = decode_event((await store.events(payload.id))[-1][1])
     assert isinstance(final, FinalEvent) and final.usage.completion_tokens == 2
@@ -103,7 +103,7 @@ async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix
 
 async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(redis, prefix):
     store = RequestStore(redis, prefix)
-    stream = keys.request_stream(prefix, "m", LANE)
+    stream = redis_keys.request_stream(prefix, "m", LANE)
     past, future = now() - 10, now() + 600
 
     def payload(i, expires_at):
@@ -112,7 +112,7 @@ async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(r
 
     started, late, fresh = payload(0, past), payload(1, past), payload(2, future)
     await store.submit(started)
-    await redis.xreadgroup(keys.WORKER_GROUP, "w1", {stream: ">"}, count=1)  # a worker took this one
+    await redis.xreadgroup(redis_keys.WORKER_GROUP, "w1", {stream: ">"}, count=1)  # a worker took this one
     assert await store.claim(started.id, "w1")
     await store.submit(late)
     await store.submit(fresh)

@@ -1,7 +1,7 @@
 """Request records and status changes against a real Redis."""
 import asyncio
 
-from shared import keys
+from shared import redis_keys
 from shared.messages import FinalEvent, RequestPayload, RequestStatus, decode_event
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
@@ -17,8 +17,8 @@ async def test_submit_writes_record_and_queues_entry(redis, prefix):
     await store.submit(payload)
     record = await store.record(payload.id)
     assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
-    assert await redis.smembers(keys.request_lanes(prefix, "m")) == {"0:alice"}
-    entries = await redis.xrange(keys.request_stream(prefix, "m", "0:alice"))
+    assert await redis.smembers(redis_keys.request_lanes(prefix, "m")) == {"0:alice"}
+    entries = await redis.xrange(redis_keys.request_stream(prefix, "m", "0:alice"))
     assert len(entries) == 1
     assert RequestPayload.model_validate_json(entries[0][1]["payload"]) == payload
 
@@ -33,7 +33,7 @@ async def test_cancel_of_queued_request_ends_it_and_blocks_the_claim(redis, pref
     final = decode_event(data)
     assert isinstance(final, FinalEvent) and final.finish_reason.value == "cancelled"
     assert await store.claim(payload.id, "w1") is False
-    assert await redis.ttl(keys.request_record(prefix, payload.id)) > 0
+    assert await redis.ttl(redis_keys.request_record(prefix, payload.id)) > 0
 
 
 async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, prefix):
@@ -41,7 +41,7 @@ async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, p
     payload = _payload()
     await store.submit(payload)
     pubsub = redis.pubsub()
-    await pubsub.subscribe(keys.cancel_channel(prefix))
+    await pubsub.subscribe(redis_keys.cancel_channel(prefix))
     assert await store.claim(payload.id, "w1") is True
     assert await store.cancel(payload.id, 3) == RequestStatus.RUNNING
     record = await store.record(payload.id)
@@ -68,7 +68,7 @@ async def test_concurrent_claims_have_one_winner(redis, prefix):
 
 async def test_events_reads_after_a_given_entry(redis, prefix):
     store = RequestStore(redis, prefix)
-    log = keys.token_log(prefix, "r")
+    log = redis_keys.token_log(prefix, "r")
     ids = [await redis.xadd(log, {EVENT_FIELD: f'{{"type":"token","index":{i},"token_id":0,"text":"x"}}'})
            for i in range(3)]
     assert [e for e, _ in await store.events("r")] == ids

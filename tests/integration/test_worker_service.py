@@ -3,7 +3,7 @@ import asyncio
 import json
 import threading
 
-from shared import keys
+from shared import redis_keys
 from shared.settings import WorkerSettings
 from tests.waiting import until
 from worker.backend import Counts, Threaded
@@ -65,13 +65,13 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
     run = asyncio.create_task(service.run())
     await asyncio.to_thread(engine.stepping.wait, 30)  # the step is now blocking its thread
 
-    beat_key = keys.worker_heartbeat(prefix, settings.worker_name)
+    beat_key = redis_keys.worker_heartbeat(prefix, settings.worker_name)
     await until(lambda: redis.exists(beat_key), what="first heartbeat")
     beat = json.loads(await redis.get(beat_key))
     assert beat["model"] == "m" and beat["capacity"] == 4 and beat["running"] == 1
 
-    await until(_subscribed(redis, keys.cancel_channel(prefix)), what="cancel listener subscribed")
-    await redis.publish(keys.cancel_channel(prefix), "some-request")
+    await until(_subscribed(redis, redis_keys.cancel_channel(prefix)), what="cancel listener subscribed")
+    await redis.publish(redis_keys.cancel_channel(prefix), "some-request")
     await until(lambda: _true(bool(engine.cancelled)), what="cancel delivered")
     assert engine.cancelled == ["some-request"]
     assert not engine.release.is_set()  # all of that happened during the step
@@ -91,7 +91,7 @@ async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
                               intake_block_ms=50, served_model_name="m", engine_stall_s=0.5)
     engine = BlockingEngine()  # its step never returns until released
     service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
-    beat_key = keys.worker_heartbeat(prefix, settings.worker_name)
+    beat_key = redis_keys.worker_heartbeat(prefix, settings.worker_name)
     run = asyncio.create_task(service.run())
     await until(lambda: redis.exists(beat_key), what="first heartbeat")
     with pytest.raises(EngineStalled):
@@ -114,7 +114,7 @@ async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
                               heartbeat_ttl_s=5, intake_block_ms=50, served_model_name="m")
     service = WorkerService(redis, Threaded(NullEngine(batch_size=2, tokens_per_s=100), "null"), settings, "m")
     run = asyncio.create_task(service.run())
-    free_key = keys.worker_free_slots(settings.prefix, "m")
+    free_key = redis_keys.worker_free_slots(settings.prefix, "m")
     await until(lambda: redis.hexists(free_key, settings.worker_name), what="the worker reading the lanes")
     server.kill()
     service.stop()

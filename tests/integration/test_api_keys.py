@@ -1,13 +1,13 @@
 """API keys in a real Redis: stored hashed, found, listed, revoked."""
-from shared import keys
-from shared.apikeys import KeyStore
+from shared import redis_keys
+from shared.api_keys import KeyStore
 
 
 async def test_keys_are_stored_as_digests_only(redis, prefix):
     store = KeyStore(redis, prefix)
     key = await store.create("acme", "ci")
     assert key.startswith("sq-") and len(key) > 30
-    stored = await redis.hgetall(keys.api_keys(prefix))
+    stored = await redis.hgetall(redis_keys.api_keys(prefix))
     assert key not in str(stored)  # never the key itself
     assert await store.tenant_for(key) == "acme"
     assert await store.tenant_for(key + "x") is None

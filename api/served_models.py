@@ -1,5 +1,5 @@
 """The models this api serves: its own (loaded at start), and any other model that has a live
-worker, loaded on first use from the tokenizer files the worker published (shared/model_files.py).
+worker, loaded on first use from the tokenizer files the worker published (shared/tokenizer_files.py).
 
 Each model has its own Generation (tokenizer, limits of its context) and backpressure on its
 own request queue; requests name the model with `model`, and go to that model's workers.
@@ -12,7 +12,7 @@ from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.limits import Limits
 from api.relay import Relay
-from shared import model_files
+from shared import tokenizer_files
 from shared.queue import RequestQueue
 from shared.settings import ApiSettings
 from shared.store import RequestStore
@@ -61,7 +61,7 @@ class Models:
             served = await self.served()
             folder = None
             if name in served:
-                folder = await model_files.fetch(self.store.redis, self.settings.prefix, name,
+                folder = await tokenizer_files.fetch(self.store.redis, self.settings.prefix, name,
                                                  self.settings.model_cache_dir)
             if folder is None:
                 raise ApiError(404, f"model {name!r} is not served here; served models: {sorted(served)}",

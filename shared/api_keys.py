@@ -12,7 +12,7 @@ import time
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 
 KEY_PREFIX = "sq-"
 
@@ -24,7 +24,7 @@ def digest(key: str) -> str:
 class KeyStore:
     def __init__(self, redis: Redis, prefix: str):
         self.redis = redis
-        self.name = keys.api_keys(prefix)
+        self.name = redis_keys.api_keys(prefix)
 
     async def create(self, tenant: str, label: str = "") -> str:
         """A new key for `tenant`; the only time the key itself is seen."""

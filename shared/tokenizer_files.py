@@ -11,7 +11,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from shared import keys
+from shared import redis_keys
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json", "chat_template.jinja")
 
@@ -20,7 +20,7 @@ async def publish(redis: Redis, prefix: str, model: str, folder: Path) -> None:
     files = {name: (folder / name).read_text() for name in FILES if (folder / name).is_file()}
     if "tokenizer.json" not in files:  # e.g. the null backend, which needs no model
         return
-    key = keys.model_files(prefix, model)
+    key = redis_keys.model_files(prefix, model)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(key)
         pipe.hset(key, mapping=files)
@@ -29,7 +29,7 @@ async def publish(redis: Redis, prefix: str, model: str, folder: Path) -> None:
 
 async def fetch(redis: Redis, prefix: str, model: str, cache_dir: Path) -> Path | None:
     """The model's files in a folder under `cache_dir` (None when no worker published them)."""
-    files = await redis.hgetall(keys.model_files(prefix, model))
+    files = await redis.hgetall(redis_keys.model_files(prefix, model))
     if "tokenizer.json" not in files:
         return None
     folder = cache_dir / "served" / "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
