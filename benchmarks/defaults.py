@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared import bench  # noqa: E402
+from streamq import bench  # noqa: E402
 from shared.model_paths import served_name  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from worker.model_loader import pick_dtype  # noqa: E402

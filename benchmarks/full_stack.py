@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import run_streamq  # noqa: E402
 from benchmarks.local_stack import local_stack  # noqa: E402
-from shared import bench  # noqa: E402
+from streamq import bench  # noqa: E402
 from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402

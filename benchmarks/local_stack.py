@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.serve import wait_ready  # noqa: E402
+from streamq.serve import wait_ready  # noqa: E402
 
 
 @contextmanager
@@ -28,7 +28,7 @@ def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
     if env_out is not None:
         env_out.update(env)
     port = free_port()
-    cli = [sys.executable, "-m", "shared.cli", "--log-level", "warning"]
+    cli = [sys.executable, "-m", "streamq.cli", "--log-level", "warning"]
     subprocess.run(cli + ["prepare-model"], env=env, check=True, capture_output=True)
     worker_cli = [worker_python or sys.executable, *cli[1:]]
     procs = [subprocess.Popen(worker_cli + ["worker"], env=env, cwd=ROOT),

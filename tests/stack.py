@@ -43,7 +43,7 @@ class Stack:
     def _spawn(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> subprocess.Popen:
         log = open(self.folder / f"{name}.log", "wb")
         # Own process group: tearing down (or killing) a process also ends what it started.
-        proc = subprocess.Popen([python or sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env=env,
+        proc = subprocess.Popen([python or sys.executable, "-m", "streamq.cli", *args], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append((name, proc))
         return proc
@@ -51,7 +51,7 @@ class Stack:
     def __enter__(self) -> "Stack":
         try:
             # As `streamq serve` does: convert the model (if needed) before any process reads it.
-            subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], cwd=ROOT, env=self.env,
+            subprocess.run([sys.executable, "-m", "streamq.cli", "prepare-model"], cwd=ROOT, env=self.env,
                            check=True, capture_output=True)
             for i in range(self.n_workers):
                 self._spawn(f"worker{i}", ["worker"],

@@ -38,4 +38,4 @@ def restart_with_intel_openmp(argv: list[str] | None = None) -> None:
     env = preload_env(os.environ, intel_openmp())
     if env is None or "torch" in sys.modules:  # torch already loaded its runtime: too late to choose
         return
-    os.execve(sys.executable, argv or [sys.executable, "-m", "shared.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, argv or [sys.executable, "-m", "streamq.cli", *sys.argv[1:]], env)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.local_stack import local_stack  # noqa: E402
-from shared import bench  # noqa: E402
+from streamq import bench  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 

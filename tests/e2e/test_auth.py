@@ -16,7 +16,7 @@ def secured(redis_url, tiny_llama, tmp_path_factory):
 
 
 def keys_cli(stack, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", "keys", *args], cwd=ROOT, env=stack.env,
+    return subprocess.run([sys.executable, "-m", "streamq.cli", "keys", *args], cwd=ROOT, env=stack.env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -10,7 +10,7 @@ from tests.stack import ROOT
 
 def bench(stack, tmp_path, *args):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "--url", stack.urls[0], "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "streamq.cli", "bench", "--url", stack.urls[0], "--quiet",
                            "--model", stack.model_name, "--json", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -41,7 +41,7 @@ def test_bench_poisson_rate_and_seed_stream(stack, tmp_path):
 
 
 def test_bench_reports_errors_by_kind(stack, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "--url", stack.urls[0], "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "streamq.cli", "bench", "--url", stack.urls[0], "--quiet",
                            "--endpoint", "openai-chat", "--model", "no-such-model", "--num-prompts", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "http 404" in proc.stdout

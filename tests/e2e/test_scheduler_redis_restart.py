@@ -42,7 +42,7 @@ async def test_the_scheduler_survives_a_redis_restart(tmp_path: Path):
            "STREAMQ_RECLAIM_INTERVAL_S": "1"}
     log_path = tmp_path / "scheduler.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "scheduler"], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "streamq.cli", "scheduler"], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     redis = Redis.from_url(url, decode_responses=True)
     store = RequestStore(redis, prefix)

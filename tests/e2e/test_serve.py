@@ -41,7 +41,7 @@ def _serve(model, cache: Path, watch: dict[str, threading.Event]):
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
     env.update(STREAMQ_MODEL=str(model), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(cache))
     # Its own process group, as a shell gives a foreground job: a Ctrl-C signals the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "streamq.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
 

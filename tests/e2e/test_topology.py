@@ -64,7 +64,7 @@ def _start(model: Path, redis_url: str, folder: Path) -> tuple[subprocess.Popen,
                STREAMQ_DTYPE="float32", STREAMQ_DEVICE="cpu", STREAMQ_MODEL_CACHE_DIR=str(folder / "cache"),
                # One request per worker at a time: while one worker runs a request, the other takes the next.
                STREAMQ_BATCH_SIZE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "streamq.cli", "serve", "--port", str(port),
                              "--api-replicas", "2", "--workers", "2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -114,7 +114,7 @@ async def test_two_replicas_and_two_workers_behind_nginx(redis_url, tiny_llama, 
         assert ready.wait(180) and "Press Ctrl-C to stop" in "".join(lines), "".join(lines)
         replicas = re.search(r"2 api replicas behind nginx: (\S+) (\S+);", "".join(lines)).groups()
         processes = _descendants(proc.pid)
-        commands = sorted(cmd.split(b" -m shared.cli ")[-1].strip() if b"shared.cli" in cmd else cmd.split()[0]
+        commands = sorted(cmd.split(b" -m streamq.cli ")[-1].strip() if b"streamq.cli" in cmd else cmd.split()[0]
                           for pid, cmd in processes.items())
         assert commands.count(b"api") == 2 and commands.count(b"worker") == 2, commands
         assert commands.count(b"scheduler") == 1 and any(b"nginx" in c for c in commands), commands

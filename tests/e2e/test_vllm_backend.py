@@ -111,7 +111,7 @@ def test_a_killed_vllm_worker_is_continued_by_the_next_one(stack):
 def test_choosing_vllm_where_it_is_not_installed_fails_at_start_with_how_to_fix_it(redis_url, tmp_path):
     env = {"REDIS_URL": redis_url, "STREAMQ_BACKEND": "vllm", "STREAMQ_PREFIX": "novllm",
            "STREAMQ_METRICS_PORT": "-1"}
-    proc = subprocess.run([sys.executable, "-m", "shared.cli", "worker"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "streamq.cli", "worker"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, **env})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "make vllm-env" in proc.stderr

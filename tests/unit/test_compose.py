@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared import serve as serve_module
-from shared.cli import main as cli_main
-from shared.serve import find_nginx, nginx_config
+from streamq import serve as serve_module
+from streamq.cli import main as cli_main
+from streamq.serve import find_nginx, nginx_config
 from shared.settings import ApiSettings, SchedulerSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -49,18 +49,18 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--concurrent", type=int, default=0, help="unfinished requests at once")
     limits.add_argument("--weight", type=float, default=1.0,
                         help="share of the workers' batches relative to other tenants (fair scheduling)")
-    from shared.bench import add_arguments  # noqa: PLC0415 - light: httpx only
+    from streamq.bench import add_arguments  # noqa: PLC0415 - light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
     _log(args.log_level)
 
     if args.command == "serve":
-        from shared.serve import serve as run_serve  # noqa: PLC0415
+        from streamq.serve import serve as run_serve  # noqa: PLC0415
         sys.exit(run_serve(args.host, args.port, args.api_replicas, args.workers))
     if args.command == "keys":
         sys.exit(_keys(args))
     if args.command == "bench":
-        from shared.bench import main as bench_main  # noqa: PLC0415
+        from streamq.bench import main as bench_main  # noqa: PLC0415
         sys.exit(bench_main(args))
     if args.command == "api":
         from api.main import main as api_main  # noqa: PLC0415

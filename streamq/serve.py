@@ -109,8 +109,8 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
             env["REDIS_URL"] = redis.start()
             log.info("started a private redis-server at %s", env["REDIS_URL"])
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
-        subprocess.run([sys.executable, "-m", "shared.cli", "prepare-model"], env=env, check=True)
-        cli = [sys.executable, "-m", "shared.cli"]
+        subprocess.run([sys.executable, "-m", "streamq.cli", "prepare-model"], env=env, check=True)
+        cli = [sys.executable, "-m", "streamq.cli"]
         children = [Child("worker" if workers == 1 else f"worker{i}", cli + ["worker"], env) for i in range(workers)]
         children.append(Child("scheduler", cli + ["scheduler"], env))
         url = f"http://{_loopback_if_any(host)}:{port}"

@@ -1,0 +1,37 @@
+"""The tree reads as the README says: shared/ is what api/, worker/ and scheduler/ have in
+common and imports none of them (nor the streamq command), and every module is in the README's
+layout."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["api", "worker", "scheduler", "shared", "streamq"]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_shared_imports_none_of_the_services_nor_the_command():
+    for path in sorted((ROOT / "shared").glob("*.py")):
+        assert not _imports(path) & {"api", "worker", "scheduler", "streamq"}, path.name
+
+
+def test_the_readme_layout_names_every_module():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("\n## ")]
+    named = set(re.findall(r"[a-z_]+", layout))
+    for package in PACKAGES:
+        modules = [p for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"]
+        missing = sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named)
+        assert not missing, f"README's layout does not name {missing}"
