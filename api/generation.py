@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 
@@ -16,6 +16,10 @@ from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
 from shared.workers import live_workers
+
+if TYPE_CHECKING:  # they raise this module's ApiError
+    from api.backpressure import Backpressure
+    from api.limits import Limits
 
 
 log = logging.getLogger(__name__)
@@ -32,18 +36,21 @@ class ApiError(Exception):
 
 
 class Generation:
-    def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str,
-                 default_max_tokens: int, queue_timeout_s: float = 300.0):
+    def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str, *,
+                 default_max_tokens: int, queue_timeout_s: float = 300.0, max_tokens_cap: int = 1_000_000,
+                 backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False):
+        """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
+        when auth is on."""
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
-        self.max_tokens_cap = 1_000_000  # set by the app from its settings
-        self.backpressure = None  # set by the app: an api.backpressure.Backpressure
-        self.limits = None  # set by the app when auth is on: an api.limits.Limits
-        self.log_prompts = False  # set by the app from its settings
+        self.max_tokens_cap = max_tokens_cap
+        self.backpressure = backpressure
+        self.limits = limits
+        self.log_prompts = log_prompts
 
     async def live_backends(self) -> set[str]:
         """The backends of the live workers that serve this model."""

@@ -36,15 +36,13 @@ class Models:
 
     async def add(self, name: str, tokenizer: Tokenizer) -> Generation:
         """Serve `name` with this tokenizer (its limits and backpressure from the settings)."""
-        generation = Generation(self.store, self.relay, tokenizer, name, self.settings.default_max_tokens,
-                                self.settings.queue_timeout_s)
-        generation.max_tokens_cap, generation.log_prompts = self.settings.max_tokens_cap, self.settings.log_prompts
-        generation.limits = self.limits
-        backpressure = Backpressure(RequestQueue(self.store.redis, self.settings.prefix, name),
-                                    self.settings.max_queued_requests)
+        settings = self.settings
+        backpressure = Backpressure(RequestQueue(self.store.redis, settings.prefix, name), settings.max_queued_requests)
         await backpressure.start()
         self._backpressure.append(backpressure)
-        generation.backpressure = backpressure
+        generation = Generation(self.store, self.relay, tokenizer, name, default_max_tokens=settings.default_max_tokens,
+                                queue_timeout_s=settings.queue_timeout_s, max_tokens_cap=settings.max_tokens_cap,
+                                backpressure=backpressure, limits=self.limits, log_prompts=settings.log_prompts)
         self._loaded[name] = generation
         self.default = self.default or generation
         return generation

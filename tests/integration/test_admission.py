@@ -25,9 +25,8 @@ def _payload() -> RequestPayload:
 
 def _replica(redis: Redis, prefix: str) -> Generation:
     """What an api replica submits with: its Generation, with backpressure at LIMIT."""
-    generation = Generation(RequestStore(redis, prefix), None, None, "m", 4)
-    generation.backpressure = Backpressure(RequestQueue(redis, prefix, "m"), LIMIT)
-    return generation
+    backpressure = Backpressure(RequestQueue(redis, prefix, "m"), LIMIT)
+    return Generation(RequestStore(redis, prefix), None, None, "m", default_max_tokens=4, backpressure=backpressure)
 
 
 async def _submit(replica: Generation, n: int = 1, owner: str = "") -> bool:
