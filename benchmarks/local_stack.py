@@ -18,9 +18,11 @@ from streamq.serve import wait_ready  # noqa: E402
 
 @contextmanager
 def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
-                env_out: dict[str, str] | None = None, worker_python: str | None = None) -> Iterator[str]:
+                env_out: dict[str, str] | None = None, worker_python: str | None = None,
+                pids_out: dict[str, int] | None = None) -> Iterator[str]:
     """Yield the api's URL once it is ready; `settings` are STREAMQ_* variables for both processes.
-    `env_out`, when given, receives the processes' environment (REDIS_URL included);
+    `env_out`, when given, receives the processes' environment (REDIS_URL included), and
+    `pids_out` the process ids of the worker and the api;
     `worker_python` runs the worker with another Python (the vLLM virtualenv's)."""
     folder = Path(tempfile.mkdtemp(prefix=f"streamq-{name}-"))
     redis = RedisServer(folder / "redis")
@@ -34,6 +36,8 @@ def local_stack(name: str, settings: dict[str, str], timeout_s: float = 180,
     procs = [subprocess.Popen(worker_cli + ["worker"], env=env, cwd=ROOT),
              subprocess.Popen(cli + ["api"], env={**env, "STREAMQ_PORT": str(port)}, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    if pids_out is not None:
+        pids_out.update(worker=procs[0].pid, api=procs[1].pid)
     url = f"http://127.0.0.1:{port}"
     try:
         if not wait_ready(url, timeout_s):

@@ -7,7 +7,9 @@ gets a token per tick, at --rate tokens/s, and each token's text is the time it 
 and ONE api replica; then opens --streams native streaming requests at once from --clients
 client processes (a bare asyncio HTTP client, lighter than httpx) and measures, per event, the
 delay from the worker's emit to the client's read. Everything runs on this machine, so the
-client, Redis and the worker share the CPUs with the replica under test.
+client, Redis and the worker share the CPUs with the replica under test. The replica's own CPU
+time per relayed event (`api_cpu_us_per_event`, from /proc) compares two versions of the replica
+even at an offered load it keeps up with, where events/s is set by the load and the machine.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -65,6 +68,12 @@ def _client(port: int, streams: int, tokens: int, queue) -> None:
     queue.put((lat, times, firsts))
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=1000)
@@ -76,8 +85,10 @@ def main() -> None:
     settings = {"STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": str(args.rate),
                 "STREAMQ_BATCH_SIZE": str(min(1024, args.streams)),
                 "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(max(1024, args.streams))}
-    with local_stack("relay", settings, timeout_s=120) as url:
+    pids: dict[str, int] = {}
+    with local_stack("relay", settings, timeout_s=120, pids_out=pids) as url:
         port = int(url.rsplit(":", 1)[1])
+        api_cpu = _cpu_s(pids["api"])
         queue: mp.Queue = mp.Queue()
         per = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
         start = time.time()
@@ -93,6 +104,7 @@ def main() -> None:
         for c in clients:
             c.join()
         end = max(times)
+        api_cpu = _cpu_s(pids["api"]) - api_cpu
         # Steady state: events emitted once every stream had started (the ramp of opening
         # 1,000 streams at once is reported separately, in the totals).
         all_open = max(firsts)
@@ -110,6 +122,7 @@ def main() -> None:
                            "max": round(1000 * latencies[-1], 1),
                            "mean": round(1000 * statistics.fmean(latencies), 1)},
             "wall_s": round(end - start, 2),
+            "api_cpu_us_per_event": round(1e6 * api_cpu / max(1, len(latencies)), 1),
             "all_streams_open_after_s": round(all_open - start, 2),
             "steady": {"events": len(steady),
                        "events_per_s": round(len(steady) / max(1e-9, steady_end - all_open), 1),

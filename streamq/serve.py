@@ -2,8 +2,8 @@
 
 Starts a private redis-server unless REDIS_URL is set, converts the model if needed, then the
 workers (one by default), the scheduler and the api replicas (one by default). With several
-replicas, nginx listens on the public address in front of them, configured from
-deploy/nginx.conf (the load balancer of docker-compose.yml), so one machine runs the compose
+replicas, nginx listens on the public address in front of them, configured from the template
+of docker-compose.yml's load balancer (shared/nginx.py), so one machine runs the compose
 topology without Docker. A child that dies is restarted with backoff. Ctrl-C (or SIGTERM) stops
 every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -24,13 +23,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.model_paths import served_name
 from shared.children import die_with_parent, terminate
+from shared.model_paths import served_name
+from shared.nginx import serve_config
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings
 
 log = logging.getLogger("streamq.serve")
-NGINX_TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx.conf"
 NGINX_HINT = ("--api-replicas above 1 runs nginx in front of the replicas, and nginx is not installed. Install it "
               "(Debian/Ubuntu: `sudo apt-get install nginx-light`; `make test` does this when run as root), "
               "or run one replica.")
@@ -93,8 +92,8 @@ def wait_ready(url: str, timeout_s: float, children: list[Child] | tuple = ()) -
 
 def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
     nginx = find_nginx() if api_replicas > 1 else None
-    if api_replicas > 1 and (nginx is None or not NGINX_TEMPLATE.is_file()):
-        log.error(NGINX_HINT if nginx is None else f"{NGINX_TEMPLATE} is missing: run from a streamq checkout")
+    if api_replicas > 1 and nginx is None:
+        log.error(NGINX_HINT)
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -160,35 +159,6 @@ def find_nginx() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 
 
-def nginx_config(template: str, host: str, port: int, upstream_ports: list[int], folder: Path) -> str:
-    """deploy/nginx.conf made to run as an ordinary user in front of replicas on this machine.
-
-    It listens on host:port and proxies to 127.0.0.1:`upstream_ports` (a fixed upstream with
-    keep-alive, instead of compose's DNS lookup); it stays in the foreground with one worker
-    process, and keeps its pid and temporary files in `folder`. Everything else (buffering off,
-    timeouts, headers, body limit) is the template's, as compose runs it.
-    """
-    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if host == "::":
-        listen += " ipv6only=off"  # every address, IPv4 too, as the api itself binds `::`
-    servers = "".join(f"        server 127.0.0.1:{p};\n" for p in upstream_ports)
-    paths = "".join(f"    {kind}_temp_path {folder / kind};\n"
-                    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    text = _swap(template, r"^worker_processes .*;$", f"worker_processes 1;\ndaemon off;\npid {folder / 'nginx.pid'};")
-    text = _swap(text, r"^\s*resolver .*;\n", "")
-    text = _swap(text, r"^http \{\n",
-                 f"http {{\n{paths}    upstream streamq_api {{\n{servers}        keepalive 16;\n    }}\n")
-    text = _swap(text, r"^(\s*)listen \d+;", rf"\g<1>listen {listen};")
-    return _swap(text, r"^(\s*)set \$api_upstream \S+;", r"\g<1>set $api_upstream streamq_api;")
-
-
-def _swap(text: str, pattern: str, replacement: str) -> str:
-    new, count = re.subn(pattern, replacement, text, flags=re.MULTILINE)
-    if count != 1:  # the template changed shape: fail here rather than run a half-rewritten config
-        raise RuntimeError(f"{NGINX_TEMPLATE}: expected one line matching {pattern!r}, found {count}")
-    return new
-
-
 def _nginx_child(binary: str, host: str, port: int, upstream_ports: list[int], folder: Path,
                  env: dict[str, str]) -> Child:
     """nginx in front of the replicas; its config checked with `nginx -t` before anything relies on it."""
@@ -197,7 +167,7 @@ def _nginx_child(binary: str, host: str, port: int, upstream_ports: list[int], f
     folder.parent.chmod(0o711)
     folder.chmod(0o755)
     config = folder / "nginx.conf"
-    config.write_text(nginx_config(NGINX_TEMPLATE.read_text(), host, port, upstream_ports, folder))
+    config.write_text(serve_config(host, port, upstream_ports, folder))
     check = subprocess.run([binary, "-t", "-c", str(config)], capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(f"nginx rejects the generated {config}:\n{check.stderr.strip()}")

@@ -6,7 +6,6 @@ prefix cache), followed through the relay; a streaming client that disconnects c
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from api.deps import ModelsDep
 from api.generation import ApiError, Generation
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.sse import EventStreamResponse
+from api.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -107,10 +106,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _data(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-
-
 async def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
                  logprobs: int | None) -> list[RequestPayload]:
     try:
@@ -188,7 +183,7 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
     completion_tokens = 0
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
-            yield ": keepalive\n\n"
+            yield KEEPALIVE
             continue
         choice: dict[str, Any] | None = None
         if isinstance(event, TokenEvent):
@@ -201,11 +196,11 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
         elif isinstance(event, FinalEvent):
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": _stream_reason(event)}
         if choice is not None:
-            yield _data({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
+            yield json_frame({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
         prompt_tokens = len(payloads[0].prompt_token_ids)
-        yield _data({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-    yield "data: [DONE]\n\n"
+        yield json_frame({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+    yield DONE
 
 
 def _stream_reason(final: FinalEvent) -> str:
@@ -244,12 +239,12 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if usage_on else {}
     for i in range(len(payloads)):
-        yield _data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+        yield json_frame({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
-            yield ": keepalive\n\n"
+            yield KEEPALIVE
             continue
         if isinstance(event, TokenEvent):
             completion_tokens += 1
@@ -261,7 +256,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
             choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": _stream_reason(event)}
         else:
             continue
-        yield _data({**base, "choices": [choice], **extra})
+        yield json_frame({**base, "choices": [choice], **extra})
     if usage_on:
-        yield _data({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
-    yield "data: [DONE]\n\n"
+        yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
+    yield DONE

@@ -21,7 +21,7 @@ from api.hub import TICK
 from api.json_body import StrictJSONRoute
 from api.relay import Event, Relay
 from api.schemas import SubmitRequest
-from api.sse import EventStreamResponse, sse_event
+from api.sse import KEEPALIVE, EventStreamResponse, frame, json_frame
 from shared import redis_keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.store import RequestStore
@@ -133,16 +133,16 @@ async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: Settings
 
 def _format(event: Event | None) -> str:
     if event is None:
-        return ": keepalive\n\n"
+        return KEEPALIVE
     if isinstance(event, TokenEvent):
         if event.logprob is None:  # the hot path: one per token per stream, so no model_dump
-            return (f'id: {event.index}\nevent: token\ndata: {{"index": {event.index}, '
-                    f'"token_id": {event.token_id}, "text": {json.dumps(event.text, ensure_ascii=False)}}}\n\n')
-        return sse_event(event.model_dump(exclude={"type"}, exclude_none=True), event="token", event_id=event.index)
+            data = (f'{{"index": {event.index}, "token_id": {event.token_id}, '
+                    f'"text": {json.dumps(event.text, ensure_ascii=False)}}}')
+            return frame(data, "token", event.index)
+        return json_frame(event.model_dump(exclude={"type"}, exclude_none=True), "token", event.index)
     if isinstance(event, StatusEvent):
-        return sse_event(event.model_dump(mode="json", exclude={"type"}), event="status")
-    body = event.model_dump(mode="json", exclude={"type"})
-    return sse_event(body, event="final")
+        return json_frame(event.model_dump(mode="json", exclude={"type"}), "status")
+    return json_frame(event.model_dump(mode="json", exclude={"type"}), "final")
 
 
 async def _sse(relay: Relay, request_id: str, after: int):

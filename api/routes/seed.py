@@ -20,7 +20,7 @@ from api.auth import TenantDep
 from api.deps import GenerationDep
 from api.generation import ApiError, Generation
 from api.json_body import StrictJSONRoute
-from api.sse import EventStreamResponse
+from api.sse import KEEPALIVE, EventStreamResponse, frame
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import MAX_SEED, MAX_TOKEN_ID, SamplingParams, seed_for
 
@@ -100,9 +100,9 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep, tena
     async def events():
         async for _, event in generation.follow([payload.id]):
             if event is None:
-                yield ": keepalive\n\n"
+                yield KEEPALIVE
             elif isinstance(event, TokenEvent) and event.text:
-                yield f'data: {{"token": {_json(event.text)}, "sequence_id": "{payload.id}"}}\n\n'
+                yield frame(f'{{"token": {_json(event.text)}, "sequence_id": "{payload.id}"}}')
 
     return EventStreamResponse(events(), on_disconnect=lambda: generation.cancel([payload]))
 

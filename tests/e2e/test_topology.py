@@ -1,7 +1,7 @@
 """`streamq serve --api-replicas 2 --workers 2`: docker-compose.yml's topology without Docker.
 
-Everything goes through the nginx that serve puts in front of the replicas (rendered from
-deploy/nginx.conf, as compose's lb runs it): readiness, requests spread over both replicas and
+Everything goes through the nginx that serve puts in front of the replicas (rendered from the
+template of deploy/nginx.conf, which compose's lb runs): readiness, requests spread over both replicas and
 both workers, an SSE stream and its resumption, the body limit; then SIGTERM leaves nothing running.
 """
 from __future__ import annotations
