@@ -13,6 +13,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.redis_client import arq_settings, connect
 
 from api.auth import TenantDep, auth_enabled
+from api.deps import Replica
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.served_models import Models
@@ -35,28 +36,24 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         hub = PubSubHub(redis, redis_keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
         await hub.start()
         store = RequestStore(redis, settings.prefix)
-        app.state.settings = settings
-        app.state.tokenizer = tokenizer or Tokenizer(model_dir(settings))
-        app.state.model_name = served_name(settings)
-        app.state.store = store
-        app.state.hub = hub
-        app.state.relay = Relay(store, hub)
-        app.state.arq = await create_pool(arq_settings(settings.redis_url))
-        app.state.keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
-        limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if app.state.keys is not None else None
-        app.state.models = Models(store, app.state.relay, settings, limits)
-        app.state.generation = await app.state.models.add(app.state.model_name, app.state.tokenizer)
+        relay = Relay(store, hub)
+        arq = await create_pool(arq_settings(settings.redis_url))
+        keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
+        limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if keys is not None else None
+        models = Models(store, relay, settings, limits)
+        name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
+        generation = await models.add(name, own_tokenizer)
+        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation)
         try:
             yield
         finally:
-            await app.state.arq.aclose()
-            await app.state.models.close()
+            await arq.aclose()
+            await models.close()
             await hub.close()
             await redis.aclose()
 
     app = FastAPI(title="streamq", version="0.1.0", lifespan=lifespan)
     metrics = ApiMetrics()
-    app.state.metrics = metrics
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)

@@ -10,8 +10,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from api.deps import ReplicaDep
 from api.generation import ApiError
-from shared.api_keys import KeyStore
 
 
 def auth_enabled(mode: str, host: str) -> bool:
@@ -25,8 +25,8 @@ def auth_enabled(mode: str, host: str) -> bool:
         return True
 
 
-async def tenant(request: Request) -> str:
-    store: KeyStore | None = request.app.state.keys
+async def tenant(request: Request, replica: ReplicaDep) -> str:
+    store = replica.keys
     if store is None:
         return ""
     header = request.headers.get("authorization", "")

@@ -12,12 +12,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from api.auth import TenantDep
-from api.deps import GenerationDep, StoreDep
+from api.deps import ArqDep, GenerationDep, StoreDep
 from api.generation import ApiError
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -65,7 +65,7 @@ async def _plan(endpoint: str, item: BatchItem, generation) -> list:
 
 
 @router.post("/v1/batches")
-async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, request: Request,
+async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, arq: ArqDep,
                        tenant: TenantDep):
     """Check every request now (a bad one fails the call with 400), then hand the batch to the scheduler."""
     if len({i.custom_id for i in body.requests}) != len(body.requests):
@@ -85,8 +85,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
             "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
         pipe.rpush(redis_keys.batch_items(store.prefix, batch_id), *items)
         await pipe.execute()
-    await request.app.state.arq.enqueue_job("run_batch", batch_id, _job_id=batch_id,
-                                            _queue_name=redis_keys.arq_queue(store.prefix))
+    await arq.enqueue_job("run_batch", batch_id, _job_id=batch_id, _queue_name=redis_keys.arq_queue(store.prefix))
     return await _batch_object(store, batch_id, tenant)
 
 
