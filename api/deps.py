@@ -39,48 +39,19 @@ def replica(request: Request) -> Replica:
 ReplicaDep = Annotated[Replica, Depends(replica)]
 
 
-def _settings(r: ReplicaDep) -> ApiSettings:
-    return r.settings
+def _part(name: str):
+    """A dependency on one of the replica's objects."""
+    def part(r: ReplicaDep):
+        return getattr(r, name)
+    return Depends(part)
 
 
-def _store(r: ReplicaDep) -> RequestStore:
-    return r.store
-
-
-def _hub(r: ReplicaDep) -> PubSubHub:
-    return r.hub
-
-
-def _relay(r: ReplicaDep) -> Relay:
-    return r.relay
-
-
-def _arq(r: ReplicaDep) -> ArqRedis:
-    return r.arq
-
-
-def _tokenizer(r: ReplicaDep) -> Tokenizer:
-    return r.tokenizer
-
-
-def _generation(r: ReplicaDep) -> Generation:
-    return r.generation
-
-
-def _models(r: ReplicaDep) -> Models:
-    return r.models
-
-
-def _model_name(r: ReplicaDep) -> str:
-    return r.model_name
-
-
-SettingsDep = Annotated[ApiSettings, Depends(_settings)]
-StoreDep = Annotated[RequestStore, Depends(_store)]
-HubDep = Annotated[PubSubHub, Depends(_hub)]
-RelayDep = Annotated[Relay, Depends(_relay)]
-ArqDep = Annotated[ArqRedis, Depends(_arq)]
-TokenizerDep = Annotated[Tokenizer, Depends(_tokenizer)]
-ModelNameDep = Annotated[str, Depends(_model_name)]
-GenerationDep = Annotated[Generation, Depends(_generation)]
-ModelsDep = Annotated[Models, Depends(_models)]
+SettingsDep = Annotated[ApiSettings, _part("settings")]
+StoreDep = Annotated[RequestStore, _part("store")]
+HubDep = Annotated[PubSubHub, _part("hub")]
+RelayDep = Annotated[Relay, _part("relay")]
+ArqDep = Annotated[ArqRedis, _part("arq")]
+TokenizerDep = Annotated[Tokenizer, _part("tokenizer")]
+ModelNameDep = Annotated[str, _part("model_name")]
+GenerationDep = Annotated[Generation, _part("generation")]
+ModelsDep = Annotated[Models, _part("models")]
