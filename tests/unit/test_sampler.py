@@ -178,7 +178,7 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does(dtype):
     logits[0, [7, 9, 30]] = 2.0
     logits[1, [0, 49]] = 1.0
     logits[2, 5], logits[2, 6] = 3.0, 3.0
-    seqs = [seq() for _ in range(3)]
+    seqs = [seq(temperature=0) for _ in range(3)]
     picked = verify(logits, seqs, [[] for _ in seqs], [None] * 3, [None] * 3)
     assert [tokens for tokens, _ in picked] == [[7], [0], [5]]
     assert [t[0] for t, _ in picked] == logits.float().argmax(dim=-1).tolist()
