@@ -9,7 +9,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Generic, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -73,6 +73,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, protected_namespaces=())
 
 
+S = TypeVar("S", bound=_Section)
+
+
 class BatchingSettings(_Section):
     batch_size: int  # most requests in one step (max_num_seqs)
     max_num_batched_tokens: int  # the step's token budget
@@ -111,9 +114,16 @@ class VllmSettings(_Section):
     vllm_speculative_config: dict | None
 
 
-def _section(settings: BaseSettings, section: type[_Section]):
-    """The fields of one section of the settings, as their own object."""
-    return section(**{name: getattr(settings, name) for name in section.model_fields})
+class _SectionOf(Generic[S]):
+    """`settings.cache` and the like: the fields of one section of the settings, as their own object."""
+
+    def __init__(self, section: type[S]):
+        self.section = section
+
+    def __get__(self, settings: BaseSettings | None, owner: type) -> S:
+        if settings is None:
+            raise AttributeError(f"a section of the settings ({self.section.__name__}) needs an instance")
+        return self.section(**{name: getattr(settings, name) for name in self.section.model_fields})
 
 
 class WorkerSettings(CommonSettings):
@@ -186,25 +196,11 @@ class WorkerSettings(CommonSettings):
         None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4}.')
 
-    @property
-    def batching(self) -> BatchingSettings:
-        return _section(self, BatchingSettings)
-
-    @property
-    def cache(self) -> CacheSettings:
-        return _section(self, CacheSettings)
-
-    @property
-    def step(self) -> StepSettings:
-        return _section(self, StepSettings)
-
-    @property
-    def speculative(self) -> SpeculativeSettings:
-        return _section(self, SpeculativeSettings)
-
-    @property
-    def vllm(self) -> VllmSettings:
-        return _section(self, VllmSettings)
+    batching: ClassVar[_SectionOf[BatchingSettings]] = _SectionOf(BatchingSettings)
+    cache: ClassVar[_SectionOf[CacheSettings]] = _SectionOf(CacheSettings)
+    step: ClassVar[_SectionOf[StepSettings]] = _SectionOf(StepSettings)
+    speculative: ClassVar[_SectionOf[SpeculativeSettings]] = _SectionOf(SpeculativeSettings)
+    vllm: ClassVar[_SectionOf[VllmSettings]] = _SectionOf(VllmSettings)
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":
