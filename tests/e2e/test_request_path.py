@@ -246,6 +246,15 @@ def test_the_worker_runs_on_intel_openmp_where_it_is_installed(stack):
         assert str(intel_openmp()) in maps, "the worker did not restart with Intel's OpenMP preloaded"
 
 
+def test_the_worker_asks_malloc_for_huge_pages(stack):
+    from worker.openmp import HUGE_PAGES
+
+    proc = dict(stack.processes)["worker0"]
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    want = stack.env.get("GLIBC_TUNABLES", HUGE_PAGES)  # one given is kept
+    assert f"GLIBC_TUNABLES={want}".encode() in environ, "the worker did not restart with huge pages"
+
+
 def test_the_worker_steps_with_the_compiled_cpu_kernels(stack):
     proc = dict(stack.processes)["worker0"]
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
