@@ -56,10 +56,9 @@ class DecodeGraphs:
         self.spans = block_buckets(self.max_blocks)
         dev, long = runner.device, dict(dtype=torch.long)
         rows = self.batches[-1]
-        self.ids = torch.zeros(rows, **long, device=dev)
-        self.positions = torch.zeros(rows, **long, device=dev)
-        self.slots = torch.zeros(rows, **long, device=dev)
-        self.context = torch.zeros(rows, **long, device=dev)
+        # Token id, position, cache slot and context length of each row, filled by one copy a step.
+        self.inputs = torch.zeros((4, rows), **long, device=dev)
+        self.ids, self.positions, self.slots, self.context = self.inputs
         self.tables = torch.zeros((rows, self.max_blocks), **long, device=dev)
         self.rows = torch.arange(rows, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -99,9 +98,7 @@ class DecodeGraphs:
         context = [c.start + 1 for c in chunks] + [1] * pad
         tables = [c.block_table[:span] + [self.scratch] * (span - min(span, len(c.block_table))) for c in chunks]
         tables += [[self.scratch] * span] * pad
-        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.slots, slots),
-                               (self.context, context)):
-            buffer[:batch].copy_(torch.tensor(values, dtype=torch.long))
+        self.inputs[:, :batch].copy_(torch.tensor([ids, positions, slots, context], dtype=torch.long))
         self.tables[:batch, :span].copy_(torch.tensor(tables, dtype=torch.long))
 
     def _step(self, batch: int, span: int) -> torch.Tensor:

@@ -64,8 +64,7 @@ class DraftProposer:
             except NoFreeBlocks:
                 continue  # the draft cache is full: this request decodes plainly this step
             if seq.id not in self._sampling:
-                self._sampling[seq.id] = SamplingRow(seq.payload.params, self._generator(seq), seq.token_ids,
-                                                     seq.output_ids)
+                self._sampling[seq.id] = SamplingRow.of(seq, self._generator(seq))
             drafts.append(_Draft(seq, k, list(seq.token_ids)))
         q_rows: dict[str, list[torch.Tensor]] = {d.seq.id: [] for d in drafts}
         for i in range(max((d.k for d in drafts), default=0)):

@@ -22,7 +22,7 @@ from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
 from worker.cancels import CancelInbox
 from worker.model_runner import PagedRunner
-from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
+from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import SpecStats, Speculator
 
@@ -98,9 +98,7 @@ class Engine:
     def fail_all(self, error: str) -> list[StepOutput]:
         """End every admitted request with an error (the step itself failed; no step runs now)."""
         outputs = []
-        with self._arrivals_lock:
-            arrivals, self._arrivals = self._arrivals, []
-        for seq in list(self.batcher.running) + list(self.batcher.waiting) + arrivals:
+        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._take_arrivals():
             seq.finish(FinishReason.ERROR, error)
             self._remove(seq)
             outputs.append(StepOutput(seq, None, True))
@@ -111,20 +109,23 @@ class Engine:
     def _admit(self) -> list[StepOutput]:
         """Requests added since the last step join the batcher's queue; one that can never fit
         the cache ends here with an error."""
-        with self._arrivals_lock:
-            arrivals, self._arrivals = self._arrivals, []
         refused = []
         most = self.batcher.max_tokens_per_request()
-        for seq in arrivals:
+        for seq in self._take_arrivals():
             need = len(seq.prompt_ids) + (seq.payload.params.max_tokens or 0)
             if need > most:
                 seq.finish(FinishReason.ERROR, f"the request needs {need} tokens of KV cache; "
                                                f"this worker's cache holds {most}")
                 refused.append(StepOutput(seq, None, True))
             else:
-                self._sampling[seq.id] = SamplingRow.of(seq, self.runner.device)
+                self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device))
                 self.batcher.add(seq)
         return refused
+
+    def _take_arrivals(self) -> list[Sequence]:
+        with self._arrivals_lock:
+            arrivals, self._arrivals = self._arrivals, []
+        return arrivals
 
     def _end_cancelled(self) -> list[StepOutput]:
         cancelled = self.cancels.take()

@@ -31,8 +31,8 @@ class SamplingRow:
     output_ids: list[int]
 
     @classmethod
-    def of(cls, seq: Sequence, device: torch.device) -> "SamplingRow":
-        return cls(seq.payload.params, make_generator(seq.payload.params, device), seq.token_ids, seq.output_ids)
+    def of(cls, seq: Sequence, generator: torch.Generator | None) -> "SamplingRow":
+        return cls(seq.payload.params, generator, seq.token_ids, seq.output_ids)
 
 
 @dataclass
@@ -143,7 +143,6 @@ def accept_greedy(proposed: Tokens[int], choices: Tokens[int]) -> list[int]:
         out.append(token)
     out.append(choices[len(out)])
     return out
-
 
 
 def fail_sampling(seq: Sequence, exc: Exception) -> None:

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
-from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, sample_each
+from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.backend import Counts
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
@@ -97,7 +97,7 @@ class StaticEngine:
         while self.waiting and len(self.rows) < self.batch_size:
             seq = self.waiting.popleft()
             seq.scheduled_at = now()
-            self._sampling[seq.id] = SamplingRow.of(seq, self.runner.device)
+            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device))
             self.rows.append(seq)
         return True
 

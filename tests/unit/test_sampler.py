@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 
 def verify(logits, seqs, drafts, generators, draft_probs):
     """sample_verify over a batch of these requests, with these random streams and proposals."""
-    rows = [SamplingRow(s.payload.params, g, s.token_ids, s.output_ids) for s, g in zip(seqs, generators)]
+    rows = [SamplingRow.of(s, g) for s, g in zip(seqs, generators)]
     return sample_verify(logits, SamplingBatch(rows, drafts, draft_probs))
 
 def sample_batch(logits, seqs, generators):
