@@ -152,8 +152,8 @@ async def _requeue(redis: Redis, script, prefix: str, stream: str, entry_id: str
                         error=f"the request took down its worker {int(record.get('attempts', 0)) + 1} times")
     cancelled = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, usage=usage)
     return await script(
-        keys=[redis_keys.request_record(prefix, rid), redis_keys.token_log(prefix, rid), redis_keys.request_channel(prefix, rid),
-              stream, redis_keys.dead_letter_stream(prefix)],
+        keys=[redis_keys.request_record(prefix, rid), redis_keys.token_log(prefix, rid),
+              redis_keys.request_channel(prefix, rid), stream, redis_keys.dead_letter_stream(prefix)],
         args=[entry_id, payload.model_dump_json(), rid, max_attempts, encode_event(failed), encode_event(cancelled),
               now(), redis_keys.RESULT_TTL_S, redis_keys.WORKER_GROUP])
 

@@ -103,7 +103,8 @@ def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list
     return [(tokens, [next(logprobs) for _ in tokens]) for tokens in emitted]
 
 
-def sample_each(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]] | Exception]:
+def sample_each(logits: torch.Tensor,
+                batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]] | Exception]:
     """sample_verify, but a request whose sampling raises gets its exception instead of tokens,
     and every other request exactly the tokens it would have had without it.
 
