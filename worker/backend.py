@@ -9,6 +9,8 @@ The built-in engines step synchronously (a model forward), so they run in a thre
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,12 +68,26 @@ class Backend(Protocol):
 
 class Threaded:
     """A built-in engine (Engine, StaticEngine, NullEngine) as a Backend: its blocking step runs
-    in a thread, so intake, cancels and heartbeats keep going while the model computes."""
+    in a thread, so intake, cancels and heartbeats keep going while the model computes.
 
-    def __init__(self, engine: Any, name: str):
+    Always the same thread, the model's own. An OpenMP runtime gives every thread that opens a
+    parallel region its own team of workers, and a team's workers spin a while after each region
+    (KMP_BLOCKTIME, 200 ms in Intel's runtime). Steps handed to asyncio's shared executor landed
+    on whichever of its threads was idle, so two teams took turns, each spinning on the cores the
+    other computed on: on 2 cores the worker ran 4 busy threads, and W through the whole stack
+    went at 0.8 of the same engine in-process (bf16; benchmarks/backends.py)."""
+
+    def __init__(self, engine: Any, name: str, thread: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.name = name
         self.batch_size = engine.batch_size
+        self._thread = thread or model_thread()
+
+    @classmethod
+    async def build(cls, make: Callable[[], Any], name: str) -> "Threaded":
+        """The engine `make` returns, made in the thread that will step it."""
+        thread = model_thread()
+        return cls(await asyncio.get_running_loop().run_in_executor(thread, make), name, thread)
 
     @property
     def last_step_size(self) -> int:
@@ -99,7 +115,7 @@ class Threaded:
         return self.engine.has_work()
 
     async def step(self) -> list[StepOutput]:
-        return await asyncio.to_thread(self.engine.step)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.step)
 
     def fail_all(self, error: str) -> list[StepOutput]:
         return self.engine.fail_all(error)
@@ -109,3 +125,10 @@ class Threaded:
 
     def counts(self) -> Counts:
         return self.engine.counts()
+
+    async def close(self) -> None:
+        self._thread.shutdown(wait=False)
+
+
+def model_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamq-model")

@@ -116,7 +116,7 @@ async def build_backend(settings: WorkerSettings) -> Backend:
         VllmBackend.require_vllm()  # before any model work: say at once what is missing
         tokenizer = Tokenizer(await asyncio.to_thread(prepare_model, settings))
         return await VllmBackend.start(settings, str(weights_dir(settings)), tokenizer)
-    return Threaded(await asyncio.to_thread(build_engine, settings), settings.backend)
+    return await Threaded.build(lambda: build_engine(settings), settings.backend)
 
 
 async def serve(settings: WorkerSettings) -> None:
