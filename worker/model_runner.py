@@ -121,11 +121,15 @@ class PagedRunner:
 
     def _one_token_layers(self, dtype: torch.dtype):
         ops, layers = self.kernels, self.fused
+        weights = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
         if dtype == torch.bfloat16 and ops.small_linear_rows > 0:  # bf16 matmuls of one row (AVX512-BF16)
-            for w in [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]:
+            for w in weights:
                 w.small = ops.small_linear
+        if dtype == torch.float32 and ops.has_panel_linear:  # fp32 matmuls of a step's few rows (AVX-512)
+            for w in weights:
+                w.use_panels(ops.pack_panels, ops.panel_linear)
         def args(name: str) -> list[tuple]:
-            return [(p.w, p.packed, p.bias) for p in (getattr(w, name) for w in layers)]
+            return [(p.w, p.packed, p.panels, p.bias) for p in (getattr(w, name) for w in layers)]
         return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args("qkv"), args("o"), args("gate_up"),
                           args("down"), self.model.config.num_attention_heads, self.kv_heads, self.eps, self.scale)
 

@@ -118,6 +118,41 @@ def test_small_linear_is_the_matmul_of_a_few_rows(ops):
                                    atol=1e-2 * inner ** 0.5)
 
 
+def test_panel_linear_is_the_fp32_matmul_to_rounding_at_every_row_count(ops):
+    if not ops.has_panel_linear:
+        pytest.skip("this CPU has no AVX-512: fp32 projections use oneDNN's prepacked weights")
+    gen = torch.Generator().manual_seed(4)
+    # 37 and 70 rows of w: a partial last panel (of 32 columns); 1 to 40 rows of x: every block
+    # of up to 12 rows, whole and partial; 2048: a prefill chunk.
+    for n, inner in [(37, 64), (70, 80), (96, 576), (64, 1536)]:
+        w, b = _randn(n, inner, dtype=torch.float32, gen=gen), _randn(n, dtype=torch.float32, gen=gen)
+        panels = ops.pack_panels(w)
+        for rows in [*range(1, 41), 2048]:
+            x = _randn(rows, inner, dtype=torch.float32, gen=gen)
+            for bias in (b, None):
+                torch.testing.assert_close(ops.panel_linear(x, panels, n, bias), torch.nn.functional.linear(x, w, bias),
+                                           rtol=0, atol=2e-5 * inner ** 0.5, msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
+
+
+def test_panel_linear_refuses_panels_of_another_weight(ops):
+    if not ops.has_panel_linear:
+        pytest.skip("this CPU has no AVX-512")
+    panels = ops.pack_panels(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        ops.panel_linear(torch.randn(2, 64), panels, 70, None)  # 70 rows need 3 panels, not 2
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        ops.panel_linear(torch.randn(2, 32), panels, 40, None)
+
+
+def test_an_fp32_runner_computes_its_projections_on_panels_where_the_cpu_has_them(ops, tiny_llama):
+    runner = _engine(tiny_llama, fuse=True, kernels=True, dtype=torch.float32).runner
+    weights = [w for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [runner.lm_head]
+    if ops.has_panel_linear:
+        assert all(w.panels is not None and w.packed is None for w in weights)
+    else:
+        assert all(w.panels is None for w in weights)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_llama, dtype):
     """A one-token step runs every layer in one kernel call; its logits are the per-layer path's."""

@@ -6,6 +6,7 @@
 //   add_rms_norm   residual add and RMSNorm            (transformers' LlamaRMSNorm, op for op)
 //   rope_cache     rotary on q and k, k and v written to their cache slots
 //   paged_attention each query token over its sequence's cached keys, through the block table
+//   panel_linear   an fp32 projection over a weight packed in 32-column panels (AVX-512)
 //
 // Each follows the eager ops' roundings where it is cheap to (a bf16 result is rounded where the
 // eager op would round it), so fp32 and bf16 results stay close to the modules'; sums run in
@@ -20,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -375,6 +376,112 @@ at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 #endif
 }
 
+#if defined(__AVX512F__)
+// fp32 projections for the few rows of a decode step (1 to 64 tokens). A step streams every
+// weight from memory once, and at these row counts oneDNN's kernels reach 13-17 GB/s: they read
+// a stretch of weight, then compute on it, and do not overlap the two. Here the weight is packed
+// once into panels of 32 output columns, each [K, 32] contiguous; a block of up to 12 rows keeps
+// 12 x 2 accumulators in registers over the whole K, and while the second block of rows computes
+// on a panel (from L2 by then) the next panel is prefetched. Every output is one running fp32 sum
+// over k in order, fused multiply-adds.
+constexpr int64_t kPanel = 32;
+constexpr int kPanelRows = 12;
+
+template <int R>
+inline void panel_block(const float* x, int64_t k_total, const float* panel, const float* next, bool prefetch,
+                        const float* bias, __mmask16 lo, __mmask16 hi, float* out, int64_t n_total) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_total; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    if (prefetch) {  // the next panel's two lines for this k: all of it by the end of this block
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + 16), _MM_HINT_T1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k_total + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  const __m512 c0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+  const __m512 c1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out + r * n_total, lo, bias ? _mm512_add_ps(acc[r][0], c0) : acc[r][0]);
+    _mm512_mask_storeu_ps(out + r * n_total + 16, hi, bias ? _mm512_add_ps(acc[r][1], c1) : acc[r][1]);
+  }
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+#endif
+
+// w [N, K] fp32 -> panels [ceil(N / 32), K, 32], the columns past N zero.
+at::Tensor pack_panels(at::Tensor w) {
+#if defined(__AVX512F__)
+  check_rows(w, "w");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "pack_panels: float32 only");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
+        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + j] = src[(p * kPanel + j) * k + i];
+  });
+  return packed;
+#else
+  TORCH_CHECK(false, "pack_panels needs a CPU with AVX-512");
+#endif
+}
+
+// x [M, K] @ w.T (+ bias), w given as pack_panels(w) and its row count N; fp32.
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+#if defined(__AVX512F__)
+  x = x.contiguous();
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: float32 only");
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel &&
+              panels.size(0) == (n + kPanel - 1) / kPanel, "panel_linear: panels must be pack_panels(w) of w [n, K]");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat, "bad bias");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel;
+      const __mmask16 lo = first_lanes(n - n0), hi = first_lanes(n - n0 - 16);
+      const float* panel = pp + p * k * kPanel;
+      const float* next = p + 1 < end ? panel + k * kPanel : panel;
+      for (int64_t r0 = 0, block = 0; r0 < m; r0 += kPanelRows, ++block) {
+        // One block of rows reads the panel from memory; the second, computing from L2, prefetches
+        // the next (with one block only, that one does).
+        const bool prefetch = block == 1 || m <= kPanelRows;
+        const float* xr = xp + r0 * k;
+        const float* b = bp ? bp + n0 : nullptr;
+        float* o = op + r0 * n + n0;
+        switch (std::min<int64_t>(kPanelRows, m - r0)) {
+#define STREAMQ_PANEL_ROWS(R) \
+  case R: panel_block<R>(xr, k, panel, next, prefetch, b, lo, hi, o, n); break;
+          STREAMQ_PANEL_ROWS(1) STREAMQ_PANEL_ROWS(2) STREAMQ_PANEL_ROWS(3) STREAMQ_PANEL_ROWS(4)
+          STREAMQ_PANEL_ROWS(5) STREAMQ_PANEL_ROWS(6) STREAMQ_PANEL_ROWS(7) STREAMQ_PANEL_ROWS(8)
+          STREAMQ_PANEL_ROWS(9) STREAMQ_PANEL_ROWS(10) STREAMQ_PANEL_ROWS(11) STREAMQ_PANEL_ROWS(12)
+#undef STREAMQ_PANEL_ROWS
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "panel_linear needs a CPU with AVX-512");
+#endif
+}
+
 // oneDNN's matmul over a prepacked weight, the op worker/fused_layers.py's Weight calls.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -384,23 +491,27 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 }
 
 // One projection, chosen as Weight.__call__ chooses: small_linear for one bf16 row where the CPU
-// has it, else the prepacked weight where there is one, else the plain matmul (F.linear's op).
+// has it, else the fp32 panels where there are some, else the prepacked weight where there is
+// one, else the plain matmul (F.linear's op).
 struct Projection {
   at::Tensor w;
-  c10::optional<at::Tensor> packed, bias;
+  c10::optional<at::Tensor> packed, panels, bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
 #if defined(__AVX512BF16__)
     if (x.scalar_type() == at::kBFloat16 && x.size(0) == 1) return small_linear(x, w, bias);
 #endif
+    if (panels) return panel_linear(x, *panels, w.size(0), bias);
     return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
   }
 };
 
 // A llama-family model's layers for a step of one token (one stream decoding): the same kernels
 // and matmuls as the per-layer calls from Python, in one call, so the step pays no per-op Python
-// overhead. Each projection is given as (weight, prepacked weight or None, bias or None).
-using ProjectionArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+// overhead. Each projection is given as (weight, prepacked weight or None, fp32 panels or None,
+// bias or None).
+using ProjectionArgs =
+    std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
 
 struct Layers {
   std::vector<at::Tensor> ln1, ln2;
@@ -410,7 +521,7 @@ struct Layers {
 
   static std::vector<Projection> projections(const std::vector<ProjectionArgs>& args) {
     std::vector<Projection> out;
-    for (const auto& [w, packed, bias] : args) out.push_back(Projection{w, packed, bias});
+    for (const auto& [w, packed, panels, bias] : args) out.push_back(Projection{w, packed, panels, bias});
     return out;
   }
 
@@ -449,11 +560,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
   m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
   m.def("small_linear", &small_linear, "bf16 x @ w.T (+ bias) for 1 to 4 rows of x");
+  m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] in 32-column panels, for panel_linear");
+  m.def("panel_linear", &panel_linear, "fp32 x @ w.T (+ bias), w as pack_panels(w) and its row count");
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, const std::vector<ProjectionArgs>&,
                           const std::vector<ProjectionArgs>&, const std::vector<ProjectionArgs>&,
                           const std::vector<ProjectionArgs>&, int64_t, int64_t, double, double>())
       .def("run", &Layers::run, "the layers of a one-token step");
+#if defined(__AVX512F__)
+  m.attr("has_panel_linear") = true;
+#else
+  m.attr("has_panel_linear") = false;
+#endif
 #if defined(__AVX512BF16__)
   m.attr("small_linear_rows") = kSmallRows;
 #else
