@@ -28,9 +28,8 @@ class Weight:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device):
         self.w, self.bias = w, bias
         self.packed = _pack(w) if device.type == "cpu" else None
-        # Set by the runner where the step kernels have them: small_linear for a bf16 step of one
-        # token, and for fp32 the weight in panel_linear's panels (which then replace `packed`).
-        self.small = None
+        # Set by the runner where the step kernels have panel_linear for this dtype: the weight in
+        # its panels, which then replace `packed`.
         self.panels: torch.Tensor | None = None
         self.panel_linear = None
 
@@ -38,8 +37,6 @@ class Weight:
         self.panels, self.panel_linear, self.packed = pack(self.w), linear, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] == 1:
-            return self.small(x, self.w, self.bias)
         if self.panels is not None:
             return self.panel_linear(x, self.panels, self.w.shape[0], self.bias)
         if self.packed is not None:

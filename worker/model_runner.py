@@ -114,20 +114,23 @@ class PagedRunner:
         self.kernels = kernels if usable else None
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None:
-            self.one_token = self._one_token_layers(dtype)
+            self._use_panels(dtype)
+            self.one_token = self._one_token_layers()
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
 
-    def _one_token_layers(self, dtype: torch.dtype):
-        ops, layers = self.kernels, self.fused
-        weights = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
-        if dtype == torch.bfloat16 and ops.small_linear_rows > 0:  # bf16 matmuls of one row (AVX512-BF16)
-            for w in weights:
-                w.small = ops.small_linear
-        if dtype == torch.float32 and ops.has_panel_linear:  # fp32 matmuls of a step's few rows (AVX-512)
-            for w in weights:
+    def _use_panels(self, dtype: torch.dtype) -> None:
+        """Every projection and the LM head on the kernels' panel_linear, where this CPU has it for
+        the dtype (AVX-512; bf16 also AVX512-BF16): 1.2-1.9x oneDNN's prepacked matmul per step
+        at 1 to 64 rows, on par at prefill sizes (docs/engine.md)."""
+        ops = self.kernels
+        if str(dtype).removeprefix("torch.") in ops.panel_dtypes:
+            for w in [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]:
                 w.use_panels(ops.pack_panels, ops.panel_linear)
+
+    def _one_token_layers(self):
+        ops, layers = self.kernels, self.fused
         def args(name: str) -> list[tuple]:
             return [(p.w, p.packed, p.panels, p.bias) for p in (getattr(w, name) for w in layers)]
         return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args("qkv"), args("o"), args("gate_up"),

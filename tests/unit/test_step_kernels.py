@@ -105,37 +105,31 @@ def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypa
     assert engine.runner.kernels is None and run(engine, prompts(2))[0].output_ids
 
 
-def test_small_linear_is_the_matmul_of_a_few_rows(ops):
-    if ops.small_linear_rows == 0:
-        pytest.skip("this CPU has no AVX512-BF16: bf16 one-row matmuls use torch's")
-    gen = torch.Generator().manual_seed(3)
-    for rows, inner in [(1, 64), (3, 80), (4, 576), (2, 1000)]:  # 80 and 1000: a partial last 32-wide chunk
-        x = _randn(rows, inner, dtype=torch.bfloat16, gen=gen)
-        w, b = _randn(37, inner, dtype=torch.bfloat16, gen=gen), _randn(37, dtype=torch.bfloat16, gen=gen)
-        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
-        torch.testing.assert_close(ops.small_linear(x, w, b).float(), want, rtol=1e-2, atol=1e-2 * inner ** 0.5)
-        torch.testing.assert_close(ops.small_linear(x, w, None).float(), want - b.float(), rtol=1e-2,
-                                   atol=1e-2 * inner ** 0.5)
-
-
-def test_panel_linear_is_the_fp32_matmul_to_rounding_at_every_row_count(ops):
-    if not ops.has_panel_linear:
-        pytest.skip("this CPU has no AVX-512: fp32 projections use oneDNN's prepacked weights")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_panel_linear_is_the_matmul_to_rounding_at_every_row_count(ops, dtype):
+    if str(dtype).removeprefix("torch.") not in ops.panel_dtypes:
+        pytest.skip(f"this CPU has no panel_linear for {dtype}: its projections use oneDNN's prepacked weights")
     gen = torch.Generator().manual_seed(4)
     # 37 and 70 rows of w: a partial last panel (of 32 columns); 1 to 40 rows of x: every block
-    # of up to 12 rows, whole and partial; 2048: a prefill chunk.
-    for n, inner in [(37, 64), (70, 80), (96, 576), (64, 1536)]:
-        w, b = _randn(n, inner, dtype=torch.float32, gen=gen), _randn(n, dtype=torch.float32, gen=gen)
+    # of up to 12 rows, whole and partial; 2048: a prefill chunk; 81: an odd K (a lone bf16 k).
+    for n, inner in [(37, 64), (70, 81), (96, 576), (64, 1536)]:
+        w, b = _randn(n, inner, dtype=dtype, gen=gen), _randn(n, dtype=dtype, gen=gen)
         panels = ops.pack_panels(w)
         for rows in [*range(1, 41), 2048]:
-            x = _randn(rows, inner, dtype=torch.float32, gen=gen)
+            x = _randn(rows, inner, dtype=dtype, gen=gen)
             for bias in (b, None):
-                torch.testing.assert_close(ops.panel_linear(x, panels, n, bias), torch.nn.functional.linear(x, w, bias),
-                                           rtol=0, atol=2e-5 * inner ** 0.5, msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
+                # fp32: within a few ulps of the sum's size; bf16: the fp32 sum rounded once, so
+                # within one bf16 ulp of the fp32 reference.
+                want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+                got = ops.panel_linear(x, panels, n, bias)
+                assert got.dtype == dtype
+                tolerance = dict(rtol=0, atol=2e-5 * inner ** 0.5) if dtype == torch.float32 else \
+                    dict(rtol=2 ** -7, atol=1e-3 * inner ** 0.5)
+                torch.testing.assert_close(got.float(), want, **tolerance, msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
 
 
 def test_panel_linear_refuses_panels_of_another_weight(ops):
-    if not ops.has_panel_linear:
+    if "float32" not in ops.panel_dtypes:
         pytest.skip("this CPU has no AVX-512")
     panels = ops.pack_panels(torch.randn(40, 64))
     with pytest.raises(RuntimeError, match="pack_panels"):
@@ -144,10 +138,11 @@ def test_panel_linear_refuses_panels_of_another_weight(ops):
         ops.panel_linear(torch.randn(2, 32), panels, 40, None)
 
 
-def test_an_fp32_runner_computes_its_projections_on_panels_where_the_cpu_has_them(ops, tiny_llama):
-    runner = _engine(tiny_llama, fuse=True, kernels=True, dtype=torch.float32).runner
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_runner_computes_its_projections_on_panels_where_the_cpu_has_them(ops, tiny_llama, dtype):
+    runner = _engine(tiny_llama, fuse=True, kernels=True, dtype=dtype).runner
     weights = [w for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [runner.lm_head]
-    if ops.has_panel_linear:
+    if str(dtype).removeprefix("torch.") in ops.panel_dtypes:
         assert all(w.panels is not None and w.packed is None for w in weights)
     else:
         assert all(w.panels is None for w in weights)

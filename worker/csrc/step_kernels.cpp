@@ -6,7 +6,7 @@
 //   add_rms_norm   residual add and RMSNorm            (transformers' LlamaRMSNorm, op for op)
 //   rope_cache     rotary on q and k, k and v written to their cache slots
 //   paged_attention each query token over its sequence's cached keys, through the block table
-//   panel_linear   an fp32 projection over a weight packed in 32-column panels (AVX-512)
+//   panel_linear   a projection over a weight packed in 32-column panels (AVX-512; bf16: AVX512-BF16)
 //
 // Each follows the eager ops' roundings where it is cheap to (a bf16 result is rounded where the
 // eager op would round it), so fp32 and bf16 results stay close to the modules'; sums run in
@@ -19,6 +19,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -300,174 +303,122 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
   });
 }
 
-#if defined(__AVX512BF16__)
-// out[m, n] = x[m] . w[n] (+ bias[n]) for M rows of x, weight rows n0 .. n1, with the CPU's bf16
-// dot-product instruction (exact products, fp32 sums). Four weight rows stream at a time.
-template <int M>
-void small_gemm_rows(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::BFloat16* out,
-                     int64_t k_total, int64_t n_total, int64_t n0, int64_t n1) {
-  const int64_t k_full = k_total / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (k_total - k_full)) - 1);
-  auto finish = [&](int m, int64_t n, __m512 acc) {
-    float v = _mm512_reduce_add_ps(acc) + (bias ? static_cast<float>(bias[n]) : 0.0f);
-    out[m * n_total + n] = c10::BFloat16(v);
-  };
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    __m512 acc[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* rows[4] = {w + n * k_total, w + (n + 1) * k_total, w + (n + 2) * k_total, w + (n + 3) * k_total};
-    for (int64_t k = 0; k < k_total; k += 32) {
-      const __mmask32 mask = k < k_full ? ~__mmask32{0} : tail;
-      __m512i wv[4];
-      for (int r = 0; r < 4; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, rows[r] + k);
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + m * k_total + k);
-        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) finish(m, n + r, acc[m][r]);
-  }
-  for (; n < n1; ++n) {
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k_total; k += 32) {
-      const __mmask32 mask = k < k_full ? ~__mmask32{0} : tail;
-      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + n * k_total + k);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k_total + k), (__m512bh)wv);
-    }
-    for (int m = 0; m < M; ++m) finish(m, n, acc[m]);
-  }
-}
-#endif
-
-constexpr int64_t kSmallRows = 4;
-
-// x [M, K] @ w[N, K].T (+ bias) in bf16 for M <= 4: the matmul of a step with few tokens, which
-// reads every weight once and is bound by memory, not arithmetic.
-at::Tensor small_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-#if defined(__AVX512BF16__)
-  check_rows(x, "x");
-  check_rows(w, "w");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bfloat16 only");
-  TORCH_CHECK(x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= kSmallRows, "small_linear: x [1..4, K], w [N, K]");
-  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == w.size(0) && bias->scalar_type() == at::kBFloat16, "bad bias");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  const c10::BFloat16* bp = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, (n + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(end * 4, n);
-    switch (m) {
-      case 1: small_gemm_rows<1>(xp, wp, bp, op, k, n, n0, n1); break;
-      case 2: small_gemm_rows<2>(xp, wp, bp, op, k, n, n0, n1); break;
-      case 3: small_gemm_rows<3>(xp, wp, bp, op, k, n, n0, n1); break;
-      default: small_gemm_rows<4>(xp, wp, bp, op, k, n, n0, n1); break;
-    }
-  });
-  return out;
-#else
-  TORCH_CHECK(false, "small_linear needs a CPU with AVX512-BF16");
-#endif
-}
-
 #if defined(__AVX512F__)
-// fp32 projections for the few rows of a decode step (1 to 64 tokens). A step streams every
-// weight from memory once, and at these row counts oneDNN's kernels reach 13-17 GB/s: they read
+// Projections for the few rows of a decode step (1 to 64 tokens). A step streams every weight
+// from memory once, and at these row counts oneDNN's kernels reach 13-17 GB/s in fp32: they read
 // a stretch of weight, then compute on it, and do not overlap the two. Here the weight is packed
-// once into panels of 32 output columns, each [K, 32] contiguous; a block of up to 12 rows keeps
-// 12 x 2 accumulators in registers over the whole K, and while the second block of rows computes
-// on a panel (from L2 by then) the next panel is prefetched. Every output is one running fp32 sum
-// over k in order, fused multiply-adds.
+// once into panels of 32 output columns, each contiguous; a block of up to 12 rows keeps 12 x 2
+// accumulators in registers over the whole K, and while the second block of rows computes on a
+// panel (from L2 by then) the next panel is prefetched. Every output is one running fp32 sum over
+// k in order: fused multiply-adds in fp32; in bf16 the CPU's bf16 dot product of k-pairs (exact
+// products, fp32 sums), rounded to bf16 once at the end, after the bias.
+//   fp32 panels: [ceil(N / 32), K, 32]        bf16 panels: [ceil(N / 32), ceil(K / 2), 32, 2]
 constexpr int64_t kPanel = 32;
 constexpr int kPanelRows = 12;
-
-template <int R>
-inline void panel_block(const float* x, int64_t k_total, const float* panel, const float* next, bool prefetch,
-                        const float* bias, __mmask16 lo, __mmask16 hi, float* out, int64_t n_total) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_total; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
-    if (prefetch) {  // the next panel's two lines for this k: all of it by the end of this block
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + 16), _MM_HINT_T1);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k_total + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
-  const __m512 c0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
-  const __m512 c1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(out + r * n_total, lo, bias ? _mm512_add_ps(acc[r][0], c0) : acc[r][0]);
-    _mm512_mask_storeu_ps(out + r * n_total + 16, hi, bias ? _mm512_add_ps(acc[r][1], c1) : acc[r][1]);
-  }
-}
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
 }
-#endif
 
-// w [N, K] fp32 -> panels [ceil(N / 32), K, 32], the columns past N zero.
-at::Tensor pack_panels(at::Tensor w) {
-#if defined(__AVX512F__)
-  check_rows(w, "w");
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "pack_panels: float32 only");
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
-        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + j] = src[(p * kPanel + j) * k + i];
-  });
-  return packed;
-#else
-  TORCH_CHECK(false, "pack_panels needs a CPU with AVX-512");
-#endif
+inline void prefetch_lines(const void* at) {
+  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(at) + 64, _MM_HINT_T1);
 }
 
-// x [M, K] @ w.T (+ bias), w given as pack_panels(w) and its row count N; fp32.
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
-#if defined(__AVX512F__)
-  x = x.contiguous();
-  check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: float32 only");
-  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == kPanel &&
-              panels.size(0) == (n + kPanel - 1) / kPanel, "panel_linear: panels must be pack_panels(w) of w [n, K]");
-  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat, "bad bias");
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+// One step of k (fp32) or of a k-pair (bf16) for R rows: acc[r] += x[r] * panel row.
+template <typename T, int R> struct PanelStep;
+
+template <int R> struct PanelStep<float, R> {
+  static constexpr int64_t kWidth = 1;  // k per step
+  static void run(__m512 (&acc)[R][2], const float* x, int64_t k_total, int64_t step, const float* row, bool) {
+    const __m512 b0 = _mm512_loadu_ps(row), b1 = _mm512_loadu_ps(row + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k_total + step]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int R> struct PanelStep<c10::BFloat16, R> {
+  static constexpr int64_t kWidth = 2;
+  static void run(__m512 (&acc)[R][2], const c10::BFloat16* x, int64_t k_total, int64_t step, const c10::BFloat16* row,
+                  bool half) {  // half: K is odd and this is its last, lone k
+    const __m512i b0 = _mm512_loadu_si512(row), b1 = _mm512_loadu_si512(row + 32);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = reinterpret_cast<const uint16_t*>(x + r * k_total + 2 * step);
+      int32_t pair = xr[0];
+      if (!half) pair |= int32_t(xr[1]) << 16;
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, (__m512bh)b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, (__m512bh)b1);
+    }
+  }
+};
+#endif
+
+inline void store_panel_row(float* out, __m512 lo, __m512 hi, int64_t left) {
+  _mm512_mask_storeu_ps(out, first_lanes(left), lo);
+  _mm512_mask_storeu_ps(out + 16, first_lanes(left - 16), hi);
+}
+
+#if defined(__AVX512BF16__)
+inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, int64_t left) {
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo)),
+                                          (__m256i)_mm512_cvtneps_pbh(hi), 1);
+  const __mmask32 lanes = left >= 32 ? ~__mmask32(0) : __mmask32((uint64_t{1} << left) - 1);
+  _mm512_mask_storeu_epi16(out, lanes, both);
+}
+#endif
+
+inline __m512 load_bias(const float* bias, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), bias); }
+
+#if defined(__AVX512BF16__)
+inline __m512 load_bias(const c10::BFloat16* bias, int64_t left) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(first_lanes(left), bias);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T, int R>
+void panel_block(const T* x, int64_t k_total, const T* panel, const T* next, bool prefetch, const T* bias,
+                 int64_t left, T* out, int64_t n_total) {
+  using Step = PanelStep<T, R>;
+  constexpr int64_t row = kPanel * Step::kWidth;  // elements of one panel row
+  const int64_t steps = (k_total + Step::kWidth - 1) / Step::kWidth;
+  const bool odd = k_total % Step::kWidth != 0;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < steps; ++i) {
+    if (prefetch) prefetch_lines(next + i * row);  // the next panel's lines for this step
+    Step::run(acc, x, k_total, i, panel + i * row, odd && i == steps - 1);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 lo = acc[r][0], hi = acc[r][1];
+    if (bias) lo = _mm512_add_ps(lo, load_bias(bias, left)), hi = _mm512_add_ps(hi, load_bias(bias + 16, left - 16));
+    store_panel_row(out + r * n_total, lo, hi, left);
+  }
+}
+
+template <typename T>
+void panel_linear_impl(const T* xp, const T* pp, const T* bp, T* op, int64_t m, int64_t k, int64_t n, int64_t panels,
+                       int64_t panel_elems) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel;
-      const __mmask16 lo = first_lanes(n - n0), hi = first_lanes(n - n0 - 16);
-      const float* panel = pp + p * k * kPanel;
-      const float* next = p + 1 < end ? panel + k * kPanel : panel;
+      const int64_t n0 = p * kPanel, left = n - n0;
+      const T* panel = pp + p * panel_elems;
+      const T* next = p + 1 < end ? panel + panel_elems : panel;
       for (int64_t r0 = 0, block = 0; r0 < m; r0 += kPanelRows, ++block) {
-        // One block of rows reads the panel from memory; the second, computing from L2, prefetches
-        // the next (with one block only, that one does).
+        // The first block of rows reads the panel from memory; the second, computing from L2,
+        // prefetches the next (with one block only, that one does).
         const bool prefetch = block == 1 || m <= kPanelRows;
-        const float* xr = xp + r0 * k;
-        const float* b = bp ? bp + n0 : nullptr;
-        float* o = op + r0 * n + n0;
+        const T* xr = xp + r0 * k;
+        const T* b = bp ? bp + n0 : nullptr;
+        T* o = op + r0 * n + n0;
         switch (std::min<int64_t>(kPanelRows, m - r0)) {
 #define STREAMQ_PANEL_ROWS(R) \
-  case R: panel_block<R>(xr, k, panel, next, prefetch, b, lo, hi, o, n); break;
+  case R: panel_block<T, R>(xr, k, panel, next, prefetch, b, left, o, n); break;
           STREAMQ_PANEL_ROWS(1) STREAMQ_PANEL_ROWS(2) STREAMQ_PANEL_ROWS(3) STREAMQ_PANEL_ROWS(4)
           STREAMQ_PANEL_ROWS(5) STREAMQ_PANEL_ROWS(6) STREAMQ_PANEL_ROWS(7) STREAMQ_PANEL_ROWS(8)
           STREAMQ_PANEL_ROWS(9) STREAMQ_PANEL_ROWS(10) STREAMQ_PANEL_ROWS(11) STREAMQ_PANEL_ROWS(12)
@@ -476,10 +427,67 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
       }
     }
   });
-  return out;
-#else
-  TORCH_CHECK(false, "panel_linear needs a CPU with AVX-512");
+}
 #endif
+
+// The dtypes panel_linear computes on this CPU: fp32 with AVX-512, bf16 with AVX512-BF16 too.
+bool panels_for(at::ScalarType dtype) {
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+// w [N, K] -> its panels (the layout above), the columns past N and a bf16 lone last k zero.
+at::Tensor pack_panels(at::Tensor w) {
+  check_rows(w, "w");
+  TORCH_CHECK(panels_for(w.scalar_type()), "pack_panels: this CPU has no panel_linear for ", w.scalar_type());
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + 31) / 32, width = w.scalar_type() == at::kFloat ? 1 : 2;
+  const int64_t steps = (k + width - 1) / width;
+  at::Tensor packed = at::zeros(width == 1 ? std::vector<int64_t>{panels, k, 32} : std::vector<int64_t>{panels, steps, 32, 2},
+                                w.options());
+  const auto elem = w.element_size();
+  const char* src = static_cast<const char*>(w.data_ptr());
+  char* dst = static_cast<char*>(packed.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < 32 && p * 32 + j < n; ++j)
+        for (int64_t i = 0; i < k; ++i)
+          std::memcpy(dst + (((p * steps + i / width) * 32 + j) * width + i % width) * elem,
+                      src + ((p * 32 + j) * k + i) * elem, elem);
+  });
+  return packed;
+}
+
+// x [M, K] @ w.T (+ bias), w given as pack_panels(w) and its row count N; fp32 or bf16.
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  x = x.contiguous();
+  check_rows(x, "x");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(panels_for(dtype) && panels.scalar_type() == dtype, "panel_linear: x and the panels in one dtype "
+              "this CPU computes them in");
+  const int64_t m = x.size(0), k = x.size(1), width = dtype == at::kFloat ? 1 : 2;
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == (width == 1 ? 3 : 4) && panels.size(0) == (n + 31) / 32 &&
+              panels.size(1) == (k + width - 1) / width && panels.size(2) == 32,
+              "panel_linear: panels must be pack_panels(w) of w [n, K]");
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == dtype, "bad bias");
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int64_t panel_elems = panels.numel() / panels.size(0);
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat)
+    panel_linear_impl<float>(x.data_ptr<float>(), panels.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                             out.data_ptr<float>(), m, k, n, panels.size(0), panel_elems);
+#endif
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16)
+    panel_linear_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), panels.data_ptr<c10::BFloat16>(),
+                                     bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(),
+                                     m, k, n, panels.size(0), panel_elems);
+#endif
+  return out;
 }
 
 // oneDNN's matmul over a prepacked weight, the op worker/fused_layers.py's Weight calls.
@@ -490,17 +498,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
-// One projection, chosen as Weight.__call__ chooses: small_linear for one bf16 row where the CPU
-// has it, else the fp32 panels where there are some, else the prepacked weight where there is
-// one, else the plain matmul (F.linear's op).
+// One projection, chosen as Weight.__call__ chooses: the panels where there are some, else the
+// prepacked weight where there is one, else the plain matmul (F.linear's op).
 struct Projection {
   at::Tensor w;
   c10::optional<at::Tensor> packed, panels, bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
-#if defined(__AVX512BF16__)
-    if (x.scalar_type() == at::kBFloat16 && x.size(0) == 1) return small_linear(x, w, bias);
-#endif
     if (panels) return panel_linear(x, *panels, w.size(0), bias);
     return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
   }
@@ -559,22 +563,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "out = rms_norm(h + y), h updated to h + y");
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
   m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
-  m.def("small_linear", &small_linear, "bf16 x @ w.T (+ bias) for 1 to 4 rows of x");
-  m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] in 32-column panels, for panel_linear");
-  m.def("panel_linear", &panel_linear, "fp32 x @ w.T (+ bias), w as pack_panels(w) and its row count");
+  m.def("pack_panels", &pack_panels, "a weight [N, K] in 32-column panels, for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ w.T (+ bias), w as pack_panels(w) and its row count (panel_dtypes)");
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, const std::vector<ProjectionArgs>&,
                           const std::vector<ProjectionArgs>&, const std::vector<ProjectionArgs>&,
                           const std::vector<ProjectionArgs>&, int64_t, int64_t, double, double>())
       .def("run", &Layers::run, "the layers of a one-token step");
+  m.attr("panel_dtypes") = std::vector<std::string>{
 #if defined(__AVX512F__)
-  m.attr("has_panel_linear") = true;
-#else
-  m.attr("has_panel_linear") = false;
+      "float32",
 #endif
 #if defined(__AVX512BF16__)
-  m.attr("small_linear_rows") = kSmallRows;
-#else
-  m.attr("small_linear_rows") = 0;
+      "bfloat16",
 #endif
+  };
 }
