@@ -1,21 +1,59 @@
 """Request bodies of the OpenAI-compatible endpoints, with the extra fields vLLM accepts.
 
 An argument this server does not implement is a 400 naming it, as OpenAI answers one it does
-not know: ignoring `response_format` or `tools` would answer plain text to a client that asked
-for something else. Only the arguments in IGNORED, which cannot change the output, pass unread.
+not know: ignoring `tools` would answer plain text to a client that asked for something else.
+Only the arguments in IGNORED, which cannot change the output, pass unread. `response_format`
+(OpenAI's) and `structured_outputs` (vLLM's) constrain the output (shared/structured.py).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
+from shared.structured import StructuredOutputs
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    _constraint: StructuredOutputs | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compiles(self) -> "ResponseFormat":
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("type json_schema needs a json_schema object (name, schema)")
+            # A schema-less json_schema format (OpenAI allows it) is any JSON value's grammar.
+            self._constraint = StructuredOutputs.model_validate({"json": self.json_schema.json_schema or {}})
+        elif self.json_schema is not None:
+            raise ValueError(f"json_schema is only for type json_schema, not {self.type}")
+        elif self.type == "json_object":
+            self._constraint = StructuredOutputs(json_object=True)
+        return self
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        return self._constraint
 
 
 # OpenAI arguments that change no generated token: accepted and dropped (`user` is a field).
@@ -47,11 +85,22 @@ class _Common(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
     speculative: bool = True  # streamq's: false opts this request out of speculative decoding
     backend: Literal["hf", "vllm", "null"] | None = None  # streamq's: run on a worker of this backend only
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json, json_object, regex, choice, grammar
 
     @model_validator(mode="before")
     @classmethod
     def _drop_ignored(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if k not in IGNORED} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "_Common":
+        if self.structured_outputs is not None and self.response_format and self.response_format.constraint:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        return self.structured_outputs or (self.response_format.constraint if self.response_format else None)
 
     @field_validator("logit_bias")
     @classmethod
@@ -70,7 +119,8 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            logprobs=logprobs, logits_processors=self.logits_processors or [], speculative=self.speculative)
+            logprobs=logprobs, logits_processors=self.logits_processors or [], speculative=self.speculative,
+            structured_outputs=self.constraint())
 
 
 class CompletionRequest(_Common):

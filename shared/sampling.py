@@ -5,6 +5,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 MAX_SEED = 2**63 - 1  # a torch generator takes up to 64 bits; signed keeps it an int64 everywhere
@@ -61,6 +63,8 @@ class SamplingParams(BaseModel):
     logits_processors: list[LogitsProcessor] = Field(default_factory=list, max_length=4)
     speculative: bool = Field(True, description="false: no speculative decoding for this request, "
                                                 "where the worker has it on (greedy output is the same either way).")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Constrain the output: one of json (a schema), json_object, regex, choice, grammar.")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -61,6 +61,10 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
 
+    def rust_tokenizer(self) -> _RustTokenizer:
+        """The `tokenizers` library's tokenizer underneath (for libraries that take one)."""
+        return self._tok
+
     def vocabulary(self) -> dict[str, int]:
         """Every token and its id (two models share a tokenizer when these are equal)."""
         return self._tok.get_vocab(with_added_tokens=True)

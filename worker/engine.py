@@ -25,6 +25,7 @@ from worker.model_runner import PagedRunner
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import SpecStats, Speculator
+from worker.structured import Grammars, follow_grammar
 
 
 class Engine:
@@ -36,6 +37,7 @@ class Engine:
         self.batcher = batcher
         self.batch_size = batcher.max_num_seqs
         self.cancels = CancelInbox()
+        self.grammars = Grammars(tokenizer, runner.vocab_size)
         self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
         self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
         self._arrivals: list[Sequence] = []  # added since the last step began
@@ -108,18 +110,22 @@ class Engine:
 
     def _admit(self) -> list[StepOutput]:
         """Requests added since the last step join the batcher's queue; one that can never fit
-        the cache ends here with an error."""
+        the cache, or whose constraint does not compile, ends here with an error."""
         refused = []
         most = self.batcher.max_tokens_per_request()
         for seq in self._take_arrivals():
-            need = len(seq.prompt_ids) + (seq.payload.params.max_tokens or 0)
-            if need > most:
-                seq.finish(FinishReason.ERROR, f"the request needs {need} tokens of KV cache; "
-                                               f"this worker's cache holds {most}")
+            params = seq.payload.params
+            need = len(seq.prompt_ids) + (params.max_tokens or 0)
+            try:
+                if need > most:
+                    raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
+                matcher = self.grammars.matcher(params, seq.output_ids)
+            except ValueError as exc:  # GrammarError included
+                seq.finish(FinishReason.ERROR, str(exc))
                 refused.append(StepOutput(seq, None, True))
-            else:
-                self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device))
-                self.batcher.add(seq)
+                continue
+            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(params, self.runner.device), matcher)
+            self.batcher.add(seq)
         return refused
 
     def _take_arrivals(self) -> list[Sequence]:
@@ -165,8 +171,11 @@ class Engine:
             self.batcher.computed(chunk, kept)
             if chunk.draft:
                 self.speculator.settle(chunk, kept)
+            matcher = self._sampling[seq.id].matcher
             for token, lp in zip(tokens, logprobs):
                 text = seq.accept(token, eos, context)
+                if matcher is not None:
+                    follow_grammar(seq, matcher, token)
                 outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
                 if seq.finished:
                     self._remove(seq)

@@ -84,6 +84,7 @@ class PagedRunner:
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
         self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -80,6 +80,10 @@ class NullEngine:
                 seq.finish(FinishReason.CANCELLED)
                 outputs.append(StepOutput(seq, None, True))
                 continue
+            if seq.payload.params.structured_outputs is not None:  # its tokens are not text: nothing to constrain
+                seq.finish(FinishReason.ERROR, "the null backend cannot follow structured_outputs")
+                outputs.append(StepOutput(seq, None, True))
+                continue
             seq.append(NULL_TOKEN)
             self._waiting.charge(seq, 1)
             seq.detokenizer.text += stamp

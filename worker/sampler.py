@@ -1,21 +1,24 @@
 """Pick the next token of every sampling request of a step, each with its own parameters.
 
-Order, as in vLLM: logit bias and logits processors, penalties, temperature, then min_p,
-top_k and top_p, then one draw from each request's own random stream (so the same seed
-gives the same sample whatever else is in the batch). Greedy rows take the argmax after the
-bias and penalties. Log-probabilities are those of the model's raw distribution.
+Order, as in vLLM: the structured-outputs mask, logit bias and logits processors, penalties,
+temperature, then min_p, top_k and top_p, then one draw from each request's own random stream
+(so the same seed gives the same sample whatever else is in the batch). Greedy rows take the
+argmax after the mask, bias and penalties. Log-probabilities are those of the model's raw
+distribution.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from shared.messages import FinishReason
 from shared.sampling import SamplingParams
 from worker.sequence import Logprobs, Sequence
+from worker.structured import allowed
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,11 @@ class SamplingRow:
     generator: torch.Generator | None
     token_ids: list[int]  # prompt then output
     output_ids: list[int]
+    matcher: Any = None  # its structured-outputs constraint (an llguidance matcher; worker/structured.py)
 
     @classmethod
-    def of(cls, seq: Sequence, generator: torch.Generator | None) -> "SamplingRow":
-        return cls(seq.payload.params, generator, seq.token_ids, seq.output_ids)
+    def of(cls, seq: Sequence, generator: torch.Generator | None, matcher: Any = None) -> "SamplingRow":
+        return cls(seq.payload.params, generator, seq.token_ids, seq.output_ids, matcher)
 
 
 @dataclass
@@ -168,14 +172,23 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow]) -> tuple[torch.Tens
     """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after bias,
     processors and penalties, and for sampled requests' rows the filtered distribution."""
     params = [r.params for r in row_of]
+    constrained = [row for row, r in enumerate(row_of) if r.matcher is not None]  # never given proposals
     adjusted = any(p.logit_bias or p.logits_processors or p.needs_history for p in params)
     # A greedy batch with nothing to adjust takes its argmax on the logits as they come (bf16 to
     # fp32 is exact, so the choice is the same) and never copies the batch's [rows, vocab] to fp32.
     plain = not adjusted and all(p.greedy and p.logprobs is None for p in params)
     raw = logits if plain else logits.float()
-    x = raw
+    # Masks and adjustments go on a copy (in the logits' own dtype for a plain batch), the raw
+    # logits kept for log-probabilities.
+    x = raw.clone() if constrained or adjusted else raw
+    if constrained:
+        masks = allowed([row_of[row].matcher for row in constrained], x.shape[-1]).to(x.device)
+        if len(constrained) == x.shape[0]:
+            x.masked_fill_(~masks, float("-inf"))
+        else:
+            rows = torch.tensor(constrained, device=x.device)
+            x[rows] = x[rows].masked_fill(~masks, float("-inf"))
     if adjusted:
-        x = raw.clone()
         for row, req in enumerate(row_of):
             _adjust(x[row], req)  # a request with penalties is never given proposals: one row each
     # max's indices: the first maximal one, as argmax's, and 2-3x faster over a vocabulary here.

@@ -131,10 +131,13 @@ class Speculator:
 
     @staticmethod
     def _eligible(chunk: Chunk) -> bool:
-        # A decode (one new token to score), of a request that wants speculation and whose
-        # sampling does not depend on its history (penalties would differ at each position).
+        # A decode (one new token to score), of a request that wants speculation, whose sampling
+        # does not depend on its history (penalties would differ at each position) and which has
+        # no structured-outputs constraint (its mask is computed for the next position only, so
+        # a proposal the grammar forbids is never put to the model).
         p = chunk.seq.payload.params
-        return chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
+        return (chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
+                and p.structured_outputs is None)
 
     def _room(self, seq: Sequence, context_length: int) -> int:
         """Tokens worth proposing: no more than the request may still emit, less its own token."""

@@ -19,6 +19,7 @@ from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_gener
 from worker.cancels import CancelInbox
 from worker.backend import Counts
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
+from worker.structured import GrammarError, Grammars, follow_grammar
 
 
 class StaticEngine:
@@ -30,6 +31,8 @@ class StaticEngine:
         self.rows: list[Sequence] = []  # the current batch, finished rows included
         self._sampling: dict[str, SamplingRow] = {}
         self.cancels = CancelInbox()
+        self.grammars = Grammars(tokenizer, int(runner.model.get_output_embeddings().weight.shape[0]))
+        self._refused: list[StepOutput] = []  # ended at scheduling (a constraint that does not compile)
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -62,6 +65,7 @@ class StaticEngine:
     def step(self) -> list[StepOutput]:
         outputs = self._apply_cancels()
         started = self._schedule()
+        outputs, self._refused = outputs + self._refused, []
         if self.running:
             logits = self._execute(started)
             outputs += self._update(logits)
@@ -97,9 +101,15 @@ class StaticEngine:
         while self.waiting and len(self.rows) < self.batch_size:
             seq = self.waiting.popleft()
             seq.scheduled_at = now()
-            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device))
+            try:
+                matcher = self.grammars.matcher(seq.payload.params, seq.output_ids)
+            except GrammarError as exc:
+                seq.finish(FinishReason.ERROR, str(exc))
+                self._refused.append(StepOutput(seq, None, True))
+                continue
+            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device), matcher)
             self.rows.append(seq)
-        return True
+        return bool(self.rows)
 
     def _execute(self, new_batch: bool) -> torch.Tensor:
         if new_batch:
@@ -120,6 +130,9 @@ class StaticEngine:
                 continue
             ([token], [lp]) = result
             text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
+            matcher = self._sampling[seq.id].matcher
+            if matcher is not None:
+                follow_grammar(seq, matcher, token)
             if seq.finished:
                 self._sampling.pop(seq.id, None)
             outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))

@@ -56,7 +56,19 @@ def sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
         "logprobs": params.logprobs,
         "logit_bias": bias or None,
         "detokenize": False,
+        "structured_outputs": structured_kwargs(params),
     }
+
+
+def structured_kwargs(params: SamplingParams) -> dict[str, Any] | None:
+    """The request's constraint as vLLM's StructuredOutputsParams arguments (vLLM compiles it
+    with its own structured-outputs backend)."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return None
+    value = {"json_schema": constraint.json_schema, "json_object": True, "regex": constraint.regex,
+             "choice": constraint.choice, "grammar": constraint.grammar}[constraint.form]
+    return {"json" if constraint.form == "json_schema" else constraint.form: value}
 
 
 def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
@@ -87,9 +99,10 @@ class VllmBackend:
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int):
         from vllm import SamplingParams as VllmSamplingParams  # noqa: PLC0415 - only with backend=vllm
         from vllm import TokensPrompt  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: PLC0415
 
         self._params_class, self._prompt_class, self._delta = VllmSamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self._structured_class = StructuredOutputsParams
         self.engine = engine
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -186,9 +199,14 @@ class VllmBackend:
 
     # -- one request -----------------------------------------------------------------------------
     async def _run(self, seq: Sequence, max_tokens: int) -> None:
-        params = self._params_class(output_kind=self._delta, **sampling_kwargs(seq.payload.params, max_tokens))
+        kwargs = sampling_kwargs(seq.payload.params, max_tokens)
         eos, context = self.tokenizer.eos_token_ids, self.context_length
         try:
+            if kwargs["structured_outputs"] is not None:
+                if seq.output_ids:  # vLLM's grammar would start at the delivered tokens, not before them
+                    raise ValueError("a request with structured_outputs cannot be continued on the vLLM backend")
+                kwargs["structured_outputs"] = self._structured_class(**kwargs["structured_outputs"])
+            params = self._params_class(output_kind=self._delta, **kwargs)
             async for out in self.engine.generate(self._prompt_class(prompt_token_ids=list(seq.token_ids)), params,
                                                   seq.id):
                 completion = out.outputs[0]

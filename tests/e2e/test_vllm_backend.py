@@ -5,6 +5,8 @@ Greedy output is compared with the built-in backend's on the same prompt (fp32, 
 """
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -120,3 +122,28 @@ def test_choosing_vllm_where_it_is_not_installed_fails_at_start_with_how_to_fix_
 def _finished(text: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("streamq:request_success_total{"))
+
+
+def test_the_same_constraint_gives_valid_output_on_either_backend(stack):
+    """structured_outputs on the default model, through vLLM's structured outputs and through the
+    built-in engine's masks: every output obeys its constraint."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+              "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+                             "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999}}}
+    constraints = {"json": schema, "regex": r"(yes|no), [0-9]{1,3}", "choice": ["Paris", "Lyon", "Marseille"]}
+    question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    with httpx.Client(timeout=300) as client:
+        for backend in ("vllm", "hf"):
+            for form, value in constraints.items():
+                rid = submit(client, stack.urls[0], messages=question, max_tokens=120, temperature=0, backend=backend,
+                             structured_outputs={form: value})["id"]
+                state = wait_done(client, stack.urls[0], rid)
+                assert state["status"] == "done" and state["finish_reason"] == "stop", (backend, form, state)
+                text = state["text"]
+                if form == "json":
+                    value = json.loads(text)
+                    assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
+                elif form == "regex":
+                    assert re.fullmatch(constraints["regex"], text), (backend, text)
+                else:
+                    assert text in constraints["choice"], (backend, text)

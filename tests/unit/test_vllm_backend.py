@@ -18,9 +18,17 @@ def test_every_sampling_parameter_is_mapped():
     assert kwargs == {"n": 1, "max_tokens": 30, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.05,
                       "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
                       "stop_token_ids": [5], "ignore_eos": True, "logprobs": 4,
-                      "logit_bias": {9: 3.5, 11: BAN, 12: BAN}, "detokenize": False}
+                      "logit_bias": {9: 3.5, 11: BAN, 12: BAN}, "detokenize": False, "structured_outputs": None}
     # Stop strings stay with streamq's detokenizer, as with the built-in engine.
     assert "stop" not in kwargs
+
+
+@pytest.mark.parametrize("constraint, mapped", [
+    ({"json": {"type": "object"}}, {"json": {"type": "object"}}), ({"json_object": True}, {"json_object": True}),
+    ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}), ({"choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'})])
+def test_a_constraint_maps_to_vllms_structured_outputs(constraint, mapped):
+    assert sampling_kwargs(SamplingParams(structured_outputs=constraint), 4)["structured_outputs"] == mapped
 
 
 @pytest.mark.parametrize(("temperature", "sent"), [(0.0, 0.0), (1e-7, 0.0), (1.0, 1.0)])

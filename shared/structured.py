@@ -1,0 +1,80 @@
+"""Structured outputs: a constraint on what a request may generate, as one grammar.
+
+A request carries at most one of a JSON schema, "any JSON object", a regular expression, a
+list of choices or a grammar (Lark, or GBNF as llama.cpp writes it), as vLLM's
+`structured_outputs` does. The worker turns it into llguidance's grammar and masks, each step,
+the tokens the grammar does not allow (worker/structured.py), so the output obeys it whatever
+the model's quality. The api compiles the grammar once when the request arrives, so a schema,
+regex or grammar that llguidance cannot compile is a 400 naming the field, never a failed
+generation.
+
+llguidance, not xgrammar: it has no dependencies (xgrammar pulls triton and a TVM runtime into
+a CPU install), it takes all five forms, GBNF included, and it computes each mask on the fly
+in tens of microseconds without compiling the grammar against the whole vocabulary first, so
+a new schema costs no compile step; vLLM runs it as its `guidance` backend.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_GRAMMAR_CHARS = 64_000
+MAX_CHOICES = 256
+
+
+# JSON is written as Python's json.dumps writes it ("a": 1, "b": 2), with no other whitespace: a
+# free run of spaces and newlines is where a weak model wanders until max_tokens, unfinished.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+FORMS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(BaseModel):
+    """Exactly one of the constraint's forms."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema the output validates against.")
+    json_object: bool | None = Field(None, description="true: the output is a JSON object.")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A regular expression (Rust regex syntax).")
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
+                                     description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")
+
+    @model_validator(mode="after")
+    def _one_form_that_compiles(self) -> "StructuredOutputs":
+        given = [name for name in FORMS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice and grammar"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if self.json_schema is not None and len(json.dumps(self.json_schema)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
+        from llguidance import LLMatcher
+
+        try:
+            error = LLMatcher.validate_grammar(self.grammar_text())
+        except (ValueError, RuntimeError) as exc:  # a schema that is not JSON, GBNF that does not convert
+            error = str(exc)
+        if error:
+            raise ValueError(f"{'json' if given[0] == 'json_schema' else given[0]}: {error}")
+        return self
+
+    @property
+    def form(self) -> str:
+        return next(name for name in FORMS if getattr(self, name) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The constraint as llguidance's grammar (ValueError where it cannot be built)."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.json_schema is not None:
+            return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_LAYOUT)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", json.dumps(self.choice))
+        return grammar_from("grammar", self.grammar or "")

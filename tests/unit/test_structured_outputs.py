@@ -1,0 +1,136 @@
+"""Structured outputs: the constraint's validation (shared/structured.py) and the engine's masks
+(worker/structured.py), on the tiny llama model, whose random weights would write anything."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.sampling import SamplingParams
+from shared.structured import StructuredOutputs
+from tests.unit.test_engine import NEW_TOKENS, make_engine, prompts, run
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+REGEX = r"[0-9]{3}-[a-z]{2}"
+CHOICES = ["Paris", "Seoul", "Lyon"]
+
+
+def _valid(obj: object) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "tags", "ok"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 8 and type(obj["age"]) is int and type(obj["ok"]) is bool
+            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"a", "b"})
+
+
+@pytest.mark.parametrize("body", [{"json": SCHEMA}, {"json_object": True}, {"regex": REGEX}, {"choice": CHOICES},
+                                  {"grammar": 'root ::= "yes" | "no"'}, {"grammar": 'start: "x"+'}])
+def test_each_form_of_constraint_compiles(body):
+    assert StructuredOutputs.model_validate(body).grammar_text()
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"json": {"type": "nonsense"}}, "json"), ({"regex": "[0-9"}, "regex"), ({"grammar": "root ::= (("}, "grammar"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "json"),
+    ({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "regex, choice"), ({"choice": []}, "choice")])
+def test_a_constraint_that_does_not_compile_is_refused_naming_its_form(body, names):
+    with pytest.raises(ValidationError) as info:
+        StructuredOutputs.model_validate(body)
+    assert names in str(info.value)
+
+
+def test_constrained_and_free_requests_share_a_batch_and_the_free_ones_are_untouched(tiny_llama):
+    texts = prompts(6, seed=11)
+    alone = run(make_engine(tiny_llama), texts)
+    engine = make_engine(tiny_llama)
+    tok = engine.tokenizer
+    free, constrained = [], []
+    for i, text in enumerate(texts):  # free and constrained requests alternate in one batch
+        free.append(_add(engine, f"f{i}", tok.encode(text)))
+        form = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}][i % 3]
+        constrained.append(_add(engine, f"c{i}", tok.encode(text), structured_outputs=form, max_tokens=120))
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in free] == [s.output_ids for s in alone]
+    for i, seq in enumerate(constrained):
+        text = tok.decode(seq.output_ids)
+        assert seq.finish_reason is FinishReason.STOP, (i, text)
+        if i % 3 == 0:
+            assert _valid(json.loads(text)), text
+        elif i % 3 == 1:
+            assert re.fullmatch(REGEX, text), text
+        else:
+            assert text in CHOICES
+
+
+def test_sampled_constrained_requests_obey_too(tiny_llama):
+    engine = make_engine(tiny_llama)
+    seqs = [_add(engine, f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.5, seed=seed,
+                 structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(4)]
+    while engine.has_work():
+        engine.step()
+    for seq in seqs:
+        assert seq.finish_reason is FinishReason.STOP and _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))
+
+
+def test_json_is_written_without_free_whitespace(tiny_llama):
+    engine = make_engine(tiny_llama)
+    seq = _add(engine, "j", engine.tokenizer.encode("go"), structured_outputs={"json": SCHEMA}, max_tokens=120)
+    while engine.has_work():
+        engine.step()
+    text = engine.tokenizer.decode(seq.output_ids)
+    assert text == json.dumps(json.loads(text), ensure_ascii=False)
+
+
+def test_a_continued_request_replays_its_delivered_tokens_into_the_grammar(tiny_llama):
+    """A worker taking over a constrained request after k tokens gives the undisturbed run's."""
+    params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 120}
+    engine = make_engine(tiny_llama)
+    prompt = engine.tokenizer.encode("the capital of")
+    whole = _add(engine, "w", prompt, **params)
+    while engine.has_work():
+        engine.step()
+    for k in (1, 4, len(whole.output_ids) // 2):
+        engine = make_engine(tiny_llama)
+        delivered = [TokenEvent(index=i, token_id=t, text="") for i, t in enumerate(whole.output_ids[:k])]
+        seq = _add(engine, f"k{k}", prompt, resumed=delivered, **params)
+        while engine.has_work():
+            engine.step()
+        assert seq.output_ids == whole.output_ids, k
+
+
+def test_a_payload_whose_delivered_tokens_break_the_grammar_ends_with_an_error(tiny_llama):
+    engine = make_engine(tiny_llama)
+    tok = engine.tokenizer
+    delivered = [TokenEvent(index=0, token_id=tok.encode("x")[-1], text="x")]  # JSON cannot start with x
+    seq = _add(engine, "bad", tok.encode("hi"), resumed=delivered, structured_outputs={"json_object": True})
+    free = _add(engine, "free", tok.encode("hi"))
+    while engine.has_work():
+        engine.step()
+    assert seq.finish_reason is FinishReason.ERROR and "constraint" in seq.error
+    assert free.finish_reason is not FinishReason.ERROR and free.output_ids
+
+
+def test_a_constrained_request_is_never_given_proposals(tiny_llama):
+    from worker.speculation import NgramProposer, Speculator
+
+    text = "a b c a b c a b c a b c"
+    drafts = []
+    for constraint in (None, {"regex": "(a b c )+"}):  # the same request free, then constrained
+        engine = make_engine(tiny_llama)
+        engine.speculator = Speculator(NgramProposer(4, 1, 3), 4, 0)
+        seq = _add(engine, "c", engine.tokenizer.encode(text), structured_outputs=constraint, max_tokens=40)
+        while engine.has_work():
+            engine.step()
+        drafts.append(engine.counts().spec_drafts)
+    assert drafts[0] > 0 and drafts[1] == 0
+    assert re.fullmatch("(a b c )*(a ?|a b ?|a b c)?", engine.tokenizer.decode(seq.output_ids))  # max_tokens may cut it
+
+
+def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
+    p = SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, **params})
+    return engine.add(RequestPayload(id=rid, model="m", prompt_token_ids=prompt_ids, params=p), list(resumed))

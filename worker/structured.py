@@ -1,0 +1,106 @@
+"""Structured outputs in the worker: one llguidance matcher per constrained request.
+
+A request's constraint (shared/structured.py) becomes a matcher when the request joins the
+batch; a request continued from another worker first replays the tokens already delivered.
+Each step the sampler asks every constrained row for its mask of allowed tokens, computed for
+all of them in one call (llguidance's executor, its own threads, the GIL released), and sets
+the rest to -inf before anything else touches the logits (bias, penalties, temperature, top-k/p,
+the argmax). After a token is chosen its matcher consumes it; when the grammar can take no
+more tokens the request ends with finish reason `stop`. EOS is allowed exactly where the
+grammar is complete. Free requests in the same batch pay nothing.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.messages import FinishReason
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from worker.sequence import Sequence
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile (the api checks this first; a payload may skip the api)."""
+
+
+class Grammars:
+    """The worker's llguidance tokenizer (built at the first constrained request) over the
+    model's `vocab` logits; makes each request's matcher."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int):
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self._ll: LLTokenizer | None = None
+
+    def _ll_tokenizer(self) -> "LLTokenizer":
+        if self._ll is None:
+            from llguidance import LLTokenizer
+
+            self._ll = LLTokenizer(self.tokenizer.rust_tokenizer().to_str(), n_vocab=self.vocab,
+                                   eos_token=sorted(self.tokenizer.eos_token_ids))
+        return self._ll
+
+    def matcher(self, params: SamplingParams, delivered: list[int]) -> "LLMatcher | None":
+        """The request's matcher, past the tokens `delivered` already; None when it has no
+        constraint. GrammarError when the constraint does not compile or the tokens break it."""
+        if params.structured_outputs is None:
+            return None
+        from llguidance import LLMatcher
+
+        try:
+            grammar = params.structured_outputs.grammar_text()
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from exc
+        matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if delivered and not matcher.consume_tokens(delivered):
+            raise GrammarError(f"the delivered tokens do not fit the constraint: {matcher.get_error()}")
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+
+def allowed(matchers: list["LLMatcher"], vocab: int) -> torch.Tensor:
+    """[len(matchers), vocab] bool: the tokens each matcher allows next, computed together."""
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
+    # Token t is bit t % 32 of word t // 32; on a little-endian CPU, bit t % 8 of byte t // 8,
+    # and bytes unpack with a quarter of the words' traffic.
+    octets = bitmask.view(torch.uint8) if sys.byteorder == "little" else None
+    if octets is None:
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    else:
+        bits = (octets.unsqueeze(-1) >> _BITS) & 1
+    return bits.view(len(matchers), words * 32)[:, :vocab].bool()
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+@cache
+def _executor() -> "LLExecutor":
+    from llguidance import LLExecutor
+
+    return LLExecutor(max(1, torch.get_num_threads()))
+
+
+def follow_grammar(seq: Sequence, matcher: "LLMatcher", token: int) -> None:
+    """The request's matcher takes its new token; a grammar that is complete and can take no more
+    ends the request (finish reason stop). A token the matcher refuses (the mask allowed it, so
+    a failure of llguidance's own) ends it with an error."""
+    if not matcher.consume_token(token):
+        if not seq.finished:
+            seq.finish(FinishReason.ERROR, f"token {token} does not fit the constraint: {matcher.get_error()}")
+    elif matcher.is_stopped() and not seq.finished:
+        seq.finish(FinishReason.STOP)
