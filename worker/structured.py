@@ -3,7 +3,7 @@
 A request's constraint (shared/structured.py) becomes a matcher when the request joins the
 batch; a request continued from another worker first replays the tokens already delivered.
 Each step the sampler asks every constrained row for its mask of allowed tokens, computed for
-all of them in one call (llguidance's executor, its own threads, the GIL released), and sets
+all of them in one call (llguidance's executor, on its own threads), and sets
 the rest to -inf before anything else touches the logits (bias, penalties, temperature, top-k/p,
 the argmax). After a token is chosen its matcher consumes it; when the grammar can take no
 more tokens the request ends with finish reason `stop`. EOS is allowed exactly where the

@@ -134,3 +134,21 @@ def test_a_constrained_request_is_never_given_proposals(tiny_llama):
 def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
     p = SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, **params})
     return engine.add(RequestPayload(id=rid, model="m", prompt_token_ids=prompt_ids, params=p), list(resumed))
+
+
+def test_the_static_engine_follows_constraints_too(tiny_llama):
+    from tests.unit.test_broken_rows import static
+
+    engine = static(tiny_llama)
+    tok = engine.tokenizer
+    seqs = [_add(engine, "j", tok.encode("hi"), structured_outputs={"json": SCHEMA}, max_tokens=120),
+            _add(engine, "r", tok.encode("hi"), structured_outputs={"regex": REGEX}, max_tokens=40),
+            _add(engine, "f", tok.encode("hi"))]
+    bad = [TokenEvent(index=0, token_id=tok.encode("x")[-1], text="x")]
+    broken = _add(engine, "b", tok.encode("hi"), resumed=bad, structured_outputs={"json_object": True})
+    while engine.has_work():
+        engine.step()
+    assert _valid(json.loads(tok.decode(seqs[0].output_ids))) and seqs[0].finish_reason is FinishReason.STOP
+    assert re.fullmatch(REGEX, tok.decode(seqs[1].output_ids))
+    assert seqs[2].output_ids and seqs[2].finish_reason is not FinishReason.ERROR
+    assert broken.finish_reason is FinishReason.ERROR
