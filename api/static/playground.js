@@ -139,6 +139,14 @@ function sampling() {
     max_tokens: Math.trunc(number("max_tokens")),
   };
   if ($("ignore_eos").checked) params.ignore_eos = true;
+  const schema = $("json_schema").value.trim();
+  if (schema) {
+    try {
+      params.structured_outputs = {json: JSON.parse(schema)};
+    } catch (error) {
+      throw new Error(`JSON schema: not valid JSON (${error.message})`);
+    }
+  }
   return params;
 }
 

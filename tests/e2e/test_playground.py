@@ -7,6 +7,7 @@ STREAMQ_ARTIFACTS is set, copied there.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -173,3 +174,28 @@ def test_stop_cancels_the_generation_and_a_key_is_asked_for(browser, secured_nul
         assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
     finally:
         screenshot(browser, tmp_path, "playground-stopped.png")
+
+
+def test_a_json_schema_constrains_the_reply_and_a_bad_one_is_shown(browser, stack, tmp_path):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "ok"],
+              "properties": {"city": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}}}
+    browser.get(f"{stack.urls[0]}/")
+    try:
+        set_field(browser, "temperature", "0")
+        set_field(browser, "max_tokens", "120")
+        set_field(browser, "json_schema", json.dumps(schema))
+        send(browser, "A city, as JSON.")
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "done",
+             "the final event")
+        reply = json.loads(last_reply(browser))
+        assert set(reply) == {"city", "ok"} and isinstance(reply["ok"], bool)
+        assert text_of(browser, "finish") == "stop"
+
+        set_field(browser, "json_schema", '{"type": "nonsense"}')
+        send(browser, "Again.")
+        wait(browser, lambda d: "nonsense" in text_of(d, "error"), "the api's refusal on the page")
+        set_field(browser, "json_schema", "{not json")
+        send(browser, "Again.")
+        wait(browser, lambda d: "not valid JSON" in text_of(d, "error"), "the page's own refusal")
+    finally:
+        screenshot(browser, tmp_path, "playground-json-schema.png")
