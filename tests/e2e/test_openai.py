@@ -11,16 +11,6 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(stack):
-    return stack.model_name
-
-
 def test_models_lists_the_served_model(client, model):
     assert [m.id for m in client.models.list().data] == [model]
 

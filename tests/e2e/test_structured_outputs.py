@@ -26,16 +26,6 @@ SCHEMA = {**City.model_json_schema(), "additionalProperties": False}  # as OpenA
 MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(stack):
-    return stack.model_name
-
-
 def test_parse_with_a_pydantic_model_gives_a_valid_instance(client, model):
     reply = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=City, max_tokens=200,
                                           temperature=0)
