@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
 from shared.structured import StructuredOutputs
+from api.tools import Tool, ToolChoice, chosen
+from api import tools as tool_format
 
 
 class StreamOptions(BaseModel):
@@ -151,6 +153,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template renders it (tool calls in the generic format)."""
+        if self.role == "assistant" and self.tool_calls:
+            return {"role": "assistant", "content": tool_format.as_model_turn(self.model_dump())}
+        if self.role == "tool":
+            return {"role": "tool", "content": f"[{self.tool_call_id or 'tool'}] {self.text()}"}
+        return {"role": self.role, "content": self.text()}
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -171,6 +183,56 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two functions have the same name")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if value is not None:
+            tools = info.data.get("tools")
+            if not tools:
+                raise ValueError("tool_choice needs tools")
+            chosen(tools, value)  # an unknown name is a ValueError
+        return value
+
+    @model_validator(mode="after")
+    def _tools_alone(self) -> "ChatCompletionRequest":
+        if self.calls_tools and (self.structured_outputs is not None
+                                 or (self.response_format and self.response_format.constraint)):
+            raise ValueError("tools cannot be combined with response_format or structured_outputs")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is in the tool format (tools given, and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.calls_tools:
+            return tool_format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
+                                          self.parallel_tool_calls)
+        return super().constraint()
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation for the chat template, with the tools described in a system message."""
+        messages = [m.for_template() for m in self.messages]
+        if self.calls_tools:
+            text = tool_format.system_text(chosen(self.tools, self.tool_choice), self.tool_choice)
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        return messages
 
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -22,7 +22,7 @@ SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CONTEXT = 256
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 400) -> int:
+def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT) -> int:
     """Train the tokenizer into `folder`; return the real vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -38,19 +38,19 @@ def build_tokenizer(folder: Path, vocab_size: int = 400) -> int:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": CONTEXT,
+        "model_max_length": context,
     }))
     return tok.get_vocab_size()
 
 
-def build_model(folder: Path, kind: str, seed: int = 0) -> Path:
-    """A tiny 'llama' or 'opt' model with its tokenizer in `folder`."""
+def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT) -> Path:
+    """A tiny 'llama' or 'opt' model with its tokenizer in `folder`, of `context` positions."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-    vocab = build_tokenizer(folder)
+    vocab = build_tokenizer(folder, context=context)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  max_position_embeddings=CONTEXT)
+                  max_position_embeddings=context)
     if kind == "llama":
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, initializer_range=0.2, **common)

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter
 
+from api import tools
 from api.auth import TenantDep
 from api.deps import ModelsDep
 from api.generation import ApiError, Generation
@@ -140,7 +141,7 @@ async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tupl
     """The requests one chat call runs, and the logprobs it asked for; checked, not queued."""
     generation.check_model(body.model)
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = body.template_messages()
         logprobs = body.wanted_logprobs()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
@@ -224,12 +225,24 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     choices = await _collect(generation, payloads)
     out = []
     for i, c in enumerate(choices):
-        out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+        message, reason = _chat_message(body, "".join(c.text), _finish_reason(c.final))
+        out.append({"index": i, "message": message,
                     "logprobs": _chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
-                    "finish_reason": _finish_reason(c.final)})
+                    "finish_reason": reason})
     usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage}
+
+
+def _chat_message(body: ChatCompletionRequest, text: str, reason: str) -> tuple[dict, str]:
+    """The assistant message of a reply and its finish reason: with tools, the calls parsed out
+    of the tool format (finish reason tool_calls), or its plain answer."""
+    if not body.calls_tools:
+        return {"role": "assistant", "content": text}, reason
+    content, calls = tools.parse(text)
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content}, reason
 
 
 async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest,
@@ -242,21 +255,44 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
         yield json_frame({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
+    held = [[] for _ in payloads]  # with tools, a reply is parsed whole: its text is held to the end
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
             continue
         if isinstance(event, TokenEvent):
             completion_tokens += 1
+            if body.calls_tools:
+                held[i].append(event.text)
+                continue
             if not event.text and logprobs is None:
                 continue
             lp = _chat_logprobs(tokenizer, [event]) if logprobs is not None else None
             choice = {"index": i, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
-            choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": _stream_reason(event)}
+            reason = _stream_reason(event)
+            if body.calls_tools:
+                message, reason = _chat_message(body, "".join(held[i]), reason)
+                for delta in _tool_deltas(message):
+                    yield json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                                                           "finish_reason": None}], **extra})
+            choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
         else:
             continue
         yield json_frame({**base, "choices": [choice], **extra})
     if usage_on:
         yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
     yield DONE
+
+
+def _tool_deltas(message: dict) -> list[dict]:
+    """A parsed reply as stream deltas, as OpenAI sends them: each tool call's id and name, then
+    its arguments, by index; or the answer's content."""
+    if not message.get("tool_calls"):
+        return [{"content": message["content"]}] if message.get("content") else []
+    deltas = []
+    for index, call in enumerate(message["tool_calls"]):
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
+    return deltas
