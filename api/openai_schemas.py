@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, with the extra fields vLLM accepts.
 
 An argument this server does not implement is a 400 naming it, as OpenAI answers one it does
-not know: ignoring `tools` would answer plain text to a client that asked for something else.
-Only the arguments in IGNORED, which cannot change the output, pass unread. `response_format`
-(OpenAI's) and `structured_outputs` (vLLM's) constrain the output (shared/structured.py).
+not know: ignoring `functions` would answer plain text to a client that asked for something
+else. Only the arguments in IGNORED, which cannot change the output, pass unread.
+`response_format` (OpenAI's) and `structured_outputs` (vLLM's) constrain the output
+(shared/structured.py); `tools` are kept by such a constraint too (api/tools.py).
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from api import tools as tool_format
+from api.tools import Tool, ToolChoice, chosen
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
 from shared.structured import StructuredOutputs
-from api.tools import Tool, ToolChoice, chosen
-from api import tools as tool_format
 
 
 class StreamOptions(BaseModel):

@@ -36,9 +36,11 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    json_schema: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema the output validates against.")
+    json_schema: dict[str, Any] | None = Field(None, alias="json",
+                                               description="A JSON schema the output validates against.")
     json_object: bool | None = Field(None, description="true: the output is a JSON object.")
-    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A regular expression (Rust regex syntax).")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
+                              description="A regular expression (Rust regex syntax).")
     choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
                                      description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")

@@ -127,7 +127,8 @@ class PagedRunner:
         at 1 to 64 rows, on par at prefill sizes (docs/engine.md)."""
         ops = self.kernels
         if str(dtype).removeprefix("torch.") in ops.panel_dtypes:
-            for w in [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]:
+            projections = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for w in projections + [self.lm_head]:
                 w.use_panels(ops.pack_panels, ops.panel_linear)
 
     def _one_token_layers(self):

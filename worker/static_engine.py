@@ -107,7 +107,8 @@ class StaticEngine:
                 seq.finish(FinishReason.ERROR, str(exc))
                 self._refused.append(StepOutput(seq, None, True))
                 continue
-            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(seq.payload.params, self.runner.device), matcher)
+            generator = make_generator(seq.payload.params, self.runner.device)
+            self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
             self.rows.append(seq)
         return bool(self.rows)
 

@@ -40,7 +40,8 @@ def test_json_schema_on_chat_and_completions(client, model):
                                           max_tokens=200, temperature=0.9, seed=3)
     completion = client.completions.create(model=model, prompt="A city:", max_tokens=200, temperature=0,
                                            extra_body={"response_format": response_format})
-    for choice, text in ((chat.choices[0], chat.choices[0].message.content), (completion.choices[0], completion.choices[0].text)):
+    replies = ((chat.choices[0], chat.choices[0].message.content), (completion.choices[0], completion.choices[0].text))
+    for choice, text in replies:
         assert choice.finish_reason == "stop"
         City.model_validate_json(text)
 

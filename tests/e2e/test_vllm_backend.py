@@ -128,7 +128,8 @@ def test_the_same_constraint_gives_valid_output_on_either_backend(stack):
     """structured_outputs on the default model, through vLLM's structured outputs and through the
     built-in engine's masks: every output obeys its constraint."""
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
-              "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+              "properties": {"city": {"type": "string", "maxLength": 40},
+                             "country": {"type": "string", "maxLength": 40},
                              "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999}}}
     constraints = {"json": schema, "regex": r"(yes|no), [0-9]{1,3}", "choice": ["Paris", "Lyon", "Marseille"]}
     question = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]

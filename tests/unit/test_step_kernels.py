@@ -125,7 +125,8 @@ def test_panel_linear_is_the_matmul_to_rounding_at_every_row_count(ops, dtype):
                 assert got.dtype == dtype
                 tolerance = dict(rtol=0, atol=2e-5 * inner ** 0.5) if dtype == torch.float32 else \
                     dict(rtol=2 ** -7, atol=1e-3 * inner ** 0.5)
-                torch.testing.assert_close(got.float(), want, **tolerance, msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
+                torch.testing.assert_close(got.float(), want, **tolerance,
+                                           msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
 
 
 def test_panel_linear_refuses_panels_of_another_weight(ops):
