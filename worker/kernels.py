@@ -9,9 +9,12 @@ eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -55,11 +58,29 @@ def load_from(folder: Path) -> ModuleType | None:
     directory = folder / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(directory), verbose=False)
+        with _builder(directory):
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the eager path still serves
         log.warning("CPU step kernels unavailable, the eager path serves (slower): %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None
     log.info("CPU step kernels loaded", extra={"build": str(directory)})
     return module
+
+
+@contextmanager
+def _builder(directory: Path) -> Iterator[None]:
+    """This process alone builds or loads the kernels in `directory` (others wait), under a lock
+    the OS releases when its holder dies. torch's own lock is a file (`lock`) that a worker
+    killed while compiling leaves behind, and the next worker then waited on it forever; holding
+    this lock, no other build is running, so such a file is stale and goes."""
+    with open(directory / "streamq.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            if (directory / "lock").exists():
+                log.warning("removing a stale build lock (a worker was stopped while compiling)")
+                (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)

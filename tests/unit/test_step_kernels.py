@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,25 @@ def test_the_kernels_give_transformers_tokens_in_fp32(tiny_llama):
 
 def test_the_kernels_are_the_path_the_tests_run(tiny_llama):
     assert make_engine(tiny_llama).runner.kernels is not None
+
+
+def test_a_build_lock_left_by_a_killed_worker_does_not_hold_the_next_one(tmp_path, monkeypatch):
+    """torch's build lock is a plain file; a worker killed while compiling left it, and the next
+    one waited for it forever. It is removed under a lock that dies with its holder."""
+    from torch.utils import cpp_extension
+
+    stale = tmp_path / kernels.build_name() / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")
+    seen = []
+
+    def build(**kwargs):
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    assert kernels.load_from.__wrapped__(tmp_path) == "module"
+    assert seen == [False]
 
 
 def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypatch, caplog, tiny_llama):
