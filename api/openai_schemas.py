@@ -206,11 +206,16 @@ class ChatCompletionRequest(_Common):
             chosen(tools, value)  # an unknown name is a ValueError
         return value
 
+    _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _tools_alone(self) -> "ChatCompletionRequest":
-        if self.calls_tools and (self.structured_outputs is not None
-                                 or (self.response_format and self.response_format.constraint)):
-            raise ValueError("tools cannot be combined with response_format or structured_outputs")
+        """The tool format's constraint, built once for every sample; no other constraint beside it."""
+        if self.calls_tools:
+            if super().constraint() is not None:
+                raise ValueError("tools cannot be combined with response_format or structured_outputs")
+            self._tool_constraint = tool_format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
+                                                           self.parallel_tool_calls)
         return self
 
     @property
@@ -219,10 +224,7 @@ class ChatCompletionRequest(_Common):
         return bool(self.tools) and self.tool_choice != "none"
 
     def constraint(self) -> StructuredOutputs | None:
-        if self.calls_tools:
-            return tool_format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
-                                          self.parallel_tool_calls)
-        return super().constraint()
+        return self._tool_constraint if self.calls_tools else super().constraint()
 
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation for the chat template, with the tools described in a system message."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class Weight:
-    """A projection, x @ w.T + b, with w prepacked for oneDNN on a CPU (else, and on a GPU, the
-    plain matmul)."""
+    """A projection, x @ w.T + b: on the step kernels' panel_linear where `panels` (the kernels)
+    is given, else with w prepacked for oneDNN on a CPU, else (and on a GPU) the plain matmul."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
+                 panels: ModuleType | None = None):
         self.w, self.bias = w, bias
-        self.packed = _pack(w) if device.type == "cpu" else None
-        # Set by the runner where the step kernels have panel_linear for this dtype: the weight in
-        # its panels, which then replace `packed`.
-        self.panels: torch.Tensor | None = None
-        self.panel_linear = None
-
-    def use_panels(self, pack, linear) -> None:
-        self.panels, self.panel_linear, self.packed = pack(self.w), linear, None
+        self.panels = panels.pack_panels(w) if panels is not None else None
+        self.panel_linear = panels.panel_linear if panels is not None else None
+        self.packed = _pack(w) if device.type == "cpu" and panels is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
@@ -72,8 +69,9 @@ def fusable(model: torch.nn.Module) -> bool:
             and layer.self_attn.o_proj.bias is None)
 
 
-def fuse(model: torch.nn.Module, device: torch.device) -> list[FusedLayer]:
-    """Concatenate each layer's q/k/v and gate/up weights; point the modules at views of them."""
+def fuse(model: torch.nn.Module, device: torch.device, panels: ModuleType | None = None) -> list[FusedLayer]:
+    """Concatenate each layer's q/k/v and gate/up weights; point the modules at views of them.
+    `panels`: the step kernels, when the projections run on their panel_linear."""
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -81,9 +79,9 @@ def fuse(model: torch.nn.Module, device: torch.device) -> list[FusedLayer]:
         bqkv = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
         layers.append(FusedLayer(
             layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-            Weight(_concat(qkv, "weight"), bqkv, device), Weight(attn.o_proj.weight.data, None, device),
-            Weight(_concat([mlp.gate_proj, mlp.up_proj], "weight"), None, device),
-            Weight(mlp.down_proj.weight.data, None, device)))
+            Weight(_concat(qkv, "weight"), bqkv, device, panels), Weight(attn.o_proj.weight.data, None, device, panels),
+            Weight(_concat([mlp.gate_proj, mlp.up_proj], "weight"), None, device, panels),
+            Weight(mlp.down_proj.weight.data, None, device, panels)))
     return layers
 
 

@@ -101,35 +101,30 @@ class PagedRunner:
         shape = (layers, self.kv_heads, num_blocks + graphs, block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # The CPU step kernels (worker/kernels.py), where given, run the fused layers' norms, rotary,
+        # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
+        usable = fused and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.kernels = kernels if usable else None
+        # Every projection and the LM head run on the kernels' panel_linear where this CPU has it
+        # for the dtype (AVX-512; bf16 also AVX512-BF16): 1.2-1.9x oneDNN's prepacked matmul per
+        # step at 1 to 64 rows, on par at prefill sizes (docs/engine.md).
+        panels = self.kernels
+        if panels is not None and str(dtype).removeprefix("torch.") not in panels.panel_dtypes:
+            panels = None
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        self.fused = fuse(model, device) if fused else None
+        self.fused = fuse(model, device, panels) if fused else None
         if self.fused is not None:
-            self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device)
+            self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device, panels)
             first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
             self.eps = first.input_layernorm.variance_epsilon
             self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
-        # The CPU step kernels (worker/kernels.py), where given, run the fused layers' norms, rotary,
-        # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
-        usable = self.fused is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        self.kernels = kernels if usable else None
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None:
-            self._use_panels(dtype)
             self.one_token = self._one_token_layers()
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
-
-    def _use_panels(self, dtype: torch.dtype) -> None:
-        """Every projection and the LM head on the kernels' panel_linear, where this CPU has it for
-        the dtype (AVX-512; bf16 also AVX512-BF16): 1.2-1.9x oneDNN's prepacked matmul per step
-        at 1 to 64 rows, on par at prefill sizes (docs/engine.md)."""
-        ops = self.kernels
-        if str(dtype).removeprefix("torch.") in ops.panel_dtypes:
-            projections = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            for w in projections + [self.lm_head]:
-                w.use_panels(ops.pack_panels, ops.panel_linear)
 
     def _one_token_layers(self):
         ops, layers = self.kernels, self.fused

@@ -31,7 +31,7 @@ class StaticEngine:
         self.rows: list[Sequence] = []  # the current batch, finished rows included
         self._sampling: dict[str, SamplingRow] = {}
         self.cancels = CancelInbox()
-        self.grammars = Grammars(tokenizer, int(runner.model.get_output_embeddings().weight.shape[0]))
+        self.grammars = Grammars(tokenizer, runner.vocab_size)
         self._refused: list[StepOutput] = []  # ended at scheduling (a constraint that does not compile)
 
     # -- called from the asyncio side ------------------------------------------------------
@@ -145,6 +145,7 @@ class BatchRunner:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pad_id: int = 0):
         self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
         self.device = device
         self.pad_id = pad_id
         params = inspect.signature(model.forward).parameters

@@ -512,8 +512,8 @@ struct Projection {
 
 // A llama-family model's layers for a step of one token (one stream decoding): the same kernels
 // and matmuls as the per-layer calls from Python, in one call, so the step pays no per-op Python
-// overhead. Each projection is given as (weight, prepacked weight or None, fp32 panels or None,
-// bias or None).
+// overhead. Each projection is given as (weight, prepacked weight or None, panels or None, bias
+// or None).
 using ProjectionArgs =
     std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
 
