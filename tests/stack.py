@@ -103,6 +103,14 @@ class Stack:
         self._spawn(name, ["worker"], {**self.env, "STREAMQ_WORKER_NAME": f"{self.worker_name(i)}-{name}",
                                        **self.worker_envs[i]}, self.worker_python[i])
 
+    def pause_worker(self, i: int = 0) -> None:
+        """SIGSTOP worker i (and what it started): it takes no request and runs no step until
+        resume_worker. Tests use it to hold a request where it is, not to wait for time to pass."""
+        os.killpg(dict(self.processes)[f"worker{i}"].pid, signal.SIGSTOP)
+
+    def resume_worker(self, i: int = 0) -> None:
+        os.killpg(dict(self.processes)[f"worker{i}"].pid, signal.SIGCONT)
+
     def kill_replica(self, i: int) -> None:
         """SIGKILL api replica i, as a crash would."""
         proc = dict(self.processes)[f"api{i}"]
