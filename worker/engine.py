@@ -89,7 +89,7 @@ class Engine:
         scheduled = self.batcher.schedule()
         _stamp_first_step(scheduled)
         if self.speculator:
-            self.speculator.plan(scheduled, self.batcher, self.runner.context_length)
+            self.speculator.plan(scheduled, self.batcher, self.runner.context_length, self._fitting)
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
             outputs += self._postprocess(scheduled, logits)
@@ -127,6 +127,11 @@ class Engine:
             self._sampling[seq.id] = SamplingRow.of(seq, make_generator(params, self.runner.device), matcher)
             self.batcher.add(seq)
         return refused
+
+    def _fitting(self, seq: Sequence, proposed: list[int]) -> int:
+        """How many leading proposed tokens the request's grammar allows (all, without one)."""
+        matcher = self._sampling[seq.id].matcher
+        return len(proposed) if matcher is None else matcher.validate_tokens(proposed)
 
     def _take_arrivals(self) -> list[Sequence]:
         with self._arrivals_lock:

@@ -59,6 +59,15 @@ class SamplingBatch:
     def one(self, i: int) -> "SamplingBatch":
         return SamplingBatch([self.rows[i]], [self.drafts[i]], [self.draft_probs[i]])
 
+    def constraints(self) -> list[tuple[int, Any, list[int]]]:
+        """(first logits row, matcher, proposed tokens) of each request under a constraint."""
+        out, row = [], 0
+        for req, draft in zip(self.rows, self.drafts):
+            if req.matcher is not None:
+                out.append((row, req.matcher, draft))
+            row += 1 + len(draft)
+        return out
+
     def logits_rows(self) -> list[SamplingRow]:
         """The request of each logits row: 1 + len(draft) rows a request."""
         return [r for r, d in zip(self.rows, self.drafts) for _ in range(1 + len(d))]
@@ -90,7 +99,7 @@ def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list
     max(0, p - q), renormalised. Either way the output is distributed as the model's.
     """
     row_of = batch.logits_rows()
-    raw, choices, probs = _scores(logits, row_of)
+    raw, choices, probs = _scores(logits, row_of, batch.constraints())
     emitted, rows, row = [], [], 0
     for req, draft, q in zip(batch.rows, batch.drafts, batch.draft_probs):
         if req.params.greedy:
@@ -160,7 +169,7 @@ def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tupl
     """A draft model's next token for each row: its argmax for greedy requests, else a draw
     from its distribution q under the request's parameters (q is returned, `vocab` wide, for
     the acceptance rule)."""
-    _, tokens, probs = _scores(logits[:, :vocab], batch.rows)
+    _, tokens, probs = _scores(logits[:, :vocab], batch.rows, batch.constraints())
     q: list[torch.Tensor | None] = [None] * len(batch)
     for i, p in probs.items():
         q[i] = torch.nn.functional.pad(p, (0, vocab - p.shape[-1]))
@@ -168,11 +177,13 @@ def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tupl
     return tokens, q
 
 
-def _scores(logits: torch.Tensor, row_of: list[SamplingRow]) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
-    """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after bias,
-    processors and penalties, and for sampled requests' rows the filtered distribution."""
+def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[tuple[int, Any, list[int]]],
+            ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+    """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after the
+    grammar's mask, bias, processors and penalties, and for sampled requests' rows the filtered
+    distribution. `constraints`: (first row, matcher, proposed tokens) of each constrained request."""
     params = [r.params for r in row_of]
-    constrained = [row for row, r in enumerate(row_of) if r.matcher is not None]  # never given proposals
+    constrained = [first + j for first, _, draft in constraints for j in range(1 + len(draft))]
     adjusted = any(p.logit_bias or p.logits_processors or p.needs_history for p in params)
     # A greedy batch with nothing to adjust takes its argmax on the logits as they come (bf16 to
     # fp32 is exact, so the choice is the same) and never copies the batch's [rows, vocab] to fp32.
@@ -182,7 +193,7 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow]) -> tuple[torch.Tens
     # logits kept for log-probabilities.
     x = raw.clone() if constrained or adjusted else raw
     if constrained:
-        masks = allowed([row_of[row].matcher for row in constrained], x.shape[-1]).to(x.device)
+        masks = allowed([(matcher, draft) for _, matcher, draft in constraints], x.shape[-1]).to(x.device)
         if len(constrained) == x.shape[0]:
             x.masked_fill_(~masks, float("-inf"))
         else:

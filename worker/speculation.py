@@ -15,6 +15,7 @@ a proposed token costs about as much as a generated one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -88,6 +89,7 @@ class SpecStats:
     drafts: int = 0  # decode chunks that carried proposed tokens
     proposed: int = 0
     accepted: int = 0
+    forbidden: int = 0  # proposed tokens cut off because the request's grammar forbids them
 
 
 @dataclass
@@ -98,10 +100,13 @@ class Speculator:
     stats: SpecStats = field(default_factory=SpecStats)
     _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
 
-    def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int) -> None:
+    def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int,
+             fitting: Callable[[Sequence, list[int]], int] | None = None) -> None:
         """Put proposed tokens (and the proposer's distributions over them) on this step's
         decode chunks, within the step's leftover budget and the free KV blocks (speculation
-        never preempts anyone)."""
+        never preempts anyone). `fitting(seq, tokens)`: how many leading proposed tokens the
+        request's grammar allows; a proposal is cut at the first one it forbids, which the
+        model then never scores."""
         for seq in out.preempted:
             self.proposer.forget(seq.id)
         if self.disable_by_batch_size and len(batcher.running) > self.disable_by_batch_size:
@@ -109,7 +114,10 @@ class Speculator:
         chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
         wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
         for seq_id, (tokens, q) in self.proposer.propose(wanted).items() if wanted else ():
-            added = batcher.speculate(out, chunks[seq_id], tokens, q)
+            if fitting is not None and (n := fitting(chunks[seq_id].seq, tokens)) < len(tokens):
+                self.stats.forbidden += len(tokens) - n
+                tokens, q = tokens[:n], None if q is None else q[:n]
+            added = batcher.speculate(out, chunks[seq_id], tokens, q) if tokens else 0
             if not added:
                 self.proposer.verified(chunks[seq_id].seq)  # none will run: the proposer forgets them now
             else:
@@ -132,12 +140,9 @@ class Speculator:
     @staticmethod
     def _eligible(chunk: Chunk) -> bool:
         # A decode (one new token to score), of a request that wants speculation, whose sampling
-        # does not depend on its history (penalties would differ at each position) and which has
-        # no structured-outputs constraint (its mask is computed for the next position only, so
-        # a proposal the grammar forbids is never put to the model).
+        # does not depend on its history (penalties would differ at each position).
         p = chunk.seq.payload.params
-        return (chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
-                and p.structured_outputs is None)
+        return chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
 
     def _room(self, seq: Sequence, context_length: int) -> int:
         """Tokens worth proposing: no more than the request may still emit, less its own token."""

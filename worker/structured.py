@@ -68,13 +68,26 @@ class Grammars:
         return matcher
 
 
-def allowed(matchers: list["LLMatcher"], vocab: int) -> torch.Tensor:
-    """[len(matchers), vocab] bool: the tokens each matcher allows next, computed together."""
-    from llguidance.torch import fill_next_token_bitmask_par
+def allowed(constraints: list[tuple["LLMatcher", list[int]]], vocab: int) -> torch.Tensor:
+    """[sum(1 + len(draft)), vocab] bool: for each (matcher, proposed tokens), the tokens it
+    allows next, then after each proposed token in turn (the matcher is left where it was).
+    Computed together, on llguidance's threads. Every proposed token must fit the grammar
+    (the speculator cuts a proposal at the first one that does not)."""
+    from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
     words = (vocab + 31) // 32
-    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
-    fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
+    rows, plain, drafted = 0, [], []
+    for matcher, draft in constraints:
+        if draft:
+            drafted.append((matcher, rows, list(draft)))
+        else:
+            plain.append((matcher, rows))
+        rows += 1 + len(draft)
+    bitmask = torch.zeros((rows, words), dtype=torch.int32)
+    if plain:
+        fill_next_token_bitmask_par(_executor(), plain, bitmask)
+    if drafted:  # llguidance takes no empty proposal here
+        fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, bitmask)
     # Token t is bit t % 32 of word t // 32; on a little-endian CPU, bit t % 8 of byte t // 8,
     # and bytes unpack with a quarter of the words' traffic.
     octets = bitmask.view(torch.uint8) if sys.byteorder == "little" else None
@@ -82,7 +95,7 @@ def allowed(matchers: list["LLMatcher"], vocab: int) -> torch.Tensor:
         bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     else:
         bits = (octets.unsqueeze(-1) >> _BITS) & 1
-    return bits.view(len(matchers), words * 32)[:, :vocab].bool()
+    return bits.view(rows, words * 32)[:, :vocab].bool()
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)

@@ -115,20 +115,43 @@ def test_a_payload_whose_delivered_tokens_break_the_grammar_ends_with_an_error(t
     assert free.finish_reason is not FinishReason.ERROR and free.output_ids
 
 
-def test_a_constrained_request_is_never_given_proposals(tiny_llama):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}])
+def test_proposals_under_a_constraint_keep_the_output_exact(tiny_llama, sampling):
+    """Speculation on constrained requests emits the plain constrained run's tokens, greedy and
+    seeded. The oracle proposes each request's true next 2 tokens and then wrong ones: those the
+    grammar forbids are cut before the model scores them, the others the sampler rejects."""
+    from tests.unit.test_speculative_engine import Oracle
+    from worker.speculation import Speculator
+
+    params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 120, **sampling}
+    texts = prompts(4, seed=12)
+    plain = run(make_engine(tiny_llama), texts, **params)
+    engine = make_engine(tiny_llama)
+    engine.speculator = Speculator(Oracle({s.id: s.output_ids for s in plain}, right=2), 4)
+    spec = run(engine, texts, **params)
+    stats = engine.speculator.stats
+    assert stats.accepted > 0 and stats.forbidden > 0 and stats.proposed > stats.accepted
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert all(_valid(json.loads(engine.tokenizer.decode(s.output_ids))) for s in spec)
+
+
+def test_prompt_lookup_speeds_a_constrained_request_and_keeps_it_exact(tiny_llama):
     from worker.speculation import NgramProposer, Speculator
 
     text = "a b c a b c a b c a b c"
-    drafts = []
-    for constraint in (None, {"regex": "(a b c )+"}):  # the same request free, then constrained
+    outputs, stats = [], None
+    for speculate in (False, True):
         engine = make_engine(tiny_llama)
-        engine.speculator = Speculator(NgramProposer(4, 1, 3), 4, 0)
-        seq = _add(engine, "c", engine.tokenizer.encode(text), structured_outputs=constraint, max_tokens=40)
+        if speculate:
+            engine.speculator = Speculator(NgramProposer(4, 1, 3), 4, 0)
+        seq = _add(engine, "c", engine.tokenizer.encode(text), structured_outputs={"regex": "(a b c )+"},
+                   max_tokens=40)
         while engine.has_work():
             engine.step()
-        drafts.append(engine.counts().spec_drafts)
-    assert drafts[0] > 0 and drafts[1] == 0
-    assert re.fullmatch("(a b c )*(a ?|a b ?|a b c)?", engine.tokenizer.decode(seq.output_ids))  # max_tokens may cut it
+        outputs.append(seq.output_ids)
+        stats = engine.speculator.stats if speculate else None
+    assert stats.accepted > 0 and outputs[1] == outputs[0]
+    assert re.fullmatch("(a b c )*(a ?|a b ?|a b c)?", engine.tokenizer.decode(outputs[1]))  # max_tokens may cut it
 
 
 def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
