@@ -16,6 +16,7 @@ a new schema costs no compile step; vLLM runs it as its `guidance` backend.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,10 +54,8 @@ class StructuredOutputs(BaseModel):
                              + (f" (got {', '.join(given)})" if given else ""))
         if self.json_schema is not None and len(json.dumps(self.json_schema)) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
-        from llguidance import LLMatcher
-
         try:
-            error = LLMatcher.validate_grammar(self.grammar_text())
+            error = _compile_error(self.grammar_text())
         except (ValueError, RuntimeError) as exc:  # a schema that is not JSON, GBNF that does not convert
             error = str(exc)
         if error:
@@ -80,3 +79,14 @@ class StructuredOutputs(BaseModel):
         if self.choice is not None:
             return grammar_from("choice", json.dumps(self.choice))
         return grammar_from("grammar", self.grammar or "")
+
+
+@lru_cache(maxsize=256)
+def _compile_error(grammar: str) -> str:
+    """llguidance's verdict on a grammar ('' when it compiles). Cached: an app sends the same
+    schema again and again, and a request's constraint is parsed at the api and again in the
+    worker. llguidance's fuel limits bound a build; the slowest measured here, a 60,000-character
+    schema of 900 patterned properties, took 140 ms (docs/structured_outputs.md)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)

@@ -25,7 +25,7 @@ from worker.model_runner import PagedRunner
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import SpecStats, Speculator
-from worker.structured import Grammars, follow_grammar
+from worker.structured import Compiler, Grammars, follow_grammar
 
 
 class Engine:
@@ -37,17 +37,19 @@ class Engine:
         self.batcher = batcher
         self.batch_size = batcher.max_num_seqs
         self.cancels = CancelInbox()
-        self.grammars = Grammars(tokenizer, runner.vocab_size)
+        self.compiler = Compiler(Grammars(tokenizer, runner.vocab_size))
         self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
         self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
         self._arrivals: list[Sequence] = []  # added since the last step began
         self._arrivals_lock = threading.Lock()
         self._running: list[Sequence] = []  # views of the batcher as the last step left it
         self._waiting: list[Sequence] = []
+        self._compiling: list[Sequence] = []  # arrived, waiting for their grammar's matcher
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
+        self.compiler.start(seq)
         with self._arrivals_lock:
             self._arrivals.append(seq)
         return seq
@@ -93,33 +95,40 @@ class Engine:
         if scheduled.chunks:
             logits = self.runner.execute(scheduled)
             outputs += self._postprocess(scheduled, logits)
-        self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting)
+        self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting) + self._compiling
         self.last_step_size = len(scheduled.chunks)
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
         """End every admitted request with an error (the step itself failed; no step runs now)."""
         outputs = []
-        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._take_arrivals():
+        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._compiling + self._take_arrivals():
             seq.finish(FinishReason.ERROR, error)
             self._remove(seq)
             outputs.append(StepOutput(seq, None, True))
-        self._running, self._waiting = [], []
+        self._running, self._waiting, self._compiling = [], [], []
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
         return outputs
 
     def _admit(self) -> list[StepOutput]:
-        """Requests added since the last step join the batcher's queue; one that can never fit
-        the cache, or whose constraint does not compile, ends here with an error."""
+        """Requests added since the last step join the batcher's queue, a constrained one once
+        its matcher is built; one that can never fit the cache, or whose constraint does not
+        compile, ends here with an error."""
         refused = []
         most = self.batcher.max_tokens_per_request()
-        for seq in self._take_arrivals():
+        arrivals, self._compiling = self._compiling + self._take_arrivals(), []
+        if arrivals and not self.batcher.has_work():
+            self.compiler.wait(arrivals)  # nothing else to step: wait for a build here, not in a spin
+        for seq in arrivals:
+            if not self.compiler.ready(seq):
+                self._compiling.append(seq)
+                continue
             params = seq.payload.params
             need = len(seq.prompt_ids) + (params.max_tokens or 0)
             try:
+                matcher = self.compiler.matcher(seq)
                 if need > most:
                     raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
-                matcher = self.grammars.matcher(params, seq.output_ids)
             except ValueError as exc:  # GrammarError included
                 seq.finish(FinishReason.ERROR, str(exc))
                 refused.append(StepOutput(seq, None, True))
@@ -141,14 +150,16 @@ class Engine:
     def _end_cancelled(self) -> list[StepOutput]:
         cancelled = self.cancels.take()
         outputs = []
-        for seq in list(self.batcher.running) + list(self.batcher.waiting):
+        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._compiling:
             if seq.id in cancelled:
                 seq.finish(FinishReason.CANCELLED)
                 self._remove(seq)
                 outputs.append(StepOutput(seq, None, True))
+        self._compiling = [seq for seq in self._compiling if not seq.finished]
         return outputs
 
     def _remove(self, seq: Sequence) -> None:
+        self.compiler.discard(seq)
         self.batcher.remove(seq)
         self._sampling.pop(seq.id, None)
         if self.speculator:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,54 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher
+
+
+class Compiler:
+    """Builds each constrained request's matcher on a thread of its own, so a grammar that takes
+    long to build never holds up the step loop: the request joins the batch at the first step
+    after its matcher is ready, and one not ready within `timeout_s` fails alone. (llguidance
+    bounds each build and each mask by its fuel limits as well.)"""
+
+    def __init__(self, grammars: Grammars, timeout_s: float = 30.0):
+        self.grammars, self.timeout_s = grammars, timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._jobs: dict[str, tuple[Future, float]] = {}  # request id -> (its build, its deadline)
+
+    def start(self, seq: Sequence) -> None:
+        """Begin the request's build (any thread; before the model thread can see the request)."""
+        params = seq.payload.params
+        if params.structured_outputs is not None:
+            build = self._pool.submit(self.grammars.matcher, params, list(seq.output_ids))
+            self._jobs[seq.id] = (build, time.monotonic() + self.timeout_s)
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether the request can join the batch now (its build is done, failed or late)."""
+        job = self._jobs.get(seq.id)
+        return job is None or job[0].done() or time.monotonic() >= job[1]
+
+    def wait(self, seqs: list[Sequence], most_s: float = 0.02) -> None:
+        """Block until one of the requests is ready, or `most_s` passes (a step loop with nothing
+        else to run waits here rather than spin; a new arrival waits `most_s` at most)."""
+        jobs = [job for seq in seqs if (job := self._jobs.get(seq.id)) is not None]
+        if jobs and not any(self.ready(seq) for seq in seqs):
+            wait([build for build, _ in jobs], min(most_s, max(0.0, min(d for _, d in jobs) - time.monotonic())),
+                 return_when=FIRST_COMPLETED)
+
+    def matcher(self, seq: Sequence) -> "LLMatcher | None":
+        """A ready request's matcher (None without a constraint); GrammarError when the build
+        failed or ran past the time limit."""
+        job = self._jobs.pop(seq.id, None)
+        if job is None:
+            return None
+        build, _ = job
+        if not build.done():
+            build.cancel()  # a build under way runs to its end; its result is dropped
+            raise GrammarError(f"the constraint took longer than {self.timeout_s:g} s to compile")
+        return build.result()
+
+    def discard(self, seq: Sequence) -> None:
+        if (job := self._jobs.pop(seq.id, None)) is not None:
+            job[0].cancel()
 
 
 def allowed(constraints: list[tuple["LLMatcher", list[int]]], vocab: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 from pydantic import ValidationError
@@ -152,6 +153,55 @@ def test_prompt_lookup_speeds_a_constrained_request_and_keeps_it_exact(tiny_llam
         stats = engine.speculator.stats if speculate else None
     assert stats.accepted > 0 and outputs[1] == outputs[0]
     assert re.fullmatch("(a b c )*(a ?|a b ?|a b c)?", engine.tokenizer.decode(outputs[1]))  # max_tokens may cut it
+
+
+def _gated(engine) -> threading.Event:
+    """Hold every grammar build of the engine until the returned event is set."""
+    gate, build = threading.Event(), engine.compiler.grammars.matcher
+
+    def held(params, delivered):
+        gate.wait(120)  # bounded, so a failing test cannot hang the run
+        return build(params, delivered)
+
+    engine.compiler.grammars.matcher = held
+    return gate
+
+
+def test_a_grammar_that_takes_long_to_build_holds_up_no_step(tiny_llama):
+    engine = make_engine(tiny_llama)
+    gate = _gated(engine)
+    tok = engine.tokenizer
+    try:
+        held = _add(engine, "held", tok.encode("hi"), structured_outputs={"regex": REGEX})
+        cancelled = _add(engine, "cancelled", tok.encode("hi"), structured_outputs={"json_object": True})
+        free = _add(engine, "free", tok.encode("hello"))
+        engine.step()
+        engine.cancel("cancelled")
+        while not free.finished:  # the free request runs to its end while both builds are held
+            engine.step()
+        assert free.finish_reason is not FinishReason.ERROR and free.output_ids
+        assert cancelled.finish_reason is FinishReason.CANCELLED
+        assert held.output_ids == [] and not held.finished and held in engine.waiting
+    finally:
+        gate.set()
+    while engine.has_work():
+        engine.step()
+    assert held.finish_reason is FinishReason.STOP and re.fullmatch(REGEX, tok.decode(held.output_ids))
+
+
+def test_a_grammar_past_its_time_limit_fails_its_request_alone(tiny_llama):
+    engine = make_engine(tiny_llama)
+    engine.compiler.timeout_s = 0.0
+    gate = _gated(engine)
+    try:
+        late = _add(engine, "late", engine.tokenizer.encode("hi"), structured_outputs={"regex": REGEX})
+        free = _add(engine, "free", engine.tokenizer.encode("hi"))
+        while engine.has_work():
+            engine.step()
+    finally:
+        gate.set()
+    assert late.finish_reason is FinishReason.ERROR and "longer than 0 s to compile" in late.error
+    assert free.finish_reason is not FinishReason.ERROR and free.output_ids
 
 
 def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
