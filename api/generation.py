@@ -69,11 +69,13 @@ class Generation:
             raise ApiError(404, f"model {model!r} is not served here; served models: [{self.model_name!r}]",
                            param="model", code="model_not_found")
 
-    async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
-        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while)."""
+    async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while);
+        `tools`, for a chat template that renders them itself."""
         try:
             if messages is not None:
-                return await run_in_threadpool(self.tokenizer.encode_chat, messages)
+                return await run_in_threadpool(self.tokenizer.encode_chat, messages, tools)
             return await run_in_threadpool(self.tokenizer.encode, prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from api import hermes
 from api import tools as tool_format
 from api.tools import Tool, ToolChoice, chosen
 from shared.messages import MAX_PRIORITY
@@ -207,6 +208,7 @@ class ChatCompletionRequest(_Common):
         return value
 
     _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
+    _hermes: bool = PrivateAttr(False)  # the model's template knows Hermes-style tool calls
 
     @model_validator(mode="after")
     def _tools_alone(self) -> "ChatCompletionRequest":
@@ -226,8 +228,33 @@ class ChatCompletionRequest(_Common):
     def constraint(self) -> StructuredOutputs | None:
         return self._tool_constraint if self.calls_tools else super().constraint()
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation for the chat template, with the tools described in a system message."""
+    def in_hermes_format(self) -> None:
+        """The model's template knows Hermes-style tool calls: the tools, the earlier calls and
+        the reply's constraint take that format (api/hermes.py) instead of the generic one."""
+        self._hermes = True
+        if self.calls_tools:
+            self._tool_constraint = hermes.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
+                                                      self.parallel_tool_calls)
+
+    @property
+    def hermes(self) -> bool:
+        return self._hermes and self.calls_tools
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders itself (Hermes format), or None."""
+        if not self.hermes:
+            return None
+        return [t.model_dump(exclude_none=True) for t in chosen(self.tools, self.tool_choice)]
+
+    def parse_reply(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a reply in the request's tool format."""
+        return hermes.parse(text) if self.hermes else tool_format.parse(text)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation for the chat template: in the Hermes format the template's own way,
+        else with the tools described in a system message."""
+        if self.hermes:
+            return [hermes.template_message(m.model_dump(), m.text()) for m in self.messages]
         messages = [m.for_template() for m in self.messages]
         if self.calls_tools:
             text = tool_format.system_text(chosen(self.tools, self.tool_choice), self.tool_choice)

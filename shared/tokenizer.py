@@ -81,8 +81,10 @@ class Tokenizer:
         is still partial."""
         return partial(DecodeStream(skip_special_tokens=True).step, self._tok)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat messages, as the model was trained to read them."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for chat messages (and `tools`, for a template that renders them), as
+        the model was trained to read them."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
@@ -94,13 +96,14 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         tools=tools)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the special tokens itself, as transformers does.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

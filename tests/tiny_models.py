@@ -12,6 +12,29 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen2.5's template, shortened: it renders `tools` and asks for Hermes-style <tool_call> blocks.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>{{ '\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>{{ '\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role + '\n' + message.content }}<|im_end|>{{ '\n' }}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}{{ '\n' + message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{{ '\n' }}<tool_call>{{ '\n' }}{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}{{ '\n' }}</tool_call>{% endfor %}<|im_end|>{{ '\n' }}"
+    "{% elif message.role == 'tool' %}<|im_start|>user{{ '\n' }}<tool_response>{{ '\n' + message.content + '\n' }}"
+    "</tool_response><|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}"
+)
 CORPUS = [
     "Once upon a time there was a small model that served many users at once.",
     "The capital of France is Paris. The capital of Korea is Seoul.",
@@ -22,7 +45,8 @@ SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CONTEXT = 256
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT) -> int:
+def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
+                    chat_template: str = CHAT_TEMPLATE) -> int:
     """Train the tokenizer into `folder`; return the real vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -37,18 +61,19 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
-        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": chat_template, "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": context,
     }))
     return tok.get_vocab_size()
 
 
-def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT) -> Path:
+def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, chat_template: str = CHAT_TEMPLATE,
+                ) -> Path:
     """A tiny 'llama' or 'opt' model with its tokenizer in `folder`, of `context` positions."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-    vocab = build_tokenizer(folder, context=context)
+    vocab = build_tokenizer(folder, context=context, chat_template=chat_template)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   max_position_embeddings=context)
     if kind == "llama":

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter
 
-from api import tools
+from api import hermes
 from api.auth import TenantDep
 from api.deps import ModelsDep
 from api.generation import ApiError, Generation
@@ -140,12 +140,17 @@ async def plan_completion(body: CompletionRequest, generation: Generation) -> li
 async def plan_chat(body: ChatCompletionRequest, generation: Generation) -> tuple[list[RequestPayload], int | None]:
     """The requests one chat call runs, and the logprobs it asked for; checked, not queued."""
     generation.check_model(body.model)
+    if body.calls_tools and hermes.knows(generation.tokenizer):
+        try:
+            body.in_hermes_format()
+        except ValueError as exc:  # the tools' grammar in this format does not compile
+            raise ApiError(400, str(exc), param="tools") from exc
     try:
         messages = body.template_messages()
         logprobs = body.wanted_logprobs()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
-    prompt_ids = await generation.encode(messages=messages)
+    prompt_ids = await generation.encode(messages=messages, tools=body.template_tools())
     return await _build(generation, body, prompt_ids, body.n, body.max_completion_tokens or body.max_tokens,
                         logprobs), logprobs
 
@@ -239,7 +244,7 @@ def _chat_message(body: ChatCompletionRequest, text: str, reason: str) -> tuple[
     of the tool format (finish reason tool_calls), or its plain answer."""
     if not body.calls_tools:
         return {"role": "assistant", "content": text}, reason
-    content, calls = tools.parse(text)
+    content, calls = body.parse_reply(text)
     if calls:
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": content}, reason
@@ -255,24 +260,33 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
         yield json_frame({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
-    held = [[] for _ in payloads]  # with tools, a reply is parsed whole: its text is held to the end
+    # With tools, a reply is parsed whole: its tokens are held to the end. In the Hermes format a
+    # reply that does not open with "<" is a plain answer (the grammar allows no call after it),
+    # so it streams from there on.
+    held: list[list[TokenEvent]] = [[] for _ in payloads]
+    answering = [False] * len(payloads)
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
             continue
         if isinstance(event, TokenEvent):
             completion_tokens += 1
-            if body.calls_tools:
-                held[i].append(event.text)
+            events = [event]
+            if body.calls_tools and not answering[i]:
+                held[i].append(event)
+                text = "".join(e.text for e in held[i])
+                if not (body.hermes and text and not text.startswith("<")):
+                    continue
+                answering[i], events, held[i] = True, held[i], []
+            text = "".join(e.text for e in events)
+            if not text and logprobs is None:
                 continue
-            if not event.text and logprobs is None:
-                continue
-            lp = _chat_logprobs(tokenizer, [event]) if logprobs is not None else None
-            choice = {"index": i, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
+            lp = _chat_logprobs(tokenizer, events) if logprobs is not None else None
+            choice = {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
             reason = _stream_reason(event)
-            if body.calls_tools:
-                message, reason = _chat_message(body, "".join(held[i]), reason)
+            if body.calls_tools and not answering[i]:
+                message, reason = _chat_message(body, "".join(e.text for e in held[i]), reason)
                 for delta in _tool_deltas(message):
                     yield json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": None,
                                                            "finish_reason": None}], **extra})

@@ -1,5 +1,6 @@
 """OpenAI tool calling through the whole stack on the tiny llama model, with the official openai
-client: the arguments always validate against the function's schema (api/tools.py)."""
+client, in both tool formats (the generic one, api/tools.py, and the Hermes one of templates that
+know tools, api/hermes.py): the arguments always validate against the function's schema."""
 from __future__ import annotations
 
 import json
@@ -8,16 +9,29 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from api import tools as tool_format
+from api.tools import Tool
+from shared.tokenizer import Tokenizer
 from tests.stack import Stack
-from tests.tiny_models import build_model
+from tests.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_model
+
+
+@pytest.fixture(scope="module", params=["generic", "hermes"])
+def stack(request, redis_url, tmp_path_factory) -> Stack:
+    """A tiny llama of 2,048 positions (the tools' description in the prompt outgrows 256), with
+    a chat template that knows no tools (the generic format), or Qwen2.5's shortened, which
+    renders them and asks for <tool_call> blocks (the Hermes format)."""
+    template = HERMES_TEMPLATE if request.param == "hermes" else CHAT_TEMPLATE
+    model = build_model(tmp_path_factory.mktemp(f"tiny-llama-{request.param}"), "llama", context=2048,
+                        chat_template=template)
+    with Stack(redis_url, model, tmp_path_factory.mktemp("tools")) as running:
+        running.tool_format = request.param
+        yield running
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, tmp_path_factory) -> Stack:
-    """A tiny llama of 2,048 positions: the tools' description in the prompt outgrows 256."""
-    model = build_model(tmp_path_factory.mktemp("tiny-llama-long"), "llama", context=2048)
-    with Stack(redis_url, model, tmp_path_factory.mktemp("tools")) as running:
-        yield running
+def tokenizer(stack) -> Tokenizer:
+    return Tokenizer(stack.env["STREAMQ_MODEL"])
 
 
 class Weather(BaseModel):
@@ -69,7 +83,7 @@ def test_a_named_function_is_the_one_called_once_without_parallel_calls(client, 
         _check(calls)
 
 
-def test_auto_answers_with_a_call_or_with_text(client, model):
+def test_auto_answers_with_a_call_or_with_text(client, model, stack):
     for seed in range(3):
         reply = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=200,
                                                temperature=1.0, seed=seed)
@@ -79,6 +93,31 @@ def test_auto_answers_with_a_call_or_with_text(client, model):
             _check(choice.message.tool_calls)
         else:
             assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+            if stack.tool_format == "hermes":  # a plain answer cannot open like a call block
+                assert not choice.message.content.startswith("<")
+
+
+def test_the_prompt_is_in_the_templates_own_tool_format(client, model, stack, tokenizer):
+    """The Hermes template renders the tools itself and reads earlier calls as <tool_call>
+    blocks; the generic format describes them in a system message. The prompt's token count is
+    the rendering's, each way."""
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=1, temperature=0)
+    if stack.tool_format == "hermes":
+        rendered = tokenizer.render_chat([ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], tools=TOOLS)
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}' in rendered
+        assert '"name": "convert"' in rendered and "<tool_response>\nsunny" in rendered
+    else:
+        rendered = tokenizer.render_chat([{"role": "system", "content": tool_format.system_text(
+            [Tool.model_validate(t) for t in TOOLS], None)}, ASK[0], {"role": "assistant", "content": json.dumps(
+                {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]})},
+            {"role": "tool", "content": "[call_1] sunny"}])
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def test_a_two_turn_tool_conversation(client, model):
@@ -133,3 +172,20 @@ def test_bad_tool_arguments_are_400(client, model, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4, tool_choice="auto")
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_a_plain_answer_under_auto_streams_as_it_comes_in_the_hermes_format(client, model, stack, tokenizer):
+    """No token may open with "<" (a bias), so under auto the reply is a plain answer. In the
+    Hermes format the grammar then allows no call after it, and it streams token by token; the
+    generic format's answer is JSON, held and parsed whole."""
+    opening = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t], skip_special_tokens=False)[:1] == "<"]
+    bias = {str(t): -100 for t in opening}
+    ask = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=30, temperature=0, logit_bias=bias)
+    whole = client.chat.completions.create(**ask).choices[0]
+    deltas = [c.choices[0].delta.content for c in client.chat.completions.create(**ask, stream=True)
+              if c.choices and c.choices[0].delta.content]
+    if stack.tool_format == "hermes":
+        assert whole.message.tool_calls is None and not whole.message.content.startswith("<")
+        assert len(deltas) > 1 and "".join(deltas) == whole.message.content
+    else:
+        assert len(deltas) <= 1 and "".join(deltas) == (whole.message.content or "")

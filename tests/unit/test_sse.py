@@ -52,7 +52,7 @@ class _Generation:
     def check_model(self, model):
         pass
 
-    async def encode(self, prompt=None, messages=None):
+    async def encode(self, prompt=None, messages=None, tools=None):
         return [1, 2, 3]
 
     def build(self, prompt_ids, params, priority=0):

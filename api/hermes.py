@@ -1,0 +1,100 @@
+"""The Hermes tool format, for models whose chat template knows it (Qwen2.5, Hermes, and others).
+
+The template renders `tools` itself and asks for calls as
+  <tool_call>
+  {"name": <a tool's name>, "arguments": <that tool's parameters>}
+  </tool_call>
+one block per call, so the tools go to the template as OpenAI's `tools` list and the conversation's
+earlier calls and tool results as the template reads them (`tool_calls` with arguments as
+objects, `role: "tool"` messages). The reply is constrained by a Lark grammar (llguidance's,
+with each call's JSON under a schema): tool call blocks only under `required` or a named
+function, one block without `parallel_tool_calls`; under `auto`, the blocks or a plain answer,
+one that does not begin with "<". Either way the arguments validate against the function's
+schema, and the reply is parsed back into OpenAI's `tool_calls`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from shared.structured import JSON_LAYOUT, StructuredOutputs
+
+if TYPE_CHECKING:
+    from api.tools import Tool, ToolChoice
+    from shared.tokenizer import Tokenizer
+
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_PROBE = {"type": "function", "function": {"name": "streamq_probe_tool", "parameters": {"type": "object"}}}
+
+
+def knows(tokenizer: "Tokenizer") -> bool:
+    """Whether the model's chat template renders tools and asks for Hermes-style calls."""
+    return _knows(tokenizer, tokenizer.chat_template)
+
+
+@lru_cache(maxsize=8)
+def _knows(tokenizer: "Tokenizer", template: str | None) -> bool:
+    if not template or "<tool_call>" not in template:
+        return False
+    try:
+        rendered = tokenizer.render_chat([{"role": "user", "content": "hi"}], tools=[_PROBE])
+    except ValueError:  # ChatTemplateError: the template cannot take tools after all
+        return False
+    return _PROBE["function"]["name"] in rendered
+
+
+def constraint(tools: list["Tool"], choice: "ToolChoice | None", parallel: bool) -> StructuredOutputs:
+    """The reply's grammar: call blocks (of `tools`), or under "auto" a plain answer instead."""
+    from api.tools import ANY_OBJECT
+
+    call = {"x-guidance": JSON_LAYOUT,
+            "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                       "properties": {"name": {"const": t.function.name},
+                                      "arguments": t.function.parameters or ANY_OBJECT}} for t in tools]}
+    rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}",
+             'calls: call ("\\n" call)*' if parallel else "calls: call",
+             f"call: {json.dumps(OPEN)} %json {json.dumps(call)} {json.dumps(CLOSE)}",
+             r"TEXT: /[^<][\s\S]*/"]
+    return StructuredOutputs(grammar="\n".join(rules) + "\n")
+
+
+def template_message(message: dict[str, Any], text: str) -> dict[str, Any]:
+    """An earlier message as a Hermes template reads it (`text`: its content as plain text)."""
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        calls = [{"type": "function", "function": {"name": (c.get("function") or {}).get("name"),
+                                                   "arguments": _arguments(c)}} for c in message["tool_calls"]]
+        return {"role": "assistant", "content": text, "tool_calls": calls}
+    if message["role"] == "tool":
+        return {"role": "tool", "content": text, "tool_call_id": message.get("tool_call_id")}
+    return {"role": message["role"], "content": text}
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = (call.get("function") or {}).get("arguments") or "{}"
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
+def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a reply: the call blocks, and any text before them as content.
+    A reply with a block that does not parse (cut by max_tokens) is content as it stands."""
+    blocks = _BLOCK.findall(text)
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            value = json.loads(block)
+            name, arguments = value["name"], value["arguments"]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    content = text[:text.index("<tool_call>")].strip()
+    return content or None, calls
