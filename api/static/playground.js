@@ -1,5 +1,6 @@
 // The streamq playground: a chat over the native api's SSE stream, and a live view of the workers.
 // Plain JS, no build step. EventSource cannot POST, so the stream is read from fetch()'s body.
+// With tools, the chat goes through the OpenAI endpoint instead (playground-tools.js).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -34,7 +35,8 @@ async function errorText(response) {
   }
 }
 
-// Yields {event, id, data} per event of a text/event-stream body; data is parsed JSON.
+// Yields {event, id, data} per event of a text/event-stream body; data is parsed JSON. OpenAI's
+// "[DONE]" ends the stream.
 async function* sseEvents(body) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
@@ -58,6 +60,7 @@ async function* sseEvents(body) {
         else if (field === "event") event.event = text;
         else if (field === "id") event.id = text;
       }
+      if (event.data === "[DONE]") return;
       if (event.data) yield {...event, data: JSON.parse(event.data)};
     }
   }
@@ -113,15 +116,25 @@ function showError(message) {
 
 function showStats(run) {
   $("tokens").textContent = String(run.tokens);
-  $("ttft").textContent = run.tokens ? `${Math.round(run.firstAt - run.startedAt)} ms` : "–";
+  // A held reply (a tool-format one, sent once it is whole) shows no first token's time.
+  $("ttft").textContent = run.tokens && !run.held ? `${Math.round(run.firstAt - run.startedAt)} ms` : "–";
   // The decode rate (tokens after the first, over the time since it) once two arrived apart;
-  // before that, or when all came in one read, the rate over the whole request.
+  // before that, or when all came in one read or were held, the rate over the whole request.
   const decodeS = (run.lastAt - run.firstAt) / 1000;
   const totalS = (run.lastAt - run.startedAt) / 1000;
   let rate = null;
-  if (run.tokens > 1 && decodeS > 0.001) rate = (run.tokens - 1) / decodeS;
+  if (run.tokens > 1 && decodeS > 0.001 && !run.held) rate = (run.tokens - 1) / decodeS;
   else if (run.tokens && totalS > 0) rate = run.tokens / totalS;
   $("tps").textContent = rate === null ? "–" : rate.toFixed(1);
+}
+
+// A token (or, with `tokens` 0, a tool call's delta) arrived: the timings move on.
+function arrived(run, tokens) {
+  const now = performance.now();
+  if (!run.firstAt) run.firstAt = now;
+  run.lastAt = now;
+  run.tokens += tokens;
+  showStats(run);
 }
 
 function setBusy(busy) {
@@ -150,14 +163,40 @@ function sampling() {
   return params;
 }
 
+// The native stream's events into the assistant's item; run.text is the reply.
+async function readNative(response, run, answer) {
+  run.id = response.headers.get("X-Request-Id");
+  showRequestId(run.id);
+  setState("queued");
+  for await (const event of sseEvents(response.body)) {
+    if (event.event === "token") {
+      arrived(run, 1);
+      run.text += event.data.text;
+      appendText(answer, event.data.text);
+      if (run.tokens === 1) setState("streaming");
+    } else if (event.event === "status") {
+      setState(event.data.status);
+    } else if (event.event === "final") {
+      $("finish").textContent = event.data.finish_reason || "–";
+      if (event.data.error) showError(event.data.error);
+      setState(event.data.status);
+    }
+  }
+}
+
+// The assistant's turn for the history, in OpenAI's form (tool_calls when it made any).
+function assistantTurn(run) {
+  return run.calls ? run.calls.turn(run.text) : {role: "assistant", content: run.text};
+}
+
 async function send(text) {
   const system = $("system").value.trim();
   const turn = {role: "user", content: text};
   const messages = [...(system ? [{role: "system", content: system}] : []), ...history, turn];
   const asked = addMessage("user", text);
   const answer = addMessage("assistant", "");
-  const run = {id: null, controller: new AbortController(), stopped: false, text: "", tokens: 0,
-               startedAt: performance.now(), firstAt: 0, lastAt: 0};
+  const run = {id: null, controller: new AbortController(), stopped: false, text: "", tokens: 0, calls: null,
+               held: false, startedAt: performance.now(), firstAt: 0, lastAt: 0};
   current = run;
   setBusy(true);
   showError("");
@@ -165,10 +204,17 @@ async function send(text) {
   setState("sending");
   for (const id of ["ttft", "tps", "tokens", "finish"]) $(id).textContent = "–";
   try {
-    const response = await fetch("v1/requests", {
+    const tools = toolsChosen();  // null: the native api
+    if (tools) {
+      run.calls = new ToolCalls(answer);
+      run.held = tools.tool_choice !== "none";  // the api parses a tool-format reply whole, then sends it
+    }
+    const [path, body] = tools ? ["v1/chat/completions", chatBody(messages, sampling(), tools)]
+      : ["v1/requests", {messages: messages.map(nativeMessage), ...sampling(), stream: true}];
+    const response = await fetch(path, {
       method: "POST",
       headers: headers({"Content-Type": "application/json", Accept: "text/event-stream"}),
-      body: JSON.stringify({messages, ...sampling(), stream: true}),
+      body: JSON.stringify(body),
       signal: run.controller.signal,
     });
     if (!response.ok) {
@@ -176,32 +222,12 @@ async function send(text) {
       if (response.status === 401) askForKey(reason);
       throw new Error(reason);
     }
-    run.id = response.headers.get("X-Request-Id");
-    showRequestId(run.id);
-    setState("queued");
-    for await (const event of sseEvents(response.body)) {
-      if (event.event === "token") {
-        const now = performance.now();
-        if (!run.tokens) run.firstAt = now;
-        run.lastAt = now;
-        run.tokens += 1;
-        run.text += event.data.text;
-        appendText(answer, event.data.text);
-        showStats(run);
-        if (run.tokens === 1) setState("streaming");
-      } else if (event.event === "status") {
-        setState(event.data.status);
-      } else if (event.event === "final") {
-        $("finish").textContent = event.data.finish_reason || "–";
-        if (event.data.error) showError(event.data.error);
-        setState(event.data.status);
-      }
-    }
-    history.push(turn, {role: "assistant", content: run.text});
+    await (tools ? readChat : readNative)(response, run, answer);
+    history.push(turn, assistantTurn(run));
   } catch (error) {
     if (run.stopped) {
       note(answer, "(stopped)");
-      history.push(turn, {role: "assistant", content: run.text});
+      history.push(turn, assistantTurn(run));
       if (run.id) await settle(run.id);
       else setState("stopped");
     } else {  // nothing was said: take the turn back so it can be edited and resent
@@ -219,6 +245,7 @@ async function send(text) {
 
 // Stop: closing the stream cancels the request on the server; the DELETE says so explicitly,
 // and covers a proxy that keeps the upstream connection open (409 means it had already ended).
+// The OpenAI path has no request id to delete: there the closed stream alone cancels.
 function stop() {
   const run = current;
   if (!run || run.stopped) return;

@@ -1,5 +1,6 @@
 """The playground page at `/`, driven in headless chromium against real stacks: a reply streams in
-with its TTFT and tokens/s, the workers panel shows the worker, and Stop cancels a generation.
+with its TTFT and tokens/s, the workers panel shows the worker, Stop cancels a generation, and
+tools give tool-call blocks.
 
 Needs Debian's chromium and chromedriver (scripts/ensure-browser.sh, which `make test` runs); the
 test fails, never skips, without them. Screenshots are saved under the test's tmp_path and, when
@@ -17,17 +18,33 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.stack import ROOT, Stack
+from tests.tiny_models import build_model
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 NUMBER = re.compile(r"^\d+(\.\d+)?( ms)?$")
 WAIT_S = 60  # an upper bound for the page to catch up, never a pause
+
+
+class Forecast(BaseModel):
+    """The forecast function's parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    days: int = Field(ge=1, le=7)
+
+
+FORECAST = {"type": "function", "function": {
+    "name": "forecast", "description": "The weather for the next days.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["days"],
+                   "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +74,14 @@ def secured_null(redis_url, tiny_llama, tmp_path_factory) -> Stack:
         yield running
 
 
+@pytest.fixture(scope="module")
+def long_llama(redis_url, tmp_path_factory) -> Stack:
+    """A tiny llama of 2,048 positions: the tools' description in the prompt outgrows 256."""
+    model = build_model(tmp_path_factory.mktemp("tiny-llama-long"), "llama", context=2048)
+    with Stack(redis_url, model, tmp_path_factory.mktemp("playground-tools")) as running:
+        yield running
+
+
 def wait(driver: WebDriver, condition, what: str):
     def describe() -> str:
         return f"{what}; page state {driver.find_element(By.TAG_NAME, 'body').get_attribute('data-state')!r}, " \
@@ -80,6 +105,15 @@ def set_field(driver: WebDriver, element_id: str, value: str) -> None:
 def send(driver: WebDriver, prompt: str) -> None:
     set_field(driver, "prompt", prompt)
     driver.find_element(By.ID, "send").click()
+
+
+def page_state(driver: WebDriver) -> str:
+    return driver.find_element(By.TAG_NAME, "body").get_attribute("data-state")
+
+
+def replied(driver: WebDriver, replies: int) -> bool:
+    """The page has ended its `replies`-th reply (its item and its state are set in one task)."""
+    return len(driver.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == replies and page_state(driver) == "done"
 
 
 def last_reply(driver: WebDriver) -> str:
@@ -172,6 +206,19 @@ def test_stop_cancels_the_generation_and_a_key_is_asked_for(browser, secured_nul
         assert state["status"] == "cancelled" and state["finish_reason"] == "cancelled"
         assert 1 <= state["completion_tokens"] < 200
         assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
+
+        # With tools the chat goes through the OpenAI endpoint, which gives the page no request id
+        # to DELETE: Stop closes the stream, and that cancels the request.
+        browser.find_element(By.ID, "clear").click()  # a short history: the prompt and max_tokens fit 256
+        set_field(browser, "tools", json.dumps([FORECAST]))
+        Select(browser.find_element(By.ID, "tool_choice")).select_by_value("none")  # a plain answer, streamed
+        set_field(browser, "max_tokens", "199")
+        send(browser, "Another long story.")
+        wait(browser, lambda d: last_reply(d) != "", "the first token over the OpenAI endpoint")
+        browser.find_element(By.ID, "stop").click()
+        wait(browser, lambda d: page_state(d) == "stopped", "the page to show the stream stopped")
+        record = secured_null.wait_for_record(lambda r: '"max_tokens":199' in r["params"] and r["status"] != "running")
+        assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
     finally:
         screenshot(browser, tmp_path, "playground-stopped.png")
 
@@ -199,3 +246,45 @@ def test_a_json_schema_constrains_the_reply_and_a_bad_one_is_shown(browser, stac
         wait(browser, lambda d: "not valid JSON" in text_of(d, "error"), "the page's own refusal")
     finally:
         screenshot(browser, tmp_path, "playground-json-schema.png")
+
+
+def test_tools_give_a_tool_call_block_that_goes_back_with_the_history(browser, long_llama, tmp_path):
+    browser.get(f"{long_llama.urls[0]}/")
+    try:
+        set_field(browser, "temperature", "0")
+        set_field(browser, "max_tokens", "200")
+        set_field(browser, "tools", json.dumps([FORECAST]))
+        Select(browser.find_element(By.ID, "tool_choice")).select_by_value("required")
+        send(browser, "The weather this week?")
+        wait(browser, lambda d: replied(d, 1), "the tool call's final chunk")
+        blocks = browser.find_elements(By.CSS_SELECTOR, "#messages li.assistant .tool-call")
+        assert blocks and last_reply(browser) == ""
+        for block in blocks:
+            assert block.find_element(By.CLASS_NAME, "tool-name").get_property("textContent") == "forecast"
+            arguments = block.find_element(By.CLASS_NAME, "tool-arguments").get_property("textContent")
+            Forecast.model_validate_json(arguments)
+        assert text_of(browser, "finish") == "tool_calls" and int(text_of(browser, "tokens")) > 0
+        screenshot(browser, tmp_path, "playground-tool-call.png")
+
+        # The call goes back with the history: as tool_calls to the OpenAI endpoint, then as the
+        # model's text to the native api (which would refuse tool_calls in a message).
+        Select(browser.find_element(By.ID, "tool_choice")).select_by_value("none")
+        set_field(browser, "max_tokens", "4")
+        send(browser, "Thanks.")
+        wait(browser, lambda d: replied(d, 2), "a plain answer with tools present")
+        set_field(browser, "tools", "")
+        send(browser, "Bye.")
+        wait(browser, lambda d: replied(d, 3), "the native api's answer after the tool call")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .tool-call")) == len(blocks)
+
+        set_field(browser, "tools", "[{not json")
+        send(browser, "Again.")
+        wait(browser, lambda d: "Tools: not valid JSON" in text_of(d, "error"), "the page's own refusal")
+        set_field(browser, "tools", json.dumps([FORECAST]))
+        Select(browser.find_element(By.ID, "tool_choice")).select_by_value("auto")  # under none, no tool constraint
+        set_field(browser, "json_schema", '{"type": "object"}')
+        send(browser, "Again.")
+        wait(browser, lambda d: "tools cannot be combined" in text_of(d, "error"), "the api's refusal on the page")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == 3
+    finally:
+        screenshot(browser, tmp_path, "playground-tools.png")
