@@ -113,5 +113,6 @@ def _openai_message(e: dict) -> str:
     loc = ".".join(_field(e))
     if e.get("type") == "extra_forbidden":  # OpenAI's own words for an argument it does not know
         return f"Unrecognized request argument supplied: {loc}"
-    detail = f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else ""
-    return f"{loc}: {e.get('msg')}{detail}" if loc else f"{e.get('msg')}{detail}"
+    msg, error = e.get("msg") or "", str((e.get("ctx") or {}).get("error", ""))
+    detail = f" ({error})" if error and error not in msg else ""  # a ValueError's message is in msg already
+    return f"{loc}: {msg}{detail}" if loc else f"{msg}{detail}"
