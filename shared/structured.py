@@ -55,7 +55,7 @@ class StructuredOutputs(BaseModel):
         if self.json_schema is not None and len(json.dumps(self.json_schema)) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
         try:
-            error = _compile_error(self.grammar_text())
+            error = compile_error(self.grammar_text())
         except (ValueError, RuntimeError) as exc:  # a schema that is not JSON, GBNF that does not convert
             error = str(exc)
         if error:
@@ -82,7 +82,7 @@ class StructuredOutputs(BaseModel):
 
 
 @lru_cache(maxsize=256)
-def _compile_error(grammar: str) -> str:
+def compile_error(grammar: str) -> str:
     """llguidance's verdict on a grammar ('' when it compiles). Cached: an app sends the same
     schema again and again, and a request's constraint is parsed at the api and again in the
     worker. llguidance's fuel limits bound a build; the slowest measured here, a 60,000-character

@@ -93,8 +93,13 @@ class Engine:
         if self.speculator:
             self.speculator.plan(scheduled, self.batcher, self.runner.context_length, self._fitting)
         if scheduled.chunks:
-            logits = self.runner.execute(scheduled)
-            outputs += self._postprocess(scheduled, logits)
+            batch = self._sampling_batch(scheduled)
+            batch.start_masks(self.runner.vocab_size)  # on llguidance's threads, while the model runs
+            try:
+                logits = self.runner.execute(scheduled)
+            finally:
+                batch.settle_masks()  # a failed step's fail_all must find the matchers at rest
+            outputs += self._postprocess(scheduled, logits, batch)
         self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting) + self._compiling
         self.last_step_size = len(scheduled.chunks)
         return outputs
@@ -165,12 +170,15 @@ class Engine:
         if self.speculator:
             self.speculator.forget(seq.id)
 
-    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+    def _sampling_batch(self, scheduled: SchedulerOutput) -> SamplingBatch:
+        sampling = [c for c in scheduled.chunks if c.samples]
+        return SamplingBatch([self._sampling[c.seq.id] for c in sampling], [c.draft for c in sampling],
+                             [c.draft_probs for c in sampling])
+
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor, batch: SamplingBatch) -> list[StepOutput]:
         """Sample each sampling chunk's tokens; record what the cache holds now; emit the tokens
         and end the requests that are done."""
         sampling = [c for c in scheduled.chunks if c.samples]
-        batch = SamplingBatch([self._sampling[c.seq.id] for c in sampling], [c.draft for c in sampling],
-                              [c.draft_probs for c in sampling])
         picked = dict(zip(map(id, sampling), sample_each(logits, batch)))
         outputs = []
         eos, context = self.tokenizer.eos_token_ids, self.runner.context_length

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Tokens
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -48,10 +50,22 @@ class SamplingBatch:
     rows: list[SamplingRow]
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    masks: Future | None = None  # the constrained rows' masks, under way since before the forward
 
     def __post_init__(self) -> None:
         self.drafts = self.drafts or [[] for _ in self.rows]
         self.draft_probs = self.draft_probs or [None] * len(self.rows)
+
+    def start_masks(self, vocab: int) -> None:
+        """Compute the grammar's masks while the model runs: they depend only on the tokens
+        already chosen (and those proposed), never on this step's logits."""
+        if constraints := self.constraints():
+            self.masks = _masker().submit(allowed, [(m, draft) for _, m, draft in constraints], vocab)
+
+    def settle_masks(self) -> None:
+        """Wait for the masks under way (their matchers are not to be touched meanwhile)."""
+        if self.masks is not None:
+            wait([self.masks])
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -99,7 +113,7 @@ def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list
     max(0, p - q), renormalised. Either way the output is distributed as the model's.
     """
     row_of = batch.logits_rows()
-    raw, choices, probs = _scores(logits, row_of, batch.constraints())
+    raw, choices, probs = _scores(logits, row_of, batch.constraints(), batch.masks)
     emitted, rows, row = [], [], 0
     for req, draft, q in zip(batch.rows, batch.drafts, batch.draft_probs):
         if req.params.greedy:
@@ -128,7 +142,7 @@ def sample_each(logits: torch.Tensor,
     try:
         return sample_verify(logits, batch)
     except Exception:  # noqa: BLE001 - found again, and kept, row by row below
-        pass
+        batch.settle_masks()  # each row computes its own mask again below
     out: list[tuple[list[int], list[Logprobs | None]] | Exception] = []
     row = 0
     for i, (req, state) in enumerate(zip(batch.rows, states)):
@@ -178,10 +192,11 @@ def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tupl
 
 
 def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[tuple[int, Any, list[int]]],
-            ) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+            masks: Future | None = None) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
     """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after the
     grammar's mask, bias, processors and penalties, and for sampled requests' rows the filtered
-    distribution. `constraints`: (first row, matcher, proposed tokens) of each constrained request."""
+    distribution. `constraints`: (first row, matcher, proposed tokens) of each constrained request;
+    `masks`: their masks, when computed already (allowed's result, under way)."""
     params = [r.params for r in row_of]
     constrained = [first + j for first, _, draft in constraints for j in range(1 + len(draft))]
     adjusted = any(p.logit_bias or p.logits_processors or p.needs_history for p in params)
@@ -193,7 +208,11 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[t
     # logits kept for log-probabilities.
     x = raw.clone() if constrained or adjusted else raw
     if constrained:
-        masks = allowed([(matcher, draft) for _, matcher, draft in constraints], x.shape[-1]).to(x.device)
+        if masks is None:
+            allowed_rows = allowed([(matcher, draft) for _, matcher, draft in constraints], x.shape[-1])
+        else:
+            allowed_rows = masks.result()
+        masks = allowed_rows.to(x.device)
         if len(constrained) == x.shape[0]:
             x.masked_fill_(~masks, float("-inf"))
         else:
@@ -209,6 +228,12 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[t
         return raw, choices, {}
     filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [params[row] for row in sampled])
     return raw, choices, {row: filtered[j] for j, row in enumerate(sampled)}
+
+
+@cache
+def _masker() -> ThreadPoolExecutor:
+    """The thread that asks llguidance for a step's masks while the model runs."""
+    return ThreadPoolExecutor(1, thread_name_prefix="masks")
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -148,3 +148,33 @@ def test_the_same_constraint_gives_valid_output_on_either_backend(stack):
                     assert re.fullmatch(constraints["regex"], text), (backend, text)
                 else:
                     assert text in constraints["choice"], (backend, text)
+
+
+def test_tool_calls_validate_on_either_backend(stack):
+    """Tools through the official client on the default model (the generic format), and the
+    Hermes format's grammar (a Lark grammar with each call's JSON under a schema) as
+    structured_outputs: vLLM runs both constraints as the built-in engine does."""
+    import openai
+
+    from api import hermes
+    from api.tools import Tool
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    grammar = hermes.constraint([Tool.model_validate(t) for t in tools], "required", False).grammar
+    client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+    for backend in ("vllm", "hf"):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            reply = client.chat.completions.create(model=stack.model_name, messages=ask, tools=tools, tool_choice=choice,
+                                                   max_tokens=60, temperature=0, extra_body={"backend": backend})
+            call = reply.choices[0].message.tool_calls[0]
+            assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", backend
+            assert set(json.loads(call.function.arguments)) == {"city"}, (backend, call.function.arguments)
+        text = client.completions.create(model=stack.model_name, prompt="Call a tool:", max_tokens=60, temperature=0,
+                                         extra_body={"backend": backend, "structured_outputs": {"grammar": grammar}},
+                                         ).choices[0].text
+        content, calls = hermes.parse(text)
+        assert content is None and len(calls) == 1 and set(json.loads(calls[0]["function"]["arguments"])) == {"city"}, \
+            (backend, text)

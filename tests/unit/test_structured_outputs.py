@@ -155,6 +155,36 @@ def test_prompt_lookup_speeds_a_constrained_request_and_keeps_it_exact(tiny_llam
     assert re.fullmatch("(a b c )*(a ?|a b ?|a b c)?", engine.tokenizer.decode(outputs[1]))  # max_tokens may cut it
 
 
+def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
+    """Each step's masks are asked for once, on the mask thread the step starts before its
+    forward, never again in the sampler; the output is that of masks computed inline."""
+    import worker.sampler as sampler
+
+    texts = prompts(3, seed=14)
+    params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 40}
+    inline = make_engine(tiny_llama)
+    inline_seqs = []
+    for i, text in enumerate(texts):  # sampled with masks computed in the sampler itself
+        inline_seqs.append(_add(inline, f"r{i}", inline.tokenizer.encode(text), **params))
+    monkeypatch.setattr(sampler.SamplingBatch, "start_masks", lambda self, vocab: None)
+    while inline.has_work():
+        inline.step()
+    monkeypatch.undo()
+
+    calls, forwards = [], []
+    real_allowed = sampler.allowed
+    monkeypatch.setattr(sampler, "allowed", lambda *a: calls.append(threading.current_thread().name) or real_allowed(*a))
+    engine = make_engine(tiny_llama)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda scheduled: forwards.append(len(calls)) or execute(scheduled)
+    overlapped = [_add(engine, f"r{i}", engine.tokenizer.encode(text), **params) for i, text in enumerate(texts)]
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in overlapped] == [s.output_ids for s in inline_seqs]
+    assert calls and all(name.startswith("masks") for name in calls)
+    assert len(calls) == len(forwards)  # one mask computation a step, none again in the sampler
+
+
 def _gated(engine) -> threading.Event:
     """Hold every grammar build of the engine until the returned event is set."""
     gate, build = threading.Event(), engine.compiler.grammars.matcher
