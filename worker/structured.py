@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -93,13 +93,15 @@ class Compiler:
         job = self._jobs.get(seq.id)
         return job is None or job[0].done() or time.monotonic() >= job[1]
 
-    def wait(self, seqs: list[Sequence], most_s: float = 0.02) -> None:
-        """Block until one of the requests is ready, or `most_s` passes (a step loop with nothing
-        else to run waits here rather than spin; a new arrival waits `most_s` at most)."""
-        jobs = [job for seq in seqs if (job := self._jobs.get(seq.id)) is not None]
-        if jobs and not any(self.ready(seq) for seq in seqs):
-            wait([build for build, _ in jobs], min(most_s, max(0.0, min(d for _, d in jobs) - time.monotonic())),
-                 return_when=FIRST_COMPLETED)
+    def wait(self, seqs: list[Sequence], most_s: float) -> None:
+        """Block until every one of the requests' builds is done, or `most_s` passes. A step
+        waits a few milliseconds, so that a burst's quick builds join it; a step loop with
+        nothing else to run waits longer rather than spin."""
+        jobs = [self._jobs[seq.id] for seq in seqs if seq.id in self._jobs]  # only this thread pops them
+        pending = [(build, deadline) for build, deadline in jobs if not build.done()]
+        if pending:
+            timeout = min(most_s, max(0.0, min(deadline for _, deadline in pending) - time.monotonic()))
+            wait([build for build, _ in pending], timeout, return_when=ALL_COMPLETED)
 
     def matcher(self, seq: Sequence) -> "LLMatcher | None":
         """A ready request's matcher (None without a constraint); GrammarError when the build
