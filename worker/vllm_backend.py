@@ -19,6 +19,7 @@ from typing import Any
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
+from shared.structured import JSON_LAYOUT
 from shared.tokenizer import Tokenizer
 from worker.backend import Counts
 from worker.sequence import Logprobs, Sequence, StepOutput, new_sequence, token_event
@@ -61,14 +62,17 @@ def sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
 
 
 def structured_kwargs(params: SamplingParams) -> dict[str, Any] | None:
-    """The request's constraint as vLLM's StructuredOutputsParams arguments (vLLM compiles it
-    with its own structured-outputs backend)."""
+    """The request's constraint as vLLM's StructuredOutputsParams arguments. vLLM compiles it with
+    its `guidance` backend (llguidance, as the built-in engine), and a JSON schema carries our
+    layout (`x-guidance`: no free whitespace), so the same request obeys the same grammar on
+    either backend."""
     constraint = params.structured_outputs
     if constraint is None:
         return None
-    value = {"json_schema": constraint.json_schema, "json_object": True, "regex": constraint.regex,
-             "choice": constraint.choice, "grammar": constraint.grammar}[constraint.form]
-    return {"json" if constraint.form == "json_schema" else constraint.form: value}
+    if constraint.form in ("json_schema", "json_object"):
+        schema = constraint.json_schema if constraint.form == "json_schema" else {"type": "object"}
+        return {"json": {**schema, "x-guidance": JSON_LAYOUT}}
+    return {constraint.form: getattr(constraint, constraint.form)}
 
 
 def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
@@ -126,11 +130,12 @@ class VllmBackend:
     async def start(cls, settings: WorkerSettings, model_dir: str, tokenizer: Tokenizer) -> VllmBackend:
         cls.require_vllm()
         from vllm import AsyncEngineArgs  # noqa: PLC0415
+        from vllm.config import StructuredOutputsConfig  # noqa: PLC0415
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(settings.kv_cache_gb))))
         kwargs = engine_kwargs(settings, model_dir)
-        args = AsyncEngineArgs(**kwargs)
+        args = AsyncEngineArgs(**kwargs, structured_outputs_config=StructuredOutputsConfig(backend="guidance"))
         log.info("starting vLLM's engine (%s)", ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "tokenizer"))
         # Construction takes tens of seconds of blocking work: off the event loop.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)

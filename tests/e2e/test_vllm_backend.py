@@ -168,7 +168,9 @@ def test_tool_calls_validate_on_either_backend(stack):
     for backend in ("vllm", "hf"):
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             reply = client.chat.completions.create(model=stack.model_name, messages=ask, tools=tools, tool_choice=choice,
-                                                   max_tokens=60, temperature=0, extra_body={"backend": backend})
+                                                   parallel_tool_calls=False, max_tokens=80, temperature=0,
+                                                   extra_body={"backend": backend})
+            assert reply.choices[0].message.tool_calls, (backend, reply.choices[0])
             call = reply.choices[0].message.tool_calls[0]
             assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", backend
             assert set(json.loads(call.function.arguments)) == {"city"}, (backend, call.function.arguments)

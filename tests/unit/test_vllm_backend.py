@@ -6,6 +6,7 @@ from shared.messages import RequestPayload
 from shared.queue import lane_of, served_by
 from shared.sampling import BanTokens, SamplingParams
 from shared.settings import WorkerSettings
+from shared.structured import JSON_LAYOUT
 from worker.vllm_backend import BAN, engine_kwargs, sampling_kwargs
 
 
@@ -24,7 +25,8 @@ def test_every_sampling_parameter_is_mapped():
 
 
 @pytest.mark.parametrize("constraint, mapped", [
-    ({"json": {"type": "object"}}, {"json": {"type": "object"}}), ({"json_object": True}, {"json_object": True}),
+    ({"json": {"type": "integer"}}, {"json": {"type": "integer", "x-guidance": JSON_LAYOUT}}),
+    ({"json_object": True}, {"json": {"type": "object", "x-guidance": JSON_LAYOUT}}),
     ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}), ({"choice": ["a", "b"]}, {"choice": ["a", "b"]}),
     ({"grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'})])
 def test_a_constraint_maps_to_vllms_structured_outputs(constraint, mapped):
