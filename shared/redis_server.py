@@ -23,8 +23,10 @@ class RedisServer:
     """A redis-server child process bound to 127.0.0.1, with its files in `folder`."""
 
     def __init__(self, folder: Path, appendonly: bool = False, appendfsync: str = "everysec",
-                 own_session: bool = False):
+                 own_session: bool = False, extra_args: list[str] | None = None):
+        """`extra_args`: more redis-server options (a cluster node's, in the tests)."""
         self.folder = folder
+        self.extra_args = extra_args or []
         # own_session: out of the terminal's process group, so a Ctrl-C reaches only the process
         # that stops it last (after the workers have finished with it); it still dies with that one.
         self.own_session = own_session
@@ -46,7 +48,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.folder),
              "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
-             "--logfile", str(self.folder / "redis.log")],
+             "--logfile", str(self.folder / "redis.log"), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             start_new_session=self.own_session, preexec_fn=die_with_parent if self.own_session else None)
         deadline = time.monotonic() + timeout_s
