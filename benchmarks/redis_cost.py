@@ -6,9 +6,10 @@
    `--tokens` tokens each, followed by SSE clients (`--clients` at a time) as real ones would
    be. Redis's own counters (INFO commandstats, INFO stats) are read before and after: the
    commands and the bytes in and out, per request and per generated token, by command.
-2. redis-benchmark against the same server: the ops/s of the commands that each token costs
-   (XADD and PUBLISH, pipelined as the worker sends them), and so the tokens/s one Redis (one
-   shard) carries on one core of this machine.
+   Redis's main-thread CPU time over the workload gives its cost per token, and so the tokens/s
+   one Redis (one shard, one core) carries.
+2. redis-benchmark against the same server: the ops/s of the two commands each token costs
+   (XADD and PUBLISH, pipelined as the worker sends them), without subscribers: an upper bound.
 
 The figures feed docs/scaling.md. The api and the worker share the machine's cores with Redis,
 as they would not in production; the commands and bytes per token do not depend on that.
@@ -40,6 +41,8 @@ def counters(client: redis.Redis) -> dict[str, float]:
            for name, stats in client.info("commandstats").items()}
     stats = client.info("stats")
     out["bytes_in"], out["bytes_out"] = float(stats["total_net_input_bytes"]), float(stats["total_net_output_bytes"])
+    cpu = client.info("cpu")  # Redis's main thread: the one that runs every command
+    out["cpu_s"] = float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
     return out
 
 
@@ -103,17 +106,20 @@ def main() -> None:
     total = sum(commands.values())
     rows.append(["all", int(total), round(total / generated, 3), round(total / args.requests, 2)])
     per_token = {"commands": total / generated, "bytes_in": delta["bytes_in"] / generated,
-                 "bytes_out": delta["bytes_out"] / generated}
-    # A token costs one XADD and one PUBLISH in the worker's pipeline; the slower bounds a shard.
-    shard_tokens = 1 / sum(1 / bench[name] for name in ("XADD", "PUBLISH"))
+                 "bytes_out": delta["bytes_out"] / generated, "redis_cpu_us": 1e6 * delta["cpu_s"] / generated}
+    # What one shard carries, two ways: from Redis's own CPU time per token in the workload (every
+    # command, the subscribers' deliveries and the requests' own costs included; one core), and
+    # from redis-benchmark's rate of the two per-token commands alone (no subscriber: an upper bound).
+    shard_tokens = {"from the workload's Redis CPU": generated / delta["cpu_s"],
+                    "from redis-benchmark (XADD + PUBLISH)": 1 / sum(1 / bench[name] for name in ("XADD", "PUBLISH"))}
     report = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "args": vars(args), "wall_s": wall, "commands": commands,
               "per_token": per_token, "bytes": {k: delta[k] for k in ("bytes_in", "bytes_out")},
               "redis_benchmark_ops_per_s": bench, "tokens_per_s_one_shard": shard_tokens}
     print(json.dumps(report, indent=1))
     print_table(["command", "calls", "per token", "per request"], rows)
     print_table(["per token", "value"], [[k, round(v, 2)] for k, v in per_token.items()])
-    print_table(["redis-benchmark", "ops/s"], [[k, round(v)] for k, v in bench.items()] +
-                [["tokens/s one shard (XADD + PUBLISH each)", round(shard_tokens)]])
+    print_table(["redis-benchmark", "ops/s"], [[k, round(v)] for k, v in bench.items()])
+    print_table(["tokens/s one shard carries", "value"], [[k, round(v)] for k, v in shard_tokens.items()])
     print(f"\nMachine: {cpu_model()} (flags: {' '.join(cpu_flags())})")
 
 
