@@ -32,13 +32,29 @@ class Weight:
         self.panels = panels.pack_panels(w) if panels is not None else None
         self.panel_linear = panels.panel_linear if panels is not None else None
         self.packed = _pack(w) if device.type == "cpu" and panels is None else None
+        # Rows a matmul call takes, padded, in deterministic mode without panels (0: any number).
+        # panel_linear computes each row alone; a library matmul picks its blocking by the row
+        # count, so a row's result would hang on how many others share the call.
+        self.tile = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return self.panel_linear(x, self.panels, self.w.shape[0], self.bias)
+        if self.tile:
+            return self._tiled(x)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.w, self.bias)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T + b in calls of exactly `tile` rows (the last padded with zeros): every row goes
+        through the same call shape, whatever else the step holds."""
+        rows, tile = x.shape[0], self.tile
+        padded = F.pad(x, (0, 0, 0, -rows % tile))
+        return torch.cat([self._matmul(padded[i:i + tile]) for i in range(0, padded.shape[0], tile)])[:rows]
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor | None:

@@ -61,6 +61,9 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     model = load_model(weights_dir(settings), device, dtype)
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
     if not supports(model):
+        if step.deterministic:
+            raise ValueError(f"deterministic mode needs the paged engine, which has no runner for "
+                             f"model_type={model.config.model_type!r}")
         log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
         if settings.speculative.speculative_method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
@@ -73,10 +76,12 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
              blocks, cache.block_size, batch, budget)
     runner = PagedRunner(model, device, num_blocks=blocks, block_size=cache.block_size,
                          kernels=step_kernels(step, device),
-                         graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0)
-    log.info("step: %s%s", "CPU step kernels" if runner.kernels is not None else
+                         graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0,
+                         deterministic=step.deterministic)
+    log.info("step: %s%s%s", "CPU step kernels" if runner.kernels is not None else
              "fused eager ops" if runner.fused is not None else "the modules' eager ops",
-             f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "")
+             f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "",
+             ", deterministic" if runner.deterministic else "")
     blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
@@ -108,7 +113,10 @@ def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: T
         raise ValueError(f"no paged runner for the draft model's model_type={model.config.model_type!r}")
     log.info("speculative decoding: draft model %s (%s), up to %d tokens", spec.speculative_model,
              model.config.model_type, k)
-    return Speculator(DraftProposer.beside(target, model), k, spec.speculative_disable_by_batch_size)
+    # In deterministic mode a sampled request takes no draft proposals: the draft's acceptance
+    # rule draws from the request's random stream in another order than plain sampling does.
+    return Speculator(DraftProposer.beside(target, model), k, spec.speculative_disable_by_batch_size,
+                      draft_sampled=not settings.step.deterministic)
 
 
 async def build_backend(settings: WorkerSettings) -> Backend:

@@ -77,9 +77,14 @@ class _Step:
     paged: _Paged | None = None
 
 
+# Rows of each library matmul call in deterministic mode where panel_linear is not available.
+DETERMINISTIC_TILE = 16
+
+
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
-                 kernels: ModuleType | None = None, graph_batch: int = 0):
+                 kernels: ModuleType | None = None, graph_batch: int = 0, deterministic: bool = False):
+        """`deterministic`: every token computed alone, whatever else the step holds (below)."""
         if not supports(model):
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
@@ -122,6 +127,20 @@ class PagedRunner:
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None:
             self.one_token = self._one_token_layers()
+        # Deterministic mode: a token's result depends on its own sequence only. Every chunk, long
+        # prefills included, attends through the paged kernel (one query row at a time, its keys in
+        # order: the same for a decode, a chunk of any length, a cached prefix or a failover's
+        # replay), and every projection computes each row alone (panel_linear, or fixed tiles).
+        self.deterministic = deterministic
+        if deterministic:
+            if self.kernels is None:
+                raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
+                                 "a llama-like model); this worker has none")
+            if panels is None:
+                for w in [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+                    w.tile = DETERMINISTIC_TILE
+                self.lm_head.tile = DETERMINISTIC_TILE
+                self.one_token = None  # it calls the library's matmul on one row
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
@@ -166,7 +185,8 @@ class PagedRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
         paged = None
         if self.kernels is not None and self.fused is not None:  # the path execute() takes
-            paged = self._paged([m for size in (0, 1) for m in groups.pop(size, [])], out.chunks)
+            sizes = list(groups) if self.deterministic else [0, 1]
+            paged = self._paged([m for size in sorted(sizes) for m in groups.pop(size, [])], out.chunks)
         return _Step(tensor(ids), tensor(positions), tensor(slots),
                      [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index), paged)
 

@@ -223,7 +223,7 @@ class WorkerService:
             beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                     "capacity": self.backend.batch_size, "running": len(self.backend.running),
                     "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
-                    **self._kv_blocks()}
+                    "deterministic": self.settings.step.deterministic, **self._kv_blocks()}
             try:
                 await self.redis.set(key, json.dumps(beat), px=ttl_ms)
             except REDIS_DOWN as exc:

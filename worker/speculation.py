@@ -97,6 +97,7 @@ class Speculator:
     proposer: Proposer
     max_k: int
     disable_by_batch_size: int = 0  # pause while more requests than this run (0: never)
+    draft_sampled: bool = True  # a draft model's proposals for sampled requests too (not greedy only)
     stats: SpecStats = field(default_factory=SpecStats)
     _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
 
@@ -114,6 +115,9 @@ class Speculator:
         chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
         wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
         for seq_id, (tokens, q) in self.proposer.propose(wanted).items() if wanted else ():
+            if q is not None and not self.draft_sampled and not chunks[seq_id].seq.payload.params.greedy:
+                self.proposer.verified(chunks[seq_id].seq)
+                continue
             if fitting is not None and (n := fitting(chunks[seq_id].seq, tokens)) < len(tokens):
                 self.stats.forbidden += len(tokens) - n
                 tokens, q = tokens[:n], None if q is None else q[:n]

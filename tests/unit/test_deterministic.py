@@ -1,0 +1,155 @@
+"""Deterministic mode (PagedRunner(deterministic=True)) in bf16 on the tiny llama: a request's
+tokens and their log-probabilities, bit for bit, are the same alone or in a batch of 32 others
+at any position, with its prefill chunked at any budget, with a prefix-cache hit or a miss, and
+with prompt-lookup or draft speculation on or off. Greedy and seeded sampling alike.
+
+Without the mode these comparisons fail (docs/reliability.md shows which and how often): a
+long prefill chunk attends with torch's SDPA in a group padded to its neighbours' lengths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.messages import RequestPayload
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from tests.tiny_models import build_model
+from worker import kernels
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.drafter import DraftProposer
+from worker.engine import Engine
+from worker.model_loader import load_model
+from worker.model_runner import PagedRunner
+from worker.speculation import NgramProposer, Speculator
+
+CPU = torch.device("cpu")
+NEW_TOKENS = 24
+SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 5}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("tiny-llama-det"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("tiny-llama-det-draft"), "llama", seed=4)
+
+
+class WithoutPanels:
+    """The step kernels as on a CPU without panel_linear for any dtype (AVX2 only): the
+    projections run on the library's matmul, in fixed tiles in deterministic mode."""
+
+    panel_dtypes = ()
+
+    def __getattr__(self, name):
+        return getattr(kernels.load(), name)
+
+
+def make(folder, budget: int = 2048, prefix: bool = True, deterministic: bool = True, batch: int = 40,
+         dtype: torch.dtype = torch.bfloat16, panels: bool = True) -> Engine:
+    model = load_model(folder, CPU, dtype)
+    runner = PagedRunner(model, CPU, 1024, 4, kernels.load() if panels else WithoutPanels(),
+                         deterministic=deterministic)
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(1024, 4, prefix), batch, budget))
+
+
+def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    words = "the capital of France is Paris and streams batches caches once upon a time".split()
+    return [tok.encode(" ".join(words[(i * 3 + j) % len(words)] for j in range(6 + (i * 7) % 40)))
+            for i in range(n)]
+
+
+def run(engine: Engine, prompt_ids: list[list[int]], sampling: dict, every: int = 0) -> list[list[tuple]]:
+    """Each request's (token, logprob) pairs; `every` > 0 adds one request every that many steps."""
+    out: dict[str, list[tuple]] = {}
+    pending = list(enumerate(prompt_ids))
+    steps = 0
+    while pending or engine.has_work():
+        while pending and (every == 0 or steps % every == 0):
+            i, ids = pending.pop(0)
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
+            engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=ids, params=params))
+            out[f"r{i}"] = []
+            if every:
+                break
+        for step in engine.step():
+            if step.token is not None:
+                out[step.seq.id].append((step.token.token_id, step.token.logprob))
+        steps += 1
+    return [out[f"r{i}"] for i in range(len(prompt_ids))]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_alone_or_in_a_batch_of_32_at_any_position(model_dir, sampling):
+    others = prompts(make(model_dir).tokenizer, 33)
+    mine = others.pop(max(range(33), key=lambda i: len(others[i])))  # a long prompt: a prefill over 32 tokens
+    alone = run(make(model_dir), [mine], sampling)[0]
+    assert len(alone) == NEW_TOKENS
+    for position in (0, 17, 32):
+        batch = others[:position] + [mine] + others[position:]
+        assert run(make(model_dir), batch, sampling)[position] == alone, position
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_prefill_chunked_at_any_budget(model_dir, sampling):
+    batch = prompts(make(model_dir).tokenizer, 6)
+    whole = run(make(model_dir), batch, sampling)
+    for budget in (7, 16, 50):
+        assert run(make(model_dir, budget=budget, batch=6), batch, sampling) == whole, budget
+
+
+def test_a_prefix_cache_hit_or_miss(model_dir):
+    tok = make(model_dir).tokenizer
+    shared = prompts(tok, 40)[39]  # the longest
+    first, second = shared + tok.encode(" one"), shared + tok.encode(" two")
+    engine = make(model_dir)
+    run(engine, [first], SAMPLINGS["greedy"])
+    hit = run(engine, [second], SAMPLINGS["greedy"])[0]  # its prefix's blocks are cached now
+    assert engine.batcher.blocks.prefix_hits > 0
+    miss = run(make(model_dir, prefix=False), [second], SAMPLINGS["greedy"])[0]
+    assert hit == miss
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_speculation_on_or_off(model_dir, draft_dir, method, sampling):
+    batch = [ids * 3 for ids in prompts(make(model_dir).tokenizer, 5)]  # repeats, for lookup to propose
+    plain = run(make(model_dir), batch, sampling)
+    engine = make(model_dir)
+    if method == "ngram":
+        engine.speculator = Speculator(NgramProposer(4, 1, 3), 4)
+    else:
+        draft = load_model(draft_dir, CPU, torch.bfloat16)
+        engine.speculator = Speculator(DraftProposer.beside(engine.runner, draft), 3, draft_sampled=False)
+    assert run(engine, batch, sampling) == plain
+    if method == "ngram" or sampling is SAMPLINGS["greedy"]:
+        assert engine.speculator.stats.proposed > 0
+
+
+def test_requests_arriving_while_others_decode(model_dir):
+    """Staggered arrivals: a request's prefill shares steps with others' decodes."""
+    batch = prompts(make(model_dir).tokenizer, 8)
+    together = run(make(model_dir), batch, SAMPLINGS["seeded"])
+    assert run(make(model_dir), batch, SAMPLINGS["seeded"], every=3) == together
+
+
+def test_the_mode_needs_the_cpu_step_kernels(model_dir):
+    model = load_model(model_dir, CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU step kernels"):
+        PagedRunner(model, CPU, 64, 4, None, deterministic=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_without_panel_linear_the_projections_run_in_fixed_tiles(model_dir, dtype):
+    """As on an AVX2-only CPU: the library's matmul, whose result for a row depends on how many
+    rows share the call (fp32 here), runs in calls of 16 rows, so the batch does not matter."""
+    others = prompts(make(model_dir).tokenizer, 20)
+    mine = others.pop(max(range(20), key=lambda i: len(others[i])))
+    alone = run(make(model_dir, dtype=dtype, panels=False), [mine], SAMPLINGS["greedy"])[0]
+    engine = make(model_dir, dtype=dtype, panels=False)
+    assert engine.runner.lm_head.tile and engine.runner.one_token is None
+    assert run(engine, others[:7] + [mine] + others[7:], SAMPLINGS["greedy"])[7] == alone
