@@ -22,7 +22,7 @@ from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
 from worker.cancels import CancelInbox
 from worker.model_runner import PagedRunner
-from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
+from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, replay_draws, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, token_event
 from worker.speculation import SpecStats, Speculator
 from worker.structured import Compiler, Grammars, follow_grammar
@@ -149,7 +149,9 @@ class Engine:
                 seq.finish(FinishReason.ERROR, str(exc))
                 refused.append(StepOutput(seq, None, True))
                 continue
-            self._sampling[seq.id] = SamplingRow.of(seq, make_generator(params, self.runner.device), matcher)
+            generator = make_generator(params, self.runner.device)
+            replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover
+            self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
             self.batcher.add(seq)
         return refused
 

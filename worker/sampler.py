@@ -99,6 +99,14 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+def replay_draws(generator: torch.Generator | None, vocab: int, n: int) -> None:
+    """Move a request's random stream past the `n` tokens it drew before (a continuation after a
+    failover), so its next draw is the one the undisturbed run made. torch's multinomial takes the
+    same share of the stream for any distribution of one width: uniform ones stand in."""
+    if generator is not None and n > 0:
+        torch.multinomial(torch.full((n, vocab), 1.0 / vocab, device=generator.device), 1, generator=generator)
+
+
 def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]]]:
     """The tokens each request emits this step, with their log-probabilities.
 

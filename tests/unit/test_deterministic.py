@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.messages import RequestPayload
+from shared.messages import RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model
@@ -153,3 +153,22 @@ def test_without_panel_linear_the_projections_run_in_fixed_tiles(model_dir, dtyp
     engine = make(model_dir, dtype=dtype, panels=False)
     assert engine.runner.lm_head.tile and engine.runner.one_token is None
     assert run(engine, others[:7] + [mine] + others[7:], SAMPLINGS["greedy"])[7] == alone
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, sampling):
+    """As after a failover: the prompt and the k tokens delivered are prefilled in one chunk (the
+    undisturbed run decoded them one at a time, among others), and a seeded request's random
+    stream is moved past its k draws."""
+    batch = prompts(make(model_dir).tokenizer, 6)
+    undisturbed = run(make(model_dir), batch, sampling)
+    for k in (1, 9):
+        engine = make(model_dir)
+        seqs = []
+        for i, ids in enumerate(batch):
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
+            delivered = [TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(undisturbed[i][:k])]
+            seqs.append(engine.add(RequestPayload(id=f"c{i}", model="m", prompt_token_ids=ids, params=params), delivered))
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == [[t for t, _ in tokens] for tokens in undisturbed], k

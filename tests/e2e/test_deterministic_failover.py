@@ -1,0 +1,61 @@
+"""Deterministic mode across a crash, in bf16: a worker killed with SIGKILL mid-stream, and every
+request's continuation on the other worker is the undisturbed run's, token for token, greedy and
+seeded. The takeover prefills prompt + delivered tokens in one forward, where the undisturbed run
+decoded them one at a time, among other requests (docs/reliability.md)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.stack import Stack, parse_sse
+
+LONG = " ".join(["the capital of France is Paris and streams batches caches"] * 6)  # a prefill over 32 tokens
+PROMPTS = ["Once", "The capital of France is", LONG, "a b c", "Seoul and Paris", LONG[:90], "streams", "🚀"]
+SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7}]
+TOKENS = 120
+
+
+def test_a_continuation_after_kill_9_is_the_undisturbed_run_in_bf16(redis_url, tiny_llama, tmp_path):
+    env = {"STREAMQ_DTYPE": "bfloat16", "STREAMQ_DETERMINISTIC": "true", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25",
+           "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+    asks = [(prompt, sampling) for prompt in PROMPTS for sampling in SAMPLINGS]
+    with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=True, env=env) as stack, \
+            httpx.Client(timeout=120) as client:
+        api = stack.urls[0]
+        workers = client.get(f"{api}/v1/cluster").json()["workers"]
+        assert workers and all(w["deterministic"] for w in workers)
+        started = threading.Event()
+        watched: list[str] = []
+
+        def run(prompt: str, sampling: dict, watch: bool) -> list[int]:
+            lines, events = [], []
+            body = {"prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "stream": True, **sampling}
+            with client.stream("POST", f"{api}/v1/requests", json=body) as reply:
+                for line in reply.iter_lines():
+                    lines.append(line)
+                    if line == "":
+                        events += parse_sse(lines)
+                        lines = []
+                        if watch and sum(e["event"] == "token" for e in events) == 5 and not started.is_set():
+                            watched.append(reply.headers["X-Request-Id"])
+                            started.set()
+                        if events and events[-1]["event"] == "final":
+                            break
+            tokens = [e for e in events if e["event"] == "token"]
+            assert [int(e["id"]) for e in tokens] == list(range(TOKENS))  # none lost, none twice
+            return [e["data"]["token_id"] for e in tokens]
+
+        with ThreadPoolExecutor(len(asks)) as pool:  # undisturbed, all at once
+            undisturbed = list(pool.map(lambda ask: run(*ask, watch=False), asks))
+        with ThreadPoolExecutor(len(asks)) as pool:  # again, and a worker dies mid-stream
+            futures = [pool.submit(run, *ask, watch=True) for ask in asks]
+            assert started.wait(60)
+            victim = client.get(f"{api}/v1/requests/{watched[0]}").json()["worker"]
+            stack.kill_worker(victim)
+            continued = [f.result() for f in futures]
+        taken_over = client.get(f"{api}/v1/requests/{watched[0]}").json()
+        assert taken_over["worker"] != victim and taken_over["status"] == "done"
+    for ask, before, after in zip(asks, undisturbed, continued):
+        assert after == before, ask
