@@ -83,14 +83,17 @@ class WorkerService:
             return f"no heartbeat written for {age:.0f} s (heartbeat_ttl_s={self.settings.heartbeat_ttl_s})"
         return None
 
+    def probes(self) -> dict[str, Callable[[], str | None]]:
+        """The health checks the metrics port answers, by path (200, or 503 with the reason)."""
+        return {"/livez": self.stalled, "/readyz": self.unready}
+
     async def run(self) -> None:
         """Serve until stopped. Raises EngineStalled (after removing the heartbeat) when a step
         has run longer than engine_stall_s: the caller must then exit the process."""
         await self._retry("start", self.queue.ensure_groups)
         server = None
         if self.settings.metrics_port >= 0:
-            server = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port,
-                                        {"/livez": self.stalled, "/readyz": self.unready})
+            server = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port, self.probes())
             self.metrics_port = server.server_port
             log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         loop = asyncio.create_task(self._loop())
