@@ -110,19 +110,22 @@ def _probes(container: dict) -> list[dict]:
 # -- kustomize ---------------------------------------------------------------------------------------------------
 
 def test_the_kustomizations_list_every_manifest_and_only_existing_ones():
-    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(base["resources"]) == sorted(p.name for p in MANIFESTS if p.parent == K8S)
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert sorted(base["resources"]) == sorted(p.name for p in MANIFESTS if p.parent == K8S / "base")
     assert base["namespace"] == _one("Namespace", base["namespace"])["metadata"]["name"]
     keda = yaml.safe_load((K8S / "keda" / "kustomization.yaml").read_text())
-    assert keda["resources"][0] == "../" and all((K8S / "keda" / r).exists() for r in keda["resources"])
+    # The base as a sibling: kustomize refuses an overlay inside its base ("cycle detected").
+    assert keda["resources"][0] == "../base" and all((K8S / "keda" / r).exists() for r in keda["resources"])
     assert sorted(keda["resources"][1:]) == sorted(p.name for p in MANIFESTS if p.parent == K8S / "keda")
+    assert keda["namespace"] == base["namespace"]  # else the ScaledObject lands beside no worker
     assert not any(o["metadata"].get("namespace") for o in OBJECTS)  # the kustomization's namespace applies
+    assert sorted(p.name for p in K8S.iterdir()) == ["README.md", "base", "keda"]
 
 
 def test_the_image_is_the_one_docker_compose_builds():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert compose["x-streamq"]["image"] == IMAGE
-    [image] = yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]
+    [image] = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
     assert f"{image['newName']}:{image['newTag']}" == IMAGE and image["name"] == IMAGE.split(":")[0]
     containers = _streamq_containers()
     assert {w for w, _ in containers} == {"streamq-api", "streamq-worker", "streamq-scheduler"}
@@ -157,7 +160,8 @@ def test_the_validator_refuses_a_wrong_field():
 
 
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_HPA_BEHAVIOR = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.api.autoscaling.v2.HorizontalPodAutoscalerBehavior"
+_HPA_BEHAVIOR = ("https://kubernetes.io/api/_definitions.json"
+                 "#/$defs/io.k8s.api.autoscaling.v2.HorizontalPodAutoscalerBehavior")
 # KEDA's ScaledObject (keda.sh/v1alpha1), the fields this project may use; unknown ones are refused.
 SCALED_OBJECT = {
     "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
