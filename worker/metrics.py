@@ -29,7 +29,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 log = logging.getLogger("worker.requests")
 # A health check: None when healthy, else the reason it is not.
-Check = Callable[[], "str | None"]
+Check = Callable[[], str | None]
 
 
 class WorkerMetrics:

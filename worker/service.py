@@ -29,7 +29,7 @@ from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.backend import Backend
 from worker.intake import Intake
-from worker.metrics import WorkerMetrics
+from worker.metrics import Check, WorkerMetrics
 from worker.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class WorkerService:
             return f"no heartbeat written for {age:.0f} s (heartbeat_ttl_s={self.settings.heartbeat_ttl_s})"
         return None
 
-    def probes(self) -> dict[str, Callable[[], str | None]]:
+    def probes(self) -> dict[str, Check]:
         """The health checks the metrics port answers, by path (200, or 503 with the reason)."""
         return {"/livez": self.stalled, "/readyz": self.unready}
 
