@@ -5,7 +5,9 @@ The backlog is the consumer group's lag (entries no worker has taken yet) summed
 model's lanes, read in Redis by the same script that queues the requests
 (`RequestStore.enqueue`): check and enqueue are one step, so replicas submitting at once
 never pass the limit together. Each submit and a sampler once a second note the groups'
-`entries-read`; the drain rate is its growth over the last few seconds.
+`entries-read`; the drain rate is its growth over the last few seconds. The sampler also
+hands the backlog to the replica's `streamq:num_requests_queued` gauge, which the workers'
+autoscaler reads (deploy/k8s/keda).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
@@ -29,9 +32,10 @@ MAX_RETRY_AFTER_S = 60
 
 
 class Backpressure:
-    def __init__(self, queue: RequestQueue, limit: int):
+    def __init__(self, queue: RequestQueue, limit: int, on_backlog: Callable[[int], None] | None = None):
         self.queue = queue
         self.limit = limit
+        self.on_backlog = on_backlog  # told each sample's backlog (the api's queued-requests gauge)
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, entries read by workers)
         self._task: asyncio.Task[None] | None = None
 
@@ -76,7 +80,10 @@ class Backpressure:
     async def _sample_forever(self) -> None:
         while True:
             try:
-                self._note((await self.backlog())[1])
+                waiting, taken = await self.backlog()
+                self._note(taken)
+                if self.on_backlog is not None:
+                    self.on_backlog(waiting)
             except RedisError as exc:
                 log.warning("backpressure sampler: %s", exc)
             await asyncio.sleep(1.0)

@@ -22,6 +22,10 @@ class ApiMetrics:
                                 ["endpoint", "method", "status"], registry=self.registry)
         self.open_streams = Gauge("streamq:api_open_streams", "SSE streams open on this replica.",
                                   registry=self.registry)
+        # The same number on every replica (it is read from Redis): aggregate with max, not sum.
+        self.queued = Gauge("streamq:num_requests_queued",
+                            "Requests accepted for the model that no worker has taken yet, over all its lanes.",
+                            ["model"], registry=self.registry)
 
     def observe(self, scope: Scope, status: int) -> None:
         endpoint = getattr(scope.get("route"), "path", None) or "unmatched"

@@ -11,6 +11,7 @@ import asyncio
 from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.limits import Limits
+from api.metrics import ApiMetrics
 from api.relay import Relay
 from shared import tokenizer_files
 from shared.queue import RequestQueue
@@ -24,11 +25,13 @@ class Models:
     """Every model's Generation, built the same way: this api's own at start (`add`), any other
     on its first request (`get`)."""
 
-    def __init__(self, store: RequestStore, relay: Relay, settings: ApiSettings, limits: Limits | None):
+    def __init__(self, store: RequestStore, relay: Relay, settings: ApiSettings, limits: Limits | None,
+                 metrics: ApiMetrics | None = None):
         self.store = store
         self.relay = relay
         self.settings = settings
         self.limits = limits
+        self.metrics = metrics
         self.default: Generation | None = None  # the first model added: requests without `model`
         self._loaded: dict[str, Generation] = {}
         self._backpressure: list[Backpressure] = []
@@ -37,7 +40,9 @@ class Models:
     async def add(self, name: str, tokenizer: Tokenizer) -> Generation:
         """Serve `name` with this tokenizer (its limits and backpressure from the settings)."""
         settings = self.settings
-        backpressure = Backpressure(RequestQueue(self.store.redis, settings.prefix, name), settings.max_queued_requests)
+        queued = self.metrics.queued.labels(name).set if self.metrics is not None else None
+        backpressure = Backpressure(RequestQueue(self.store.redis, settings.prefix, name), settings.max_queued_requests,
+                                    on_backlog=queued)
         await backpressure.start()
         self._backpressure.append(backpressure)
         generation = Generation(self.store, self.relay, tokenizer, name, default_max_tokens=settings.default_max_tokens,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 from shared.settings import DEFAULT_MODEL, CommonSettings
@@ -102,8 +102,12 @@ def prepare_model(settings: CommonSettings) -> Path:
     return folder
 
 
+def _converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
 def _convert_default(target: Path) -> None:
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if _converted(target):
         return
     gguf = default_gguf_path()
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
@@ -115,12 +119,23 @@ def _convert_default(target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    # Its own folder: pods sharing the cache volume convert at once, each as pid 1.
+    partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex}")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)  # atomic: a reader sees no folder or a whole one
+    _move_into_place(partial, target)
+
+
+def _move_into_place(partial: Path, target: Path) -> None:
+    """Rename the converted `partial` folder to `target`: atomic, so a reader sees no folder or a
+    whole one. A whole one already there (another process converted at the same time) is kept,
+    since a worker may be loading it, and `partial` is dropped."""
+    if target.exists() and not _converted(target):
+        shutil.rmtree(target, ignore_errors=True)  # left half-made by some other means: renames never do
+    try:
+        partial.rename(target)
+    except OSError:  # the target is there and not empty: the other process's whole folder
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _build_tokenizer_json(source: Path, target: Path) -> None:

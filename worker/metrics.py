@@ -1,5 +1,6 @@
 """Prometheus metrics of one worker, on its own port; names in vLLM's style (streamq: prefix).
-Also the log line that ends each request, with its timings.
+Also the log line that ends each request, with its timings, and the worker's health checks
+(`/livez`, `/readyz`) on the same port, for an orchestrator's probes.
 
 Latencies are measured from the moment the api accepted the request (its `created_at`), so
 time to first token and end-to-end latency include the time spent queued in Redis, as a
@@ -7,12 +8,17 @@ client sees them; queue time is accepted → taken by this worker.
 """
 from __future__ import annotations
 
+import json
 import logging
+import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from shared.messages import RequestPayload
 from worker.backend import Backend
@@ -22,6 +28,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 log = logging.getLogger("worker.requests")
+# A health check: None when healthy, else the reason it is not.
+Check = Callable[[], str | None]
 
 
 class WorkerMetrics:
@@ -69,9 +77,14 @@ class WorkerMetrics:
                         "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
         self._seen = dict.fromkeys(self._totals, 0)
 
-    def serve(self, host: str, port: int) -> WSGIServer:
-        """Start the /metrics HTTP server in a thread (its server_port is the port it bound)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, checks: dict[str, Check] | None = None) -> WSGIServer:
+        """Start the HTTP server in a thread (its server_port is the port it bound): /metrics, and
+        each of `checks` at its path, answering 200 or 503 with the reason as JSON."""
+        app = _with_checks(make_wsgi_app(self.registry), checks or {})
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, app, server_class, handler_class=_Quiet)
+        threading.Thread(target=server.serve_forever, name="worker-metrics", daemon=True).start()
         return server
 
     def taken(self, payload: RequestPayload) -> None:
@@ -124,3 +137,22 @@ class WorkerMetrics:
         if total > self._seen[name]:
             self._totals[name].inc(total - self._seen[name])
             self._seen[name] = total
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - probes every few seconds: no access log
+        pass
+
+
+def _with_checks(metrics_app, checks: dict[str, Check]):
+    """The WSGI app: a check's path answers its verdict; any other path, the metrics (as before)."""
+    def app(environ, start_response):
+        check = checks.get(environ.get("PATH_INFO", ""))
+        if check is None:
+            return metrics_app(environ, start_response)
+        reason = check()
+        status = "200 OK" if reason is None else "503 Service Unavailable"
+        body = json.dumps({"status": "ok"} if reason is None else {"status": "unavailable", "reason": reason})
+        start_response(status, [("Content-Type", "application/json"), ("Cache-Control", "no-store")])
+        return [body.encode()]
+    return app

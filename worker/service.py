@@ -29,7 +29,7 @@ from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.backend import Backend
 from worker.intake import Intake
-from worker.metrics import WorkerMetrics
+from worker.metrics import Check, WorkerMetrics
 from worker.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,36 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
+        self._beat_at = -math.inf  # last time a heartbeat reached Redis
 
     def stop(self) -> None:
         """Stop taking requests; the running batch still finishes."""
         self._stopping.set()
+
+    def stalled(self) -> str | None:
+        """Why this worker is not alive (None: it is): its loop has not gone round for engine_stall_s,
+        as the heartbeat sees it before withdrawing the worker. Read from the metrics thread, so it
+        also tells of an event loop that can no longer run the heartbeat."""
+        idle, limit = time.monotonic() - self._progress, self.settings.engine_stall_s
+        if idle > limit:
+            return f"the engine loop has not gone round for {idle:.0f} s (engine_stall_s={limit})"
+        return None
+
+    def unready(self) -> str | None:
+        """Why this worker is not ready (None: it is): stopping, or no heartbeat has reached Redis for
+        heartbeat_ttl_s, so the scheduler and the api's /readyz do not count it either."""
+        if self._stopping.is_set():
+            return "stopping: it takes no new requests"
+        if self._beat_at == -math.inf:
+            return "no heartbeat written yet"
+        age = time.monotonic() - self._beat_at
+        if age > self.settings.heartbeat_ttl_s:
+            return f"no heartbeat written for {age:.0f} s (heartbeat_ttl_s={self.settings.heartbeat_ttl_s})"
+        return None
+
+    def probes(self) -> dict[str, Check]:
+        """The health checks the metrics port answers, by path (200, or 503 with the reason)."""
+        return {"/livez": self.stalled, "/readyz": self.unready}
 
     async def run(self) -> None:
         """Serve until stopped. Raises EngineStalled (after removing the heartbeat) when a step
@@ -67,7 +93,7 @@ class WorkerService:
         await self._retry("start", self.queue.ensure_groups)
         server = None
         if self.settings.metrics_port >= 0:
-            server = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+            server = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port, self.probes())
             self.metrics_port = server.server_port
             log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         loop = asyncio.create_task(self._loop())
@@ -215,17 +241,16 @@ class WorkerService:
         key = redis_keys.worker_heartbeat(self.settings.prefix, self.name)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while True:
-            stalled = time.monotonic() - self._progress
-            if stalled > self.settings.engine_stall_s:
-                log.error("the engine loop has not gone round for %.0f s (engine_stall_s=%s): "
-                          "withdrawing this worker", stalled, self.settings.engine_stall_s)
-                raise EngineStalled(f"no progress for {stalled:.0f} s")
+            if (stalled := self.stalled()) is not None:
+                log.error("%s: withdrawing this worker", stalled)
+                raise EngineStalled(stalled)
             beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                     "capacity": self.backend.batch_size, "running": len(self.backend.running),
                     "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
                     "deterministic": self.settings.step.deterministic, **self._kv_blocks()}
             try:
                 await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+                self._beat_at = time.monotonic()
             except REDIS_DOWN as exc:
                 log.warning("heartbeat not written (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)

@@ -46,3 +46,12 @@ def test_worker_metrics_count_what_was_sent(stack):
     assert used + free == worker["kv_blocks_total"]
     assert delta("streamq:prefix_cache_queries_total") >= delta("streamq:prefix_cache_hits_total") >= 0
     assert ("streamq:num_preemptions_total", ()) in after
+
+
+def test_each_replica_shows_the_models_backlog(stack):
+    """The gauge the workers' autoscaler reads (deploy/k8s/keda): nothing waits once all is done."""
+    with httpx.Client(timeout=60) as client:
+        [worker] = client.get(f"{stack.urls[0]}/readyz").json()["workers"]
+        for url in stack.urls:
+            queued = scrape(client, f"{url}/metrics")
+            assert queued[("streamq:num_requests_queued", (("model", worker["model"]),))] == 0, url

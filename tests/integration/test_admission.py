@@ -8,12 +8,14 @@ from redis.asyncio import Redis
 from api.backpressure import Backpressure
 from api.generation import ApiError, Generation
 from api.limits import Limits
+from api.metrics import ApiMetrics
 from scheduler.jobs import reclaim_dead_workers
 from shared import redis_keys
 from shared.messages import RequestPayload
 from shared.queue import RequestQueue
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
+from tests.waiting import until
 
 LIMIT = 4
 
@@ -89,3 +91,24 @@ async def test_a_refusal_releases_what_the_tenant_limits_took(redis, prefix):
     assert not await _submit(replica, 2, owner="acme")  # backpressure refuses, after the limits admitted
     for kind in ("rpm", "tpm", "active"):
         assert await redis.zcard(redis_keys.tenant_usage(prefix, "acme", kind)) == (1 if kind == "tpm" else LIMIT - 1), kind
+
+
+async def test_the_sampler_shows_the_backlog_of_every_lane_on_the_queued_gauge(redis, prefix):
+    """What the workers' autoscaler reads (deploy/k8s/keda): requests no worker has taken, all lanes."""
+    metrics = ApiMetrics()
+    queue = RequestQueue(redis, prefix, "m")
+    backpressure = Backpressure(queue, LIMIT, on_backlog=metrics.queued.labels("m").set)
+    replica = Generation(RequestStore(redis, prefix), None, None, "m", default_max_tokens=4, backpressure=backpressure)
+    assert await _submit(replica, 2) and await _submit(replica, 1, owner="acme")
+    await redis.xreadgroup(redis_keys.WORKER_GROUP, "w", {redis_keys.request_stream(prefix, "m", "0:-"): ">"}, count=1)
+
+    def queued() -> float | None:
+        return metrics.registry.get_sample_value("streamq:num_requests_queued", {"model": "m"})
+
+    async def shows(value: int) -> bool:
+        return queued() == value
+    await backpressure.start()
+    try:
+        await until(lambda: shows(2), what="the gauge at the backlog (2 + 1 queued, 1 taken)")
+    finally:
+        await backpressure.close()

@@ -121,3 +121,26 @@ async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
     # Without giving up its retries once stopping, it would wait for a Redis that never returns.
     await asyncio.wait_for(run, 30)
     await redis.aclose()
+
+
+async def test_the_probes_follow_the_heartbeat_and_a_stop(redis, redis_url, prefix):
+    import httpx
+
+    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                              intake_block_ms=50, served_model_name="m", metrics_port=0)
+    engine = BlockingEngine()
+    service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
+    run = asyncio.create_task(service.run())
+    await asyncio.to_thread(engine.stepping.wait, 30)
+    base = f"http://127.0.0.1:{service.metrics_port}"
+    async with httpx.AsyncClient() as client:
+        async def ready():
+            return (await client.get(f"{base}/readyz")).status_code == 200
+        await until(ready, what="/readyz once a heartbeat is written")
+        assert (await client.get(f"{base}/livez")).json() == {"status": "ok"}
+        service.stop()  # the step still runs: alive, but no longer ready
+        answer = await client.get(f"{base}/readyz")
+        assert answer.status_code == 503 and answer.json()["reason"].startswith("stopping")
+        assert (await client.get(f"{base}/livez")).status_code == 200
+    engine.release.set()
+    await asyncio.wait_for(run, 10)

@@ -1,0 +1,93 @@
+"""The worker's /livez and /readyz (on its metrics port), what Kubernetes probes: the verdicts
+and the HTTP answers, with a fake Redis and a moved clock."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import fakeredis
+import httpx
+import pytest
+
+from shared.settings import WorkerSettings
+from worker import service as service_module
+from worker.backend import Threaded
+from worker.metrics import WorkerMetrics
+from worker.null_engine import NullEngine
+from worker.service import WorkerService
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """worker.service's monotonic clock, moved by hand (the event loop keeps the real one)."""
+    now = [1000.0]
+    monkeypatch.setattr(service_module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                                perf_counter=time.perf_counter))
+    return now
+
+
+@pytest.fixture
+def service(clock):
+    settings = WorkerSettings(heartbeat_interval_s=1, heartbeat_ttl_s=6, engine_stall_s=120, served_model_name="m")
+    return WorkerService(fakeredis.FakeAsyncRedis(decode_responses=True),
+                         Threaded(NullEngine(batch_size=2, tokens_per_s=10), "null"), settings, "m")
+
+
+async def _one_heartbeat(service: WorkerService) -> None:
+    beating = asyncio.create_task(service._heartbeat())
+    await asyncio.sleep(0.05)  # the first beat is written before its sleep
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+
+
+async def test_ready_once_a_heartbeat_reached_redis_and_until_it_would_have_expired(service, clock):
+    assert service.unready() == "no heartbeat written yet"
+    await _one_heartbeat(service)
+    assert service.unready() is None
+    clock[0] += 6
+    assert service.unready() is None
+    clock[0] += 1  # past heartbeat_ttl_s: the scheduler and the api count the worker gone too
+    assert service.unready() == "no heartbeat written for 7 s (heartbeat_ttl_s=6.0)"
+
+
+async def test_a_stopping_worker_is_not_ready(service):
+    await _one_heartbeat(service)
+    service.stop()
+    assert service.unready() == "stopping: it takes no new requests"
+
+
+def test_alive_until_the_loop_stops_going_round_for_engine_stall_s(service, clock):
+    assert service.stalled() is None
+    clock[0] += 120
+    assert service.stalled() is None
+    clock[0] += 1
+    assert service.stalled() == "the engine loop has not gone round for 121 s (engine_stall_s=120.0)"
+
+
+def test_the_metrics_port_answers_each_check_and_still_the_metrics():
+    verdicts = {"/livez": None, "/readyz": "no heartbeat written yet"}
+    metrics = WorkerMetrics()
+    server = metrics.serve("127.0.0.1", 0, {path: (lambda p=path: verdicts[p]) for path in verdicts})
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        live, ready = httpx.get(f"{base}/livez"), httpx.get(f"{base}/readyz")
+        assert (live.status_code, live.json()) == (200, {"status": "ok"})
+        assert (ready.status_code, ready.json()) == (503, {"status": "unavailable",
+                                                           "reason": "no heartbeat written yet"})
+        verdicts["/readyz"] = None
+        assert httpx.get(f"{base}/readyz").status_code == 200
+        scraped = httpx.get(f"{base}/metrics")
+        assert scraped.status_code == 200 and "streamq:num_requests_running" in scraped.text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_metrics_server_binds_ipv6_too():
+    server = WorkerMetrics().serve("::1", 0, {"/livez": lambda: None})
+    try:
+        assert httpx.get(f"http://[::1]:{server.server_port}/livez").status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
