@@ -25,7 +25,8 @@ from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
 from worker.speculation import NgramProposer, Speculator
 from worker.static_engine import BatchRunner, StaticEngine
-from worker.vllm_backend import VllmBackend, VllmUnavailable  # vLLM itself is imported only when chosen
+from worker.vllm_backend import (  # vLLM itself is imported only when chosen
+    VllmBackend, VllmUnavailable, batch_invariant, current_platform_is_cpu)
 
 log = logging.getLogger("streamq.worker")
 
@@ -122,6 +123,8 @@ def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: T
 async def build_backend(settings: WorkerSettings) -> Backend:
     if settings.backend == "vllm":
         VllmBackend.require_vllm()  # before any model work: say at once what is missing
+        if settings.step.deterministic:
+            batch_invariant(current_platform_is_cpu())
         tokenizer = Tokenizer(await asyncio.to_thread(prepare_model, settings))
         return await VllmBackend.start(settings, str(weights_dir(settings)), tokenizer)
     return await Threaded.build(lambda: build_engine(settings), settings.backend)
@@ -130,7 +133,7 @@ async def build_backend(settings: WorkerSettings) -> Backend:
 async def serve(settings: WorkerSettings) -> None:
     try:
         engine = await build_backend(settings)
-    except VllmUnavailable as exc:
+    except (VllmUnavailable, ValueError) as exc:  # settings this worker cannot serve: say why, once
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     redis = connect(settings.redis_url)

@@ -149,8 +149,6 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(settings.kv_cache_gb))))
-        if settings.step.deterministic:
-            batch_invariant(current_platform_is_cpu())
         kwargs = engine_kwargs(settings, model_dir)
         args = AsyncEngineArgs(**kwargs, structured_outputs_config=StructuredOutputsConfig(backend="guidance"))
         log.info("starting vLLM's engine (%s)", ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "tokenizer"))

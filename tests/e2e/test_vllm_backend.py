@@ -180,3 +180,16 @@ def test_tool_calls_validate_on_either_backend(stack):
         content, calls = hermes.parse(text)
         assert content is None and len(calls) == 1 and set(json.loads(calls[0]["function"]["arguments"])) == {"city"}, \
             (backend, text)
+
+
+def test_deterministic_mode_on_vllms_cpu_build_is_refused_at_start(redis_url):
+    """vLLM's CPU attention has no batch-invariant mode: the worker says so and exits, before
+    it loads anything."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` creates it (`make test` runs it)")
+    env = {"REDIS_URL": redis_url, "STREAMQ_BACKEND": "vllm", "STREAMQ_PREFIX": "detvllm",
+           "STREAMQ_DETERMINISTIC": "true", "STREAMQ_METRICS_PORT": "-1", "STREAMQ_MODEL_CACHE_DIR": ""}
+    proc = subprocess.run([str(VLLM_PYTHON), "-m", "streamq.cli", "worker"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in {**__import__("os").environ, **env}.items() if v})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no batch-invariant mode" in proc.stderr and "backend=hf" in proc.stderr

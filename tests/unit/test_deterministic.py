@@ -50,11 +50,11 @@ class WithoutPanels:
 
 
 def make(folder, budget: int = 2048, prefix: bool = True, deterministic: bool = True, batch: int = 40,
-         dtype: torch.dtype = torch.bfloat16, panels: bool = True) -> Engine:
+         dtype: torch.dtype = torch.bfloat16, panels: bool = True, blocks: int = 1024) -> Engine:
     model = load_model(folder, CPU, dtype)
-    runner = PagedRunner(model, CPU, 1024, 4, kernels.load() if panels else WithoutPanels(),
+    runner = PagedRunner(model, CPU, blocks, 4, kernels.load() if panels else WithoutPanels(),
                          deterministic=deterministic)
-    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(1024, 4, prefix), batch, budget))
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(blocks, 4, prefix), batch, budget))
 
 
 def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
@@ -172,3 +172,42 @@ def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, 
         while engine.has_work():
             engine.step()
         assert [s.output_ids for s in seqs] == [[t for t, _ in tokens] for tokens in undisturbed], k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_the_whole_set_on_the_default_model(sampling):
+    """SmolLM2-135M in bf16, W's chat prompts: one request alone, in W's batch of 32, with its
+    prefill chunked, after a prefix-cache hit, with prompt lookup, and continued after 9 tokens."""
+    import json
+    from pathlib import Path
+
+    from shared.model_paths import prepare_model, weights_dir
+    from shared.settings import WorkerSettings
+
+    settings = WorkerSettings(_env_file=None, model="default")
+    prepare_model(settings)
+    folder = weights_dir(settings)
+
+    def engine(**options) -> Engine:
+        return make(folder, blocks=4096, **options)
+    tok = engine().tokenizer
+    workload = json.loads((Path(__file__).parents[2] / "benchmarks" / "workload_w.json").read_text())
+    w = [tok.encode_chat(m) for m in workload["messages"]]
+    mine = w.pop(17)
+    alone = run(engine(), [mine], sampling)[0]
+    assert run(engine(), w[:17] + [mine] + w[17:], sampling)[17] == alone
+    assert run(engine(budget=40, batch=8), w[:7] + [mine], sampling)[7] == alone
+    cached = engine()
+    run(cached, [mine[:-3]], sampling)  # the same chat but its last tokens: its blocks are cached
+    assert run(cached, [mine], sampling)[0] == alone and cached.batcher.blocks.prefix_hits > 0
+    lookup = engine()
+    lookup.speculator = Speculator(NgramProposer(4, 1, 3), 4)
+    assert run(lookup, [mine], sampling)[0] == alone
+    continued = engine()
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
+    delivered = [TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(alone[:9])]
+    seq = continued.add(RequestPayload(id="c", model="m", prompt_token_ids=mine, params=params), delivered)
+    while continued.has_work():
+        continued.step()
+    assert seq.output_ids == [t for t, _ in alone]

@@ -1,0 +1,105 @@
+"""Deterministic mode's cost: the built-in engine with the mode off and on, in one run.
+
+    .venv/bin/python benchmarks/deterministic.py [--dtype bfloat16] [--rounds 3]
+
+In this process, on the default model, as benchmarks/engine.py does:
+- **W**: workload W's 32 chat prompts at once, 64 new tokens each, greedy (tok/s over the whole
+  run, prefill included);
+- **one stream**: 4 of W's prompts one after another, 64 tokens each (tok/s);
+- **long prefill**: 8 prompts of about 1,000 tokens at once, 1 new token each (prompt tok/s), where
+  the mode's one change to the work shows most: a long chunk attends through the paged kernel,
+  row by row, instead of torch's SDPA.
+Rounds alternate the order of off and on; medians, and on/off per workload. The engines share
+one model and one runner (the mode is the runner's flag), so both see the same weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/openmp.py)
+    from worker.openmp import restart_with_intel_openmp
+    restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
+
+import torch  # noqa: E402
+
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
+from shared.messages import RequestPayload  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from worker import kernels  # noqa: E402
+from worker.batcher import Batcher  # noqa: E402
+from worker.block_manager import BlockManager  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model_runner import PagedRunner  # noqa: E402
+
+
+def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, one_by_one: bool = False) -> float:
+    """Tokens per second: generated ones, or the prompts' when new_tokens is 1."""
+    started = time.perf_counter()
+    seqs = []
+    for group in ([[p] for p in prompts] if one_by_one else [prompts]):
+        for prompt in group:
+            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+            seqs.append(engine.add(RequestPayload(id=f"r{len(seqs)}", model="m", prompt_token_ids=prompt, params=params)))
+        while engine.has_work():
+            engine.step()
+    wall = time.perf_counter() - started
+    counted = sum(len(p) for p in prompts) if new_tokens == 1 else sum(len(s.output_ids) for s in seqs)
+    return counted / wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    settings = WorkerSettings()
+    tok = Tokenizer(prepare_model(settings))
+    model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, args.dtype))
+    runners = {mode: PagedRunner(model, torch.device("cpu"), 4096, 16, kernels.load(), deterministic=mode == "on")
+               for mode in ("off", "on")}
+    workload = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
+    w = [tok.encode_chat(m) for m in workload["messages"]]
+    filler = tok.encode(" ".join(m[-1]["content"] for m in workload["messages"]))
+    long = [(filler * 8)[i * 50:i * 50 + 1000] for i in range(8)]
+    runs = {"W (32 at once, 64 tokens)": lambda e: timed(e, w, workload["max_tokens"]),
+            "one stream (64 tokens)": lambda e: timed(e, w[:4], 64, one_by_one=True),
+            "long prefill (8 x 1,000 tokens)": lambda e: timed(e, long, 1)}
+
+    def engine(mode: str) -> Engine:
+        return Engine(runners[mode], tok, Batcher(BlockManager(4096, 16, False), 32, 2048))
+    for mode in ("off", "on"):  # warm-up
+        timed(engine(mode), w[:2], 4)
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for name, measure in runs.items():
+                results.setdefault((name, mode), []).append(measure(engine(mode)))
+                print(f"# round {r + 1}: {name}, mode {mode}: {results[(name, mode)][-1]:.1f} tok/s", file=sys.stderr)
+    rows = []
+    for name in runs:
+        off, on = (statistics.median(results[(name, mode)]) for mode in ("off", "on"))
+        rows.append({"workload": name, "off_tok_per_s": round(off, 1), "on_tok_per_s": round(on, 1),
+                     "on_vs_off": round(on / off, 3),
+                     "rounds_off": " / ".join(f"{x:.1f}" for x in results[(name, "off")]),
+                     "rounds_on": " / ".join(f"{x:.1f}" for x in results[(name, "on")])})
+    report = {"machine": machine(args.dtype, torch.get_num_threads()), "rows": rows}
+    print(json.dumps(report, indent=1))
+    print_table(list(rows[0]), [list(r.values()) for r in rows])
+    print_machine(report["machine"])
+
+
+if __name__ == "__main__":
+    main()
