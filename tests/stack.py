@@ -196,3 +196,22 @@ def stream_events(client: httpx.Client, method: str, url: str, stop_after: int |
                 if stop_after is not None and sum(e.get("event") == "token" for e in events) >= stop_after:
                     break
     return events
+
+
+def stream_posted(client: httpx.Client, url: str, body: dict, at_token: int = 0, on_token=None) -> list[dict]:
+    """POST a streaming request to `url` and read its events to the final one; `on_token(request
+    id)` is called when its `at_token`-th token event arrives (to act mid-stream)."""
+    lines: list[str] = []
+    events: list[dict] = []
+    with client.stream("POST", url, json=body) as reply:
+        for line in reply.iter_lines():
+            lines.append(line)
+            if line != "":
+                continue
+            events += parse_sse(lines)
+            lines = []
+            if on_token is not None and sum(e["event"] == "token" for e in events) == at_token:
+                on_token(reply.headers["X-Request-Id"])
+            if events and events[-1]["event"] == "final":
+                break
+    return events

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.stack import Stack, parse_sse
+from tests.stack import Stack, stream_posted
 
 LONG = " ".join(["the capital of France is Paris and streams batches caches"] * 6)  # a prefill over 32 tokens
 PROMPTS = ["Once", "The capital of France is", LONG, "a b c", "Seoul and Paris", LONG[:90], "streams", "🚀"]
@@ -29,28 +29,22 @@ def test_a_continuation_after_kill_9_is_the_undisturbed_run_in_bf16(redis_url, t
         started = threading.Event()
         watched: list[str] = []
 
-        def run(prompt: str, sampling: dict, watch: bool) -> list[int]:
-            lines, events = [], []
+        def watch(request_id: str) -> None:
+            if not started.is_set():
+                watched.append(request_id)
+                started.set()
+
+        def run(prompt: str, sampling: dict, watching: bool) -> list[int]:
             body = {"prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "stream": True, **sampling}
-            with client.stream("POST", f"{api}/v1/requests", json=body) as reply:
-                for line in reply.iter_lines():
-                    lines.append(line)
-                    if line == "":
-                        events += parse_sse(lines)
-                        lines = []
-                        if watch and sum(e["event"] == "token" for e in events) == 5 and not started.is_set():
-                            watched.append(reply.headers["X-Request-Id"])
-                            started.set()
-                        if events and events[-1]["event"] == "final":
-                            break
+            events = stream_posted(client, f"{api}/v1/requests", body, 5, watch if watching else None)
             tokens = [e for e in events if e["event"] == "token"]
             assert [int(e["id"]) for e in tokens] == list(range(TOKENS))  # none lost, none twice
             return [e["data"]["token_id"] for e in tokens]
 
         with ThreadPoolExecutor(len(asks)) as pool:  # undisturbed, all at once
-            undisturbed = list(pool.map(lambda ask: run(*ask, watch=False), asks))
+            undisturbed = list(pool.map(lambda ask: run(*ask, watching=False), asks))
         with ThreadPoolExecutor(len(asks)) as pool:  # again, and a worker dies mid-stream
-            futures = [pool.submit(run, *ask, watch=True) for ask in asks]
+            futures = [pool.submit(run, *ask, watching=True) for ask in asks]
             assert started.wait(60)
             victim = client.get(f"{api}/v1/requests/{watched[0]}").json()["worker"]
             stack.kill_worker(victim)

@@ -11,7 +11,7 @@ import pytest
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
-from tests.stack import Stack, parse_sse
+from tests.stack import Stack, parse_sse, stream_posted
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
 TOKENS = 200
@@ -30,22 +30,14 @@ def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path, s
         started = threading.Event()
         first_id: list[str] = []
 
+        def watch(request_id: str) -> None:
+            if not started.is_set():
+                first_id.append(request_id)
+                started.set()
+
         def run(prompt: str) -> list[dict]:
-            lines, events = [], []
             body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-            with client.stream("POST", f"{api}/v1/requests", json=body) as reply:
-                for line in reply.iter_lines():
-                    lines.append(line)
-                    if line == "":
-                        events += parse_sse(lines)
-                        lines = []
-                        tokens = sum(e["event"] == "token" for e in events)
-                        if tokens == 5 and not started.is_set():
-                            first_id.append(reply.headers["X-Request-Id"])
-                            started.set()
-                        if events and events[-1]["event"] == "final":
-                            break
-            return events
+            return stream_posted(client, f"{api}/v1/requests", body, 5, watch)
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(run, p) for p in PROMPTS]
