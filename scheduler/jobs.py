@@ -132,7 +132,11 @@ async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl
             outcome = await _requeue(redis, script, prefix, stream, entry_id, fields, max_attempts)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             log.warning("request entry %s of dead worker %s: %s", entry_id, name, outcome)
-        if name != redis_keys.RECLAIMER:
+        # Deleting a consumer drops its pending entries: only once none is left. An entry the
+        # worker read within the TTL before it died is still pending; the next round takes it.
+        left = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=1,
+                                          consumername=name)
+        if name != redis_keys.RECLAIMER and not left:
             await redis.xgroup_delconsumer(stream, redis_keys.WORKER_GROUP, name)
     return outcomes
 

@@ -123,3 +123,29 @@ async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(r
     [(_, data)] = await store.events(late.id)
     assert decode_event(data).finish_reason.value == "expired"
     assert await expire_waiting(redis, prefix, "m") == 0  # safe to run again
+
+
+async def test_an_entry_a_dead_worker_read_just_before_it_died_is_reclaimed_too(redis, prefix):
+    """A dead worker's entries are reclaimed once idle for the TTL. One read just before the
+    death is younger than that at the first round: it must stay pending (deleting the consumer
+    would drop it, and the request would hang as 'running' forever) and be taken at a later round."""
+    store, stream, old, old_entry = await _running_request(redis, prefix)
+    young = RequestPayload(id="7d1c2a8e-2222-4222-8333-444455556666", model="m", prompt_token_ids=[3],
+                           params=SamplingParams(max_tokens=8))
+    await store.submit(young)
+    [(_, [(young_entry, _)])] = await redis.xreadgroup(redis_keys.WORKER_GROUP, "w-dead", {stream: ">"})
+    assert await store.claim(young.id, "w-dead")
+    # Idle times set outright (XCLAIM's IDLE), never waited for: the old entry 60 s, the young one 0.
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [old_entry], idle=60_000)
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [young_entry], idle=0)
+    assert await reclaim_dead_workers(redis, prefix, "m", 30.0, 3) == {"requeued": 1}
+    assert (await store.record(old.id))["status"] == "queued"
+    assert (await store.record(young.id))["status"] == "running"
+    [left] = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=10,
+                                        consumername="w-dead")
+    assert left["message_id"] == young_entry
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [young_entry], idle=60_000)  # time passes
+    assert await reclaim_dead_workers(redis, prefix, "m", 30.0, 3) == {"requeued": 1}
+    assert (await store.record(young.id))["status"] == "queued"
+    consumers = {c["name"] for c in await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)}
+    assert "w-dead" not in consumers
