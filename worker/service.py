@@ -56,6 +56,7 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
+        self._redis_away_since: float | None = None  # the loop waits for Redis: no stuck engine, however long
         self._beat_at = -math.inf  # last time a heartbeat reached Redis
 
     def stop(self) -> None:
@@ -66,6 +67,8 @@ class WorkerService:
         """Why this worker is not alive (None: it is): its loop has not gone round for engine_stall_s,
         as the heartbeat sees it before withdrawing the worker. Read from the metrics thread, so it
         also tells of an event loop that can no longer run the heartbeat."""
+        if self._redis_away_since is not None:
+            return None
         idle, limit = time.monotonic() - self._progress, self.settings.engine_stall_s
         if idle > limit:
             return f"the engine loop has not gone round for {idle:.0f} s (engine_stall_s={limit})"
@@ -131,8 +134,17 @@ class WorkerService:
                         exc, len(self.backend.running) + len(self.backend.waiting))
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Retry while Redis is away, unless this worker is stopping: then a stop must not wait for it."""
-        return await until_redis_answers(what, call, log, give_up=self._stopping.is_set)
+        """Retry while Redis is away, unless this worker is stopping: then a stop must not wait for it.
+        Meanwhile the loop is not stuck, only waiting: the stall check leaves it be."""
+        def away() -> bool:
+            if self._redis_away_since is None:
+                self._redis_away_since = time.monotonic()
+            return self._stopping.is_set()
+        try:
+            return await until_redis_answers(what, call, log, give_up=away)
+        finally:
+            if self._redis_away_since is not None:
+                self._redis_away_since, self._progress = None, time.monotonic()
 
     async def _step(self) -> None:
         started = time.perf_counter()
