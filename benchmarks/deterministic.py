@@ -51,7 +51,8 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, one_by_one:
     for group in ([[p] for p in prompts] if one_by_one else [prompts]):
         for prompt in group:
             params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-            seqs.append(engine.add(RequestPayload(id=f"r{len(seqs)}", model="m", prompt_token_ids=prompt, params=params)))
+            payload = RequestPayload(id=f"r{len(seqs)}", model="m", prompt_token_ids=prompt, params=params)
+            seqs.append(engine.add(payload))
         while engine.has_work():
             engine.step()
     wall = time.perf_counter() - started

@@ -54,7 +54,8 @@ async def burst(url: str, k: int, tokens: int) -> dict:
     ended = max(s["timings"]["created_at"] + s["timings"]["total_s"] for s in states)
     ttfts = sorted(s["timings"]["ttft_s"] for s in states)
     return {"ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "tok_per_s": k * tokens / (ended - started), "per_worker": sorted(Counter(s["worker"] for s in states).values()),
+            "tok_per_s": k * tokens / (ended - started),
+            "per_worker": sorted(Counter(s["worker"] for s in states).values()),
             "scheduled_s": sorted(s["timings"]["scheduled_s"] for s in states)}
 
 
@@ -105,7 +106,8 @@ def main() -> None:
                "tok_per_s": round(statistics.median(x["tok_per_s"] for x in runs), 1),
                "per_worker": " / ".join("+".join(map(str, x["per_worker"])) for x in runs)}
         alone = results.get((1, k))
-        row["vs_1_worker"] = round(row["tok_per_s"] / statistics.median(x["tok_per_s"] for x in alone), 2) if alone else None
+        one = statistics.median(x["tok_per_s"] for x in alone) if alone else None
+        row["vs_1_worker"] = round(row["tok_per_s"] / one, 2) if one else None
         if seconds is not None:
             row["late"] = " / ".join(str(late(m * args.batch, seconds, x["scheduled_s"])) for x in runs)
         rows.append(row)

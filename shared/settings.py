@@ -172,9 +172,10 @@ class WorkerSettings(CommonSettings):
                                    description="Where the CPU step kernels are compiled, once per CPU and source.")
     cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
                                                 "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
-    deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with its "
-                                                   "prefill chunked or cached or not, with speculation or not, and after "
-                                                   "a failover, in bf16 too (docs/reliability.md); CPU step kernels only.")
+    deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "
+                                                   "its prefill chunked or cached or not, with speculation or not, "
+                                                   "and after a failover, in bf16 too (docs/reliability.md); "
+                                                   "CPU step kernels only.")
 
     # -- speculative decoding in the built-in engine (SpeculativeSettings) -------------------------
     speculative_method: Literal["off", "ngram", "draft"] = Field(

@@ -113,7 +113,8 @@ def page_state(driver: WebDriver) -> str:
 
 def replied(driver: WebDriver, replies: int) -> bool:
     """The page has ended its `replies`-th reply (its item and its state are set in one task)."""
-    return len(driver.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == replies and page_state(driver) == "done"
+    items = driver.find_elements(By.CSS_SELECTOR, "#messages li.assistant")
+    return len(items) == replies and page_state(driver) == "done"
 
 
 def last_reply(driver: WebDriver) -> str:

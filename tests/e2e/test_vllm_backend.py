@@ -167,9 +167,9 @@ def test_tool_calls_validate_on_either_backend(stack):
     client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
     for backend in ("vllm", "hf"):
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            reply = client.chat.completions.create(model=stack.model_name, messages=ask, tools=tools, tool_choice=choice,
-                                                   parallel_tool_calls=False, max_tokens=80, temperature=0,
-                                                   extra_body={"backend": backend})
+            reply = client.chat.completions.create(model=stack.model_name, messages=ask, tools=tools,
+                                                   tool_choice=choice, parallel_tool_calls=False, max_tokens=80,
+                                                   temperature=0, extra_body={"backend": backend})
             assert reply.choices[0].message.tool_calls, (backend, reply.choices[0])
             call = reply.choices[0].message.tool_calls[0]
             assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", backend

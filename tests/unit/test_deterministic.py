@@ -177,7 +177,8 @@ def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, 
         for i, ids in enumerate(batch):
             params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
             delivered = [TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(undisturbed[i][:k])]
-            seqs.append(engine.add(RequestPayload(id=f"c{i}", model="m", prompt_token_ids=ids, params=params), delivered))
+            payload = RequestPayload(id=f"c{i}", model="m", prompt_token_ids=ids, params=params)
+            seqs.append(engine.add(payload, delivered))
         while engine.has_work():
             engine.step()
         assert [s.output_ids for s in seqs] == [[t for t, _ in tokens] for tokens in undisturbed], k

@@ -173,7 +173,8 @@ def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
 
     calls, forwards = [], []
     real_allowed = sampler.allowed
-    monkeypatch.setattr(sampler, "allowed", lambda *a: calls.append(threading.current_thread().name) or real_allowed(*a))
+    monkeypatch.setattr(sampler, "allowed",
+                        lambda *a: calls.append(threading.current_thread().name) or real_allowed(*a))
     engine = make_engine(tiny_llama)
     engine.overlap_masks = True  # as on an accelerator
     execute = engine.runner.execute
