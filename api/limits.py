@@ -4,9 +4,10 @@ per minute (prompt plus max_tokens, reserved at admission) and concurrent reques
 One Lua script checks all three and records the admission atomically, so two replicas together
 never admit more than a limit. Past a limit: 429 with Retry-After (when the oldest request in
 the window leaves it) and OpenAI's error body. A tenant's unfinished requests are counted by
-looking at their records, so no finishing path has to remember to release a slot. (That look
-reads keys the script is not given: fine on one Redis; on Redis Cluster it needs the request
-records and the tenant's usage in one slot.)
+looking at their records, so no finishing path has to remember to release a slot. The records
+are read before the script, which is told which of the tenant's requests have ended: the script
+touches only the tenant's own keys (one hash tag, so one slot on Redis Cluster), and a request
+that ends between the read and the script still counts, until the next admission sees it ended.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from shared import redis_keys
 from shared.messages import now
 
 # KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
-# tokens, record key prefix, record key suffix, active ttl.
+# tokens, ended request ids (space-separated: active ones whose records say they ended), active ttl.
 # Returns {0, weight} when admitted, else {kind, seconds to wait}.
 _ADMIT = """
 local limits = redis.call('HGETALL', KEYS[1])
@@ -47,19 +48,16 @@ if (lim['tpm'] or 0) > 0 then
   if used + tokens > lim['tpm'] then return {'tokens per minute', wait_oldest(3)} end
 end
 if (lim['concurrent'] or 0) > 0 then
-  for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-    local status = redis.call('HGET', ARGV[4] .. id .. ARGV[5], 'status')
-    if not status or (status ~= 'queued' and status ~= 'running') then redis.call('ZREM', KEYS[4], id) end
-  end
+  for id in string.gmatch(ARGV[4], '%S+') do redis.call('ZREM', KEYS[4], id) end
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   if redis.call('ZCARD', KEYS[4]) + #ids > lim['concurrent'] then return {'concurrent requests', '1'} end
 end
 for i, id in ipairs(ids) do
   redis.call('ZADD', KEYS[2], now, id)
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]), id)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), id)
 end
 redis.call('ZADD', KEYS[3], now, ids[1] .. ':' .. tokens)
-for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[6]))) end
+for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[5]))) end
 return {0, tostring(lim['weight'] or 1)}
 """
 
@@ -80,16 +78,26 @@ class Limits:
     async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
         """Record the admission of these requests and return the tenant's scheduling weight,
         or raise 429 naming the limit and the wait."""
-        record_prefix, record_suffix = redis_keys.request_record(self.prefix, "|").split("|")
         result = await self._admit(
             keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
                  [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
-            args=[now(), " ".join(request_ids), tokens, record_prefix, record_suffix, self.active_ttl_s])
+            args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s])
         if result[0] == 0:
             return float(result[1])
         kind, wait = result[0], max(1, math.ceil(float(result[1])))
         raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    async def _ended(self, tenant: str) -> list[str]:
+        """The tenant's active requests whose records say they ended (or are gone)."""
+        active = await self.redis.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
+        if not active:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in active:
+                pipe.hget(redis_keys.request_record(self.prefix, rid), "status")
+            statuses = await pipe.execute()
+        return [rid for rid, status in zip(active, statuses) if status not in ("queued", "running")]
 
     async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
         """Undo `admit` for requests that were then refused (e.g. by backpressure), in one step."""
