@@ -1,6 +1,7 @@
 """The FastAPI application of one api replica. It never imports torch or loads weights."""
 from __future__ import annotations
 
+import contextlib
 from contextlib import asynccontextmanager
 
 from arq import create_pool
@@ -10,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from shared.redis_client import arq_settings, connect
+from shared.redis_client import REDIS_DOWN, arq_settings, connect, refuse_cluster
 
 from api.auth import TenantDep, auth_enabled
 from api.deps import Replica
@@ -33,6 +34,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = connect(settings.redis_url)
+        with contextlib.suppress(*REDIS_DOWN):  # Redis away at start: the replica waits for it, as later
+            await refuse_cluster(redis)
         hub = PubSubHub(redis, redis_keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
         await hub.start()
         store = RequestStore(redis, settings.prefix)

@@ -112,3 +112,15 @@ async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: 
         log.warning("redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
 
     return await Retry(BACKOFF, retries=-1, supported_errors=REDIS_DOWN).call_with_retry(call, failed)
+
+
+class ClusterUnsupported(RuntimeError):
+    """REDIS_URL points at a node of a Redis Cluster, which streamq does not run on yet."""
+
+
+async def refuse_cluster(redis: Redis) -> None:
+    """Say at start that a Redis Cluster node is not a Redis streamq can use, rather than fail
+    later with MOVED errors on every key of another node's slots (docs/scaling.md)."""
+    if int((await redis.info("cluster")).get("cluster_enabled", 0)) == 1:
+        raise ClusterUnsupported("REDIS_URL points at a Redis Cluster node; streamq does not run on Redis Cluster "
+                                 "yet (docs/scaling.md, 'Not done yet'): use one Redis, with replicas for failover")

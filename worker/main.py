@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 
-from shared.redis_client import connect, until_redis_answers
+from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, until_redis_answers
 
 from shared import tokenizer_files
 from shared.logs import route_transformers
@@ -137,6 +137,11 @@ async def serve(settings: WorkerSettings) -> None:
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     redis = connect(settings.redis_url)
+    try:
+        await until_redis_answers("start", lambda: refuse_cluster(redis), log)
+    except ClusterUnsupported as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from exc
     await until_redis_answers("model files", lambda: tokenizer_files.publish(
         redis, settings.prefix, served_name(settings), model_dir(settings)), log)
     service = WorkerService(redis, engine, settings, served_name(settings))

@@ -62,3 +62,27 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
             await client.aclose()
     finally:
         cluster.stop()
+
+
+def test_the_worker_and_the_api_refuse_a_cluster_node_at_start(tmp_path, tiny_llama):
+    """Until streamq runs on Redis Cluster, a REDIS_URL that points at a cluster node is refused
+    at start with the reason, not met with MOVED errors on half the keys later."""
+    import os
+    import subprocess
+    import sys
+
+    from shared.redis_server import free_port
+    from tests.stack import ROOT
+
+    cluster = RedisCluster(tmp_path / "cluster", masters=3)
+    try:
+        cluster.start()
+        env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{cluster.live()[0].port}/0", "STREAMQ_BACKEND": "null",
+               "STREAMQ_MODEL": str(tiny_llama), "STREAMQ_MODEL_CACHE_DIR": str(tmp_path / "cache"),
+               "STREAMQ_METRICS_PORT": "-1", "STREAMQ_PORT": str(free_port())}
+        for process in ("worker", "api"):
+            run = subprocess.run([sys.executable, "-m", "streamq.cli", process], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode != 0 and "does not run on Redis Cluster" in run.stdout + run.stderr, process
+    finally:
+        cluster.stop()
