@@ -47,7 +47,8 @@ class RedisCluster:
         return [n for n in self.nodes if n.process and n.process.poll() is None]
 
     def wait_replicas(self, timeout_s: float = 30.0) -> None:
-        """Until every master has its replicas connected and in sync."""
+        """Until every master has its replicas connected and past their initial sync (WAIT counts
+        only those)."""
         import redis
 
         deadline = time.monotonic() + timeout_s
@@ -57,7 +58,9 @@ class RedisCluster:
                 with redis.Redis(port=node.port, decode_responses=True) as client:
                     roles.append(client.info("replication"))
             masters = [r for r in roles if r["role"] == "master"]
-            if len(masters) == self.masters and all(r["connected_slaves"] == self.replicas for r in masters):
+            online = [all(r.get(f"slave{i}", {}).get("state") == "online" for i in range(self.replicas))
+                      for r in masters]
+            if len(masters) == self.masters and all(online):  # connected, and past the initial sync
                 return
             time.sleep(0.1)  # polling the cluster's own state
         raise RuntimeError(f"the replicas did not connect within {timeout_s} s")

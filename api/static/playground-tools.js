@@ -38,6 +38,7 @@ function nativeMessage(message) {
 // calls through run.calls. The api sends a tool reply's deltas once it is whole.
 async function readChat(response, run, answer) {
   setState("queued");
+  let finished = null;  // shown once the stream has ended: the usage chunk comes after the finish reason
   for await (const {data: chunk} of sseEvents(response.body)) {
     if (chunk.id && !document.body.dataset.requestId) showRequestId(chunk.id);
     for (const choice of chunk.choices || []) {
@@ -52,13 +53,14 @@ async function readChat(response, run, answer) {
         run.calls.add(call);
       }
       if (run.firstAt && document.body.dataset.state === "queued") setState("streaming");
-      if (choice.finish_reason) showFinish(choice.finish_reason);
+      if (choice.finish_reason) finished = choice.finish_reason;
     }
     if (chunk.usage) {  // the last chunk: the true token count (a tool reply's deltas are not tokens)
       run.tokens = chunk.usage.completion_tokens;
       showStats(run);
     }
   }
+  if (finished) showFinish(finished);
 }
 
 function showFinish(reason) {
