@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from api.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
 if TYPE_CHECKING:
-    from api.tools import Tool, ToolChoice
     from shared.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
@@ -47,14 +46,9 @@ def _knows(tokenizer: "Tokenizer", template: str | None) -> bool:
     return _PROBE["function"]["name"] in rendered
 
 
-def constraint(tools: list["Tool"], choice: "ToolChoice | None", parallel: bool) -> StructuredOutputs:
+def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
     """The reply's grammar: call blocks (of `tools`), or under "auto" a plain answer instead."""
-    from api.tools import ANY_OBJECT
-
-    call = {"x-guidance": JSON_LAYOUT,
-            "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                       "properties": {"name": {"const": t.function.name},
-                                      "arguments": t.function.parameters or ANY_OBJECT}} for t in tools]}
+    call = {"x-guidance": JSON_LAYOUT, "anyOf": call_schemas(tools)}
     rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}",
              'calls: call ("\\n" call)*' if parallel else "calls: call",
              f"call: {json.dumps(OPEN)} %json {json.dumps(call)} {json.dumps(CLOSE)}",
@@ -66,19 +60,11 @@ def template_message(message: dict[str, Any], text: str) -> dict[str, Any]:
     """An earlier message as a Hermes template reads it (`text`: its content as plain text)."""
     if message["role"] == "assistant" and message.get("tool_calls"):
         calls = [{"type": "function", "function": {"name": (c.get("function") or {}).get("name"),
-                                                   "arguments": _arguments(c)}} for c in message["tool_calls"]]
+                                                   "arguments": arguments_of(c)}} for c in message["tool_calls"]]
         return {"role": "assistant", "content": text, "tool_calls": calls}
     if message["role"] == "tool":
         return {"role": "tool", "content": text, "tool_call_id": message.get("tool_call_id")}
     return {"role": message["role"], "content": text}
-
-
-def _arguments(call: dict[str, Any]) -> Any:
-    arguments = (call.get("function") or {}).get("arguments") or "{}"
-    try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        return arguments
 
 
 def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -94,7 +80,6 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             name, arguments = value["name"], value["arguments"]
         except (ValueError, KeyError, TypeError):
             return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        calls.append(openai_call(name, arguments))
     content = text[:text.index("<tool_call>")].strip()
     return content or None, calls

@@ -65,13 +65,33 @@ def chosen(tools: list[Tool], choice: ToolChoice | None) -> list[Tool]:
     return [] if choice == "none" else tools
 
 
+def call_schemas(tools: list[Tool]) -> list[dict[str, Any]]:
+    """One JSON schema per tool for a call of it: {"name": <its name>, "arguments": <its parameters>}
+    (both tool formats write a call so)."""
+    return [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+             "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or ANY_OBJECT}}
+            for t in tools]
+
+
+def arguments_of(call: dict[str, Any]) -> Any:
+    """An earlier OpenAI tool call's arguments as the model wrote them: the JSON string parsed
+    (kept as it is where it does not parse)."""
+    arguments = (call.get("function") or {}).get("arguments") or "{}"
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
+def openai_call(name: str, arguments: Any) -> dict[str, Any]:
+    """A call the model wrote, in OpenAI's `tool_calls` form, with a fresh id."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
 def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
     """The reply's JSON schema: tool calls (of `tools`), or under "auto" a plain answer too."""
-    calls: dict[str, Any] = {
-        "type": "array", "minItems": 1,
-        "items": {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                             "properties": {"name": {"const": t.function.name},
-                                            "arguments": t.function.parameters or ANY_OBJECT}} for t in tools]}}
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call_schemas(tools)}}
     if not parallel:
         calls["maxItems"] = 1
     call = {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
@@ -97,15 +117,8 @@ def system_text(tools: list[Tool], choice: ToolChoice | None) -> str:
 
 def as_model_turn(message: dict[str, Any]) -> str:
     """An assistant message's tool calls, as the model wrote them."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        arguments = function.get("arguments") or "{}"
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            parsed = arguments
-        calls.append({"name": function.get("name"), "arguments": parsed})
+    calls = [{"name": (call.get("function") or {}).get("name"), "arguments": arguments_of(call)}
+             for call in message.get("tool_calls") or []]
     return json.dumps({"tool_calls": calls}, ensure_ascii=False)
 
 
@@ -117,9 +130,7 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     except ValueError:
         return text, []
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        return None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                      for c in value["tool_calls"]]
+        return None, [openai_call(c["name"], c["arguments"]) for c in value["tool_calls"]]
     if isinstance(value, dict) and isinstance(value.get("response"), str):
         return value["response"], []
     return text, []
