@@ -262,9 +262,9 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     completion_tokens = 0
     # With tools, a reply is parsed whole: its tokens are held to the end. In the Hermes format a
     # reply that does not open with "<" is a plain answer (the grammar allows no call after it),
-    # so it streams from there on.
+    # so it streams from there on. Its first character decides, once: None until then.
     held: list[list[TokenEvent]] = [[] for _ in payloads]
-    answering = [False] * len(payloads)
+    answering: list[bool | None] = [None if body.hermes else False for _ in payloads]
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
@@ -274,10 +274,11 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
             events = [event]
             if body.calls_tools and not answering[i]:
                 held[i].append(event)
-                text = "".join(e.text for e in held[i])
-                if not (body.hermes and text and not text.startswith("<")):
+                if answering[i] is None and event.text:
+                    answering[i] = not "".join(e.text for e in held[i]).startswith("<")
+                if not answering[i]:
                     continue
-                answering[i], events, held[i] = True, held[i], []
+                events, held[i] = held[i], []
             text = "".join(e.text for e in events)
             if not text and logprobs is None:
                 continue
