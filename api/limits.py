@@ -89,9 +89,13 @@ class Limits:
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
 
     async def _ended(self, tenant: str) -> list[str]:
-        """The tenant's active requests whose records say they ended (or are gone)."""
-        active = await self.redis.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
-        if not active:
+        """The tenant's active requests whose records say they ended (or are gone); none looked at
+        without a concurrency limit, as the script then counts none."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(redis_keys.tenant_limits(self.prefix, tenant), "concurrent")
+            pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
+            concurrent, active = await pipe.execute()
+        if not active or float(concurrent or 0) <= 0:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in active:
