@@ -25,8 +25,7 @@ from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
 from worker.speculation import NgramProposer, Speculator
 from worker.static_engine import BatchRunner, StaticEngine
-from worker.vllm_backend import (  # vLLM itself is imported only when chosen
-    VllmBackend, VllmUnavailable, batch_invariant, current_platform_is_cpu)
+from worker.vllm_backend import VllmBackend, VllmUnavailable, batch_invariant  # vLLM: imported only when chosen
 
 log = logging.getLogger("streamq.worker")
 
@@ -124,7 +123,7 @@ async def build_backend(settings: WorkerSettings) -> Backend:
     if settings.backend == "vllm":
         VllmBackend.require_vllm()  # before any model work: say at once what is missing
         if settings.step.deterministic:
-            batch_invariant(current_platform_is_cpu())
+            batch_invariant()
         tokenizer = Tokenizer(await asyncio.to_thread(prepare_model, settings))
         return await VllmBackend.start(settings, str(weights_dir(settings)), tokenizer)
     return await Threaded.build(lambda: build_engine(settings), settings.backend)

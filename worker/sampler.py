@@ -216,16 +216,13 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[t
     # logits kept for log-probabilities.
     x = raw.clone() if constrained or adjusted else raw
     if constrained:
-        if masks is None:
-            allowed_rows = allowed([(matcher, draft) for _, matcher, draft in constraints], x.shape[-1])
-        else:
-            allowed_rows = masks.result()
-        masks = allowed_rows.to(x.device)
+        ok = (masks.result() if masks is not None
+              else allowed([(matcher, draft) for _, matcher, draft in constraints], x.shape[-1])).to(x.device)
         if len(constrained) == x.shape[0]:
-            x.masked_fill_(~masks, float("-inf"))
+            x.masked_fill_(~ok, float("-inf"))
         else:
             rows = torch.tensor(constrained, device=x.device)
-            x[rows] = x[rows].masked_fill(~masks, float("-inf"))
+            x[rows] = x[rows].masked_fill(~ok, float("-inf"))
     if adjusted:
         for row, req in enumerate(row_of):
             _adjust(x[row], req)  # a request with penalties is never given proposals: one row each

@@ -97,19 +97,15 @@ def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def batch_invariant(on_cpu: bool) -> None:
+def batch_invariant() -> None:
     """Deterministic mode on vLLM: its batch-invariant mode (VLLM_BATCH_INVARIANT), which vLLM's
     CPU build does not have (its CPU attention backend does not support it)."""
-    if on_cpu:
+    from vllm.platforms import current_platform  # noqa: PLC0415 - only with backend=vllm
+
+    if current_platform.is_cpu():
         raise ValueError("deterministic mode: vLLM's CPU build has no batch-invariant mode (VLLM_BATCH_INVARIANT "
                          "needs a GPU attention backend); run the built-in engine (backend=hf), or vLLM on a GPU")
     os.environ["VLLM_BATCH_INVARIANT"] = "1"  # vLLM refuses it at start where its backends cannot
-
-
-def current_platform_is_cpu() -> bool:
-    from vllm.platforms import current_platform  # noqa: PLC0415 - only with backend=vllm
-
-    return current_platform.is_cpu()
 
 
 class VllmBackend:
