@@ -104,8 +104,9 @@ class Limits:
         return [rid for rid, status in zip(active, statuses) if status not in ("queued", "running")]
 
     async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
-        """Undo `admit` for requests that were then refused (e.g. by backpressure), in one step."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        """Undo `admit` for requests that were then refused (e.g. by backpressure), in one round trip
+        (not one transaction: an admit in between counts them still, and refuses rather than admits)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)

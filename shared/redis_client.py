@@ -14,9 +14,11 @@ from urllib.parse import urlparse
 
 from arq.connections import RedisSettings
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ClusterDownError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -53,16 +55,61 @@ class FastUnixConnection(_HiredisPacking, UnixDomainSocketConnection):
 _CLASSES = {"redis": FastConnection, "rediss": FastSSLConnection, "unix": FastUnixConnection}
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlparse(url).scheme in CLUSTER_SCHEMES
+
+
 def connect(url: str) -> Redis:
     """A client for `url` (redis://, rediss:// with TLS, unix://), answers decoded as str.
 
+    `redis+cluster://[user:password@]host:port[,host:port...][?options]` (`rediss+cluster://`
+    with TLS) is a Redis Cluster given by one or more of its nodes: the client learns the rest,
+    routes each command to the master of its key's slot, and follows failovers.
+
     The URL's query options (ssl_ca_certs, ssl_cert_reqs, ...) and its percent-encoded password
     are honoured as redis-py reads them; only the connection class is ours (hiredis packing)."""
+    if is_cluster_url(url):
+        return _connect_cluster(url)
     options = parse_url(url)
     scheme = urlparse(url).scheme
     if hiredis is not None and scheme in _CLASSES:
         options["connection_class"] = _CLASSES[scheme]
     return Redis.from_pool(ConnectionPool(decode_responses=True, **options))
+
+
+def cluster_nodes(url: str) -> list[dict]:
+    """The connection options of each node a redis+cluster:// URL names, as parse_url gives them."""
+    parsed = urlparse(url)
+    scheme = CLUSTER_SCHEMES[parsed.scheme]
+    credentials, _, hosts = parsed.netloc.rpartition("@")
+    query = f"?{parsed.query}" if parsed.query else ""
+    if not hosts:
+        raise ValueError(f"{url!r} names no node: redis+cluster://host:port[,host:port...]")
+    return [parse_url(f"{scheme}://{credentials + '@' if credentials else ''}{host}{query}")
+            for host in hosts.split(",")]
+
+
+def _connect_cluster(url: str) -> RedisCluster:
+    nodes = cluster_nodes(url)
+    options = {k: v for k, v in nodes[0].items() if k not in ("host", "port", "db", "connection_class")}
+    if int(nodes[0].get("db", 0)):
+        raise ValueError("a Redis Cluster has database 0 only; drop the /N from REDIS_URL")
+    tls = urlparse(url).scheme == "rediss+cluster"
+    client = RedisCluster(startup_nodes=[ClusterNode(n.get("host", "localhost"), int(n.get("port", 6379)))
+                                         for n in nodes], decode_responses=True, ssl=tls, **options)
+    if hiredis is not None:  # RedisCluster takes no connection class: set ours where it builds nodes from
+        fast = FastSSLConnection if tls else FastConnection
+        client.connection_kwargs["connection_class"] = fast
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = fast
+    return client
+
+
+def is_cluster(redis: Redis | RedisCluster) -> bool:
+    return isinstance(redis, RedisCluster)
 
 
 def arq_settings(url: str) -> RedisSettings:
@@ -83,7 +130,9 @@ def arq_settings(url: str) -> RedisSettings:
 _ARQ_SSL_OPTIONS = {"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data", "ssl_check_hostname"}
 
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError
+# BusyLoadingError (AOF replay) is a ConnectionError. On a cluster, while a replica takes over a lost
+# master's slots, the nodes answer CLUSTERDOWN (or TRYAGAIN in a slot's migration): Redis is away too.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 BACKOFF = ExponentialBackoff(cap=5.0, base=0.05)  # 0.1, 0.2, 0.4 ... 5 s between tries (it keeps no state)
 
 
@@ -115,12 +164,14 @@ async def until_redis_answers(what: str, call: Callable[[], Awaitable[T]], log: 
 
 
 class ClusterUnsupported(RuntimeError):
-    """REDIS_URL points at a node of a Redis Cluster, which streamq does not run on yet."""
+    """REDIS_URL points at a node of a Redis Cluster through a plain redis:// URL."""
 
 
-async def refuse_cluster(redis: Redis) -> None:
-    """Say at start that a Redis Cluster node is not a Redis streamq can use, rather than fail
-    later with MOVED errors on every key of another node's slots (docs/scaling.md)."""
+async def refuse_cluster(redis: Redis | RedisCluster) -> None:
+    """Say at start that a cluster node given as a plain redis:// URL must be given as
+    redis+cluster://, rather than fail later with MOVED errors on other nodes' keys."""
+    if is_cluster(redis):
+        return
     if int((await redis.info("cluster")).get("cluster_enabled", 0)) == 1:
-        raise ClusterUnsupported("REDIS_URL points at a Redis Cluster node; streamq does not run on Redis Cluster "
-                                 "yet (docs/scaling.md, 'Not done yet'): use one Redis, with replicas for failover")
+        raise ClusterUnsupported("REDIS_URL points at a Redis Cluster node through redis://; give the cluster as "
+                                 "redis+cluster://host:port (rediss+cluster:// with TLS), see docs/scaling.md")

@@ -1,6 +1,9 @@
 """Every Redis key and channel name, built in one place.
 
-Each request's keys carry ``{id}`` as a hash tag, so they land in one slot on Redis Cluster.
+Each request's keys carry ``{id}`` as a hash tag, so they land in one slot on Redis Cluster;
+a model's queue (its lanes, doorbell and free-slot announcements) carries ``{model}``, so a
+worker's take of every lane is one script on one slot. Different requests, and different
+models' queues, spread over the slots.
 """
 
 # Consumer group that every worker of a model joins on that model's request stream.
@@ -20,25 +23,25 @@ def request_stream(prefix: str, model: str, lane: str) -> str:
 
     A lane is a tenant and a priority (shared/queue.py): one stream each, so a worker sees the
     head of every tenant's queue and can share its batch fairly, whatever the backlogs."""
-    return f"{prefix}:requests:{model}:{lane}"
+    return f"{prefix}:requests:{{{model}}}:{lane}"
 
 
 def request_lanes(prefix: str, model: str) -> str:
     """Set: the lanes that have a request stream for this model (they are never removed)."""
-    return f"{prefix}:lanes:{model}"
+    return f"{prefix}:lanes:{{{model}}}"
 
 
 def lane_doorbell(prefix: str, model: str) -> str:
     """Stream with one entry per new lane, read without a group (XREAD), so every worker
     waiting on the lanes it knew wakes up and reads the new one at once."""
-    return f"{prefix}:lanes:{model}:new"
+    return f"{prefix}:lanes:{{{model}}}:new"
 
 
 def worker_free_slots(prefix: str, model: str) -> str:
     """Hash: worker -> "<free slots>:<expiry, ms>", announced at each of its reads of the lanes,
     so workers split a burst by their free room (worker/intake.py). An entry past its expiry
     is a worker that stopped reading: the next reader drops it."""
-    return f"{prefix}:free:{model}"
+    return f"{prefix}:free:{{{model}}}"
 
 
 def model_files(prefix: str, model: str) -> str:

@@ -27,27 +27,24 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at'
 return 1
 """
 
-# KEYS: lanes set, doorbell, then each request's record and lane stream. ARGV: group, the
-# most requests that may wait (-1: no limit), the lane streams' key prefix, then for each
-# request its lane, payload, number of record fields, and those fields and values.
-# Admission and queueing in one step, all requests or none: past the limit nothing is written
-# and {0, waiting, taken} comes back; else the records are written, the requests queued and
-# {1, waiting before them, taken}. A lane seen for the first time gets the workers' group
-# (before its first entry) and rings the doorbell.
+# KEYS: lanes set, doorbell, then each request's lane stream (all in the model's queue slot).
+# ARGV: group, the most requests that may wait (-1: no limit), the lane streams' key prefix,
+# then for each request its lane and payload.
+# Admission and queueing in one step, all requests or none: past the limit nothing is queued
+# and {0, waiting, taken} comes back; else the requests are queued and {1, waiting before
+# them, taken}. A lane seen for the first time gets the workers' group (before its first
+# entry) and rings the doorbell. The records are written before, by enqueue().
 _SUBMIT = BACKLOG_LUA + """
 local waiting, taken = backlog(KEYS[1], ARGV[3], ARGV[1])
-local n = (#KEYS - 2) / 2
+local n = #KEYS - 2
 if tonumber(ARGV[2]) >= 0 and waiting + n > tonumber(ARGV[2]) then return {0, waiting, taken} end
-local a = 4
 for i = 1, n do
-  local record, stream, lane, fields = KEYS[1 + 2 * i], KEYS[2 + 2 * i], ARGV[a], tonumber(ARGV[a + 2])
+  local stream, lane, payload = KEYS[2 + i], ARGV[2 + 2 * i], ARGV[3 + 2 * i]
   if redis.call('SADD', KEYS[1], lane) == 1 then
     pcall(redis.call, 'XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'lane', lane)
   end
-  redis.call('HSET', record, unpack(ARGV, a + 3, a + 2 + 2 * fields))
-  redis.call('XADD', stream, '*', 'payload', ARGV[a + 1])
-  a = a + 3 + 2 * fields
+  redis.call('XADD', stream, '*', 'payload', payload)
 end
 return {1, waiting, taken}
 """
@@ -61,7 +58,7 @@ if not status then return false end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
-  redis.call('PUBLISH', KEYS[3], ARGV[1])
+  redis.call('SPUBLISH', KEYS[3], ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
 elseif status == 'running' then
@@ -77,7 +74,7 @@ _END_QUEUED = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[2], 'error', ARGV[4])
 redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
-redis.call('PUBLISH', KEYS[3], ARGV[1])
+redis.call('SPUBLISH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
@@ -104,35 +101,49 @@ class RequestStore:
         self._end = redis.register_script(_END_QUEUED)
 
     async def submit(self, payload: RequestPayload) -> None:
-        """Write the record, then queue the request in its lane: both in one script."""
+        """Write the record, then queue the request in its lane."""
         await self.enqueue([payload])
 
     async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Admission:
         """Queue requests of one model, all or none, unless that would leave more than
-        `max_waiting` requests waiting for a worker: the check and the writes are one script,
-        so replicas submitting at once never pass the limit together."""
+        `max_waiting` requests waiting for a worker: the check and the queueing are one script,
+        so replicas submitting at once never pass the limit together.
+
+        Each request's record lies in its own slot, the queue in the model's (Redis Cluster), so
+        the records are written first, then queued; records of requests the limit refused are
+        deleted. A replica that dies in between leaves records that were never queued (its
+        client got no answer); they carry the result TTL from the start, so Redis drops them."""
         model = payloads[0].model
         if any(p.model != model for p in payloads):
             raise ValueError(f"one enqueue takes requests of one model; got {sorted({p.model for p in payloads})}")
         queue = RequestQueue(self.redis, self.prefix, model)
-        request_keys, args = [], []
-        for payload in payloads:
-            record = {
-                "status": RequestStatus.QUEUED.value,
-                "model": payload.model,
-                "owner": payload.owner,
-                "params": payload.params.model_dump_json(),
-                "prompt_tokens": len(payload.prompt_token_ids),
-                "created_at": payload.created_at,
-                **({"expires_at": payload.expires_at} if payload.expires_at else {}),
-            }
-            request_keys += [redis_keys.request_record(self.prefix, payload.id), queue.stream_of(payload)]
-            args += [lane_of(payload), payload.model_dump_json(), len(record),
-                     *[x for item in record.items() for x in item]]
+        records = [redis_keys.request_record(self.prefix, p.id) for p in payloads]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, payload in zip(records, payloads, strict=True):
+                pipe.hset(key, mapping={
+                    "status": RequestStatus.QUEUED.value,
+                    "model": payload.model,
+                    "owner": payload.owner,
+                    "params": payload.params.model_dump_json(),
+                    "prompt_tokens": len(payload.prompt_token_ids),
+                    "created_at": payload.created_at,
+                    **({"expires_at": payload.expires_at} if payload.expires_at else {}),
+                })
+                pipe.expire(key, redis_keys.RESULT_TTL_S)
+            await pipe.execute()
         queued, waiting, taken = await self._submit(
-            keys=[queue.lanes_key, queue.doorbell, *request_keys],
-            args=[redis_keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix, *args])
+            keys=[queue.lanes_key, queue.doorbell, *[queue.stream_of(p) for p in payloads]],
+            args=[redis_keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix,
+                  *[x for p in payloads for x in (lane_of(p), p.model_dump_json())]])
+        if not queued:
+            await self._delete(records)
         return Admission(bool(queued), int(waiting), int(taken))
+
+    async def _delete(self, keys: list[str]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:  # one DEL each: they lie in several slots
+            for key in keys:
+                pipe.delete(key)
+            await pipe.execute()
 
     async def claim(self, request_id: str, worker: str) -> bool:
         """queued → running for this worker; False if it is no longer queued (e.g. cancelled)."""
@@ -141,7 +152,7 @@ class RequestStore:
         ok = await self._claim(keys=[record], args=[worker, started])
         if ok:
             event = encode_event(StatusEvent(status=RequestStatus.RUNNING, worker=worker))
-            await self.redis.publish(redis_keys.request_channel(self.prefix, request_id), event)
+            await self.redis.execute_command("SPUBLISH", redis_keys.request_channel(self.prefix, request_id), event)
         return bool(ok)
 
     async def cancel(self, request_id: str, prompt_tokens: int) -> RequestStatus | None:
@@ -155,7 +166,7 @@ class RequestStore:
         if status is None:
             return None
         if status == RequestStatus.RUNNING.value:
-            await self.redis.publish(redis_keys.cancel_channel(self.prefix), request_id)
+            await self.redis.execute_command("SPUBLISH", redis_keys.cancel_channel(self.prefix), request_id)
         return RequestStatus(status)
 
     async def expire(self, payload: RequestPayload) -> bool:

@@ -21,9 +21,10 @@ async def publish(redis: Redis, prefix: str, model: str, folder: Path) -> None:
     if "tokenizer.json" not in files:  # e.g. the null backend, which needs no model
         return
     key = redis_keys.model_files(prefix, model)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.delete(key)
+    async with redis.pipeline(transaction=False) as pipe:  # no MULTI: not on a Redis Cluster's async client
         pipe.hset(key, mapping=files)
+        if stale := [name for name in FILES if name not in files]:  # another version of the model had it
+            pipe.hdel(key, *stale)
         await pipe.execute()
 
 

@@ -117,21 +117,30 @@ class Stack:
         proc.kill()
         proc.wait()
 
+    def redis(self):
+        """A synchronous client on the stack's Redis (a cluster client for a redis+cluster:// URL)."""
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from shared.redis_client import cluster_nodes, is_cluster_url
+
+        url = self.env["REDIS_URL"]
+        if is_cluster_url(url):
+            return RedisCluster(startup_nodes=[ClusterNode(n["host"], n["port"]) for n in cluster_nodes(url)],
+                                decode_responses=True)
+        return redis.Redis.from_url(url, decode_responses=True)
+
     def queued(self) -> int:
         """How many requests were ever written to the model's request streams (all lanes)."""
-        import redis
-
-        with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
+        with self.redis() as client:
             lanes = client.smembers(redis_keys.request_lanes(self.prefix, self.model_name))
-            return sum(int(client.xinfo_stream(redis_keys.request_stream(self.prefix, self.model_name, lane))["entries-added"])
-                       for lane in lanes)
+            streams = [redis_keys.request_stream(self.prefix, self.model_name, lane) for lane in lanes]
+            return sum(int(client.xinfo_stream(stream)["entries-added"]) for stream in streams)
 
     def wait_for_record(self, match, timeout_s: float = 60.0) -> dict:
         """The first request record (a dict) for which `match(record)` holds, re-read until one does."""
-        import redis
-
         deadline = time.monotonic() + timeout_s
-        with redis.Redis.from_url(self.env["REDIS_URL"], decode_responses=True) as client:
+        with self.redis() as client:
             while time.monotonic() < deadline:
                 for key in client.scan_iter(match=f"{self.prefix}:req:{{*}}", count=1000):
                     if client.type(key) == "hash" and match(record := client.hgetall(key)):

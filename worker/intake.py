@@ -114,10 +114,12 @@ class Intake:
     async def lanes(self, backend: str) -> tuple[list[str], str]:
         """The lanes a worker of `backend` reads, and the doorbell's last id when they were read
         (waiting from that id, a lane added since wakes the worker)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.smembers(self.queue.lanes_key)
+        # The doorbell first: a lane added after that read rings it after the id read, so the
+        # wait from it wakes. (One slot, one node: a pipeline keeps the order, on a cluster too.)
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xrevrange(self.queue.doorbell, count=1)
-            members, top = await pipe.execute()
+            pipe.smembers(self.queue.lanes_key)
+            top, members = await pipe.execute()
         return self.queue.lane_streams(members, backend), top[0][0] if top else "0-0"
 
     async def take(self, lanes: list[str], free: int, idle: bool) -> Taken:

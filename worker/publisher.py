@@ -22,7 +22,7 @@ class Publisher:
         self.entries[request_id] = entry_id
 
     async def publish(self, outputs: list[StepOutput]) -> None:
-        """Token log XADD + PUBLISH for each new token; on finish the record, final event and XACK."""
+        """Token log XADD + SPUBLISH for each new token; on finish the record, final event and XACK."""
         if not outputs:
             return
         stamp = now()
@@ -33,7 +33,7 @@ class Publisher:
                 if out.token is not None:
                     data = encode_event(out.token)
                     pipe.xadd(log, {EVENT_FIELD: data})
-                    pipe.publish(channel, data)
+                    pipe.execute_command("SPUBLISH", channel, data)
                     if out.token.index == 0:
                         first = {"first_token_at": stamp}
                         if out.seq.scheduled_at:  # when its first step began (a backend may not say)
@@ -59,7 +59,7 @@ class Publisher:
             fields["error"] = seq.error
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
-        pipe.publish(channel, final)
+        pipe.execute_command("SPUBLISH", channel, final)
         pipe.xack(self.queue.stream_of(seq.payload), redis_keys.WORKER_GROUP, self.entries[seq.id])
         pipe.expire(record, redis_keys.RESULT_TTL_S)
         pipe.expire(log, redis_keys.RESULT_TTL_S)

@@ -19,10 +19,11 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, ResponseError
 
 from shared import redis_keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
+from shared.pubsub import MESSAGE, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
 from shared.queue import RequestQueue
 from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
@@ -234,18 +235,25 @@ class WorkerService:
     async def _listen_cancels(self) -> None:
         # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh
         # subscription, for as long as the worker runs.
+        # On a cluster, the subscription goes to the node that serves the channel's slot now.
+        channel = redis_keys.cancel_channel(self.settings.prefix)
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = None
             try:
-                await pubsub.subscribe(redis_keys.cancel_channel(self.settings.prefix))
+                await refresh(self.redis)
+                pubsub = pubsub_on(self.redis, node_of(self.redis, channel))
+                await pubsub.subscribe(channel)
                 async for message in pubsub.listen():
-                    if message["type"] == "message":
+                    if message["type"] == MESSAGE:
                         self.backend.cancel(message["data"])
-            except REDIS_DOWN as exc:
+                    elif message["type"] == UNSUBSCRIBED:  # its slot moved to another node
+                        break
+            except (*REDIS_DOWN, RedisClusterException) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
             finally:
-                await pubsub.aclose()
+                if pubsub is not None:
+                    await close_pubsub(self.redis, pubsub)
 
     async def _heartbeat(self) -> None:
         """Announce this worker while its loop goes round; stop (and raise) if a step is stuck,

@@ -79,11 +79,13 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     batch_id = f"batch_{uuid.uuid4().hex}"
     created = int(time.time())
     redis = store.redis
-    async with redis.pipeline(transaction=True) as pipe:
+    # The items before the record (one round trip, no MULTI: a cluster's async client has none), so
+    # the batch exists only once whole.
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.rpush(redis_keys.batch_items(store.prefix, batch_id), *items)
         pipe.hset(redis_keys.batch_record(store.prefix, batch_id), mapping={
             "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
             "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
-        pipe.rpush(redis_keys.batch_items(store.prefix, batch_id), *items)
         await pipe.execute()
     await arq.enqueue_job("run_batch", batch_id, _job_id=batch_id, _queue_name=redis_keys.arq_queue(store.prefix))
     return await _batch_object(store, batch_id, tenant)

@@ -25,9 +25,9 @@ class CrashOnce:
 
     async def __call__(self, *args, **kwargs):
         message = await self._read(*args, **kwargs)
-        if self.armed and message and message["type"] == "message" and not self.crashed.is_set():
+        if self.armed and message and message["type"] == "smessage" and not self.crashed.is_set():
             self.crashed.set()
-            return {"type": "message", "data": message["data"]}
+            return {"type": "smessage", "data": message["data"]}
         return message
 
 
@@ -44,11 +44,11 @@ async def hub(redis, prefix):
 async def _emit(redis, prefix, event):
     data = encode_event(event)
     await redis.xadd(redis_keys.token_log(prefix, RID), {EVENT_FIELD: data})
-    await redis.publish(redis_keys.request_channel(prefix, RID), data)
+    await redis.execute_command("SPUBLISH", redis_keys.request_channel(prefix, RID), data)
 
 
 async def _subscribers(redis, prefix) -> int:
-    return (await redis.pubsub_numsub(redis_keys.request_channel(prefix, RID)))[0][1]
+    return (await redis.execute_command("PUBSUB", "SHARDNUMSUB", redis_keys.request_channel(prefix, RID)))[1]
 
 
 async def _one_subscriber(redis, prefix) -> bool:
@@ -87,7 +87,8 @@ async def test_a_crashed_reader_is_logged_and_restarted_and_streams_carry_on(red
     # Live again, on the restarted reader's new connection (the old one is gone): token 2 only on
     # the channel, never logged, so it can reach the stream only live.
     await until(lambda: _one_subscriber(redis, prefix), what="only the new connection subscribed")
-    await redis.publish(redis_keys.request_channel(prefix, RID), encode_event(TokenEvent(index=2, token_id=102, text="c")))
+    await redis.execute_command("SPUBLISH", redis_keys.request_channel(prefix, RID),
+                                encode_event(TokenEvent(index=2, token_id=102, text="c")))
     assert (await next_event()).index == 2
     await _emit(redis, prefix, FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
                                           usage=Usage(prompt_tokens=1, completion_tokens=3)))

@@ -65,8 +65,8 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
 
 
 def test_the_worker_and_the_api_refuse_a_cluster_node_at_start(tmp_path, tiny_llama):
-    """Until streamq runs on Redis Cluster, a REDIS_URL that points at a cluster node is refused
-    at start with the reason, not met with MOVED errors on half the keys later."""
+    """A cluster node given as a plain redis:// URL is refused at start with the form to use, not
+    met with MOVED errors on half the keys later."""
     import os
     import subprocess
     import sys
@@ -83,6 +83,6 @@ def test_the_worker_and_the_api_refuse_a_cluster_node_at_start(tmp_path, tiny_ll
         for process in ("worker", "api"):
             run = subprocess.run([sys.executable, "-m", "streamq.cli", process], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=120)
-            assert run.returncode != 0 and "does not run on Redis Cluster" in run.stdout + run.stderr, process
+            assert run.returncode != 0 and "give the cluster as redis+cluster://" in run.stdout + run.stderr, process
     finally:
         cluster.stop()

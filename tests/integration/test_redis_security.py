@@ -10,6 +10,7 @@ from urllib.parse import quote
 import pytest
 from redis.exceptions import AuthenticationError, ConnectionError
 
+from shared.pubsub import ShardPubSub
 from shared.redis_client import FastConnection, FastSSLConnection, connect
 from tests.redis_tls import SecureRedis, make_certs
 
@@ -60,15 +61,16 @@ async def test_streams_over_tls(tls):
 
 async def test_pubsub_over_tls(tls, server):
     channel = f"tls-test:{uuid.uuid4().hex}"
-    pubsub = tls.pubsub()
+    pubsub = ShardPubSub(tls.connection_pool)  # sharded, as every streamq channel
     await pubsub.subscribe(channel)
     async with asyncio.timeout(10):
-        assert (await pubsub.get_message(timeout=10))["type"] == "subscribe"
+        assert (await pubsub.get_message(timeout=10))["type"] == "ssubscribe"
         publisher = connect(server.tls_url())
-        assert await publisher.publish(channel, "token") == 1  # our subscriber, over its own TLS connection
+        # Our subscriber, over its own TLS connection:
+        assert await publisher.execute_command("SPUBLISH", channel, "token") == 1
         await publisher.aclose()
         message = await pubsub.get_message(timeout=10)
-    assert message["type"] == "message" and message["data"] == "token"
+    assert message["type"] == "smessage" and message["data"] == "token"
     await pubsub.aclose()
 
 

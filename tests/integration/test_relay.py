@@ -35,7 +35,7 @@ async def _emit(redis, prefix, event, log=True, publish=True):
     if log:
         await redis.xadd(redis_keys.token_log(prefix, RID), {EVENT_FIELD: data})
     if publish:
-        await redis.publish(redis_keys.request_channel(prefix, RID), data)
+        await redis.execute_command("SPUBLISH", redis_keys.request_channel(prefix, RID), data)
 
 
 async def _subscribed(redis, prefix):
@@ -43,7 +43,7 @@ async def _subscribed(redis, prefix):
     channel = redis_keys.request_channel(prefix, RID)
 
     async def check():
-        return (await redis.pubsub_numsub(channel))[0][1] > 0
+        return (await redis.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1] > 0
     await until(check, what="relay subscribed")
 
 

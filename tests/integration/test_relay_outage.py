@@ -52,7 +52,7 @@ async def _emit(server, event, publish=True):
     data = encode_event(event)
     await client.xadd(redis_keys.token_log(PREFIX, RID), {EVENT_FIELD: data})
     if publish:
-        await client.publish(redis_keys.request_channel(PREFIX, RID), data)
+        await client.execute_command("SPUBLISH", redis_keys.request_channel(PREFIX, RID), data)
     await client.aclose()
 
 
@@ -133,7 +133,7 @@ async def _collect(relay):
 async def _subscribed(server):
     client = connect(server.url)
     try:
-        return (await client.pubsub_numsub(redis_keys.request_channel(PREFIX, RID)))[0][1] > 0
+        return (await client.execute_command("PUBSUB", "SHARDNUMSUB", redis_keys.request_channel(PREFIX, RID)))[1] > 0
     finally:
         await client.aclose()
 

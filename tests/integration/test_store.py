@@ -2,6 +2,7 @@
 import asyncio
 
 from shared import redis_keys
+from shared.pubsub import ShardPubSub
 from shared.messages import FinalEvent, RequestPayload, RequestStatus, decode_event
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
@@ -40,14 +41,14 @@ async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, p
     store = RequestStore(redis, prefix)
     payload = _payload()
     await store.submit(payload)
-    pubsub = redis.pubsub()
+    pubsub = ShardPubSub(redis.connection_pool)  # the workers listen with SSUBSCRIBE
     await pubsub.subscribe(redis_keys.cancel_channel(prefix))
     assert await store.claim(payload.id, "w1") is True
     assert await store.cancel(payload.id, 3) == RequestStatus.RUNNING
     record = await store.record(payload.id)
     assert record["status"] == "running" and record["cancel_requested"] == "1" and record["worker"] == "w1"
     message = None
-    while message is None or message["type"] != "message":
+    while message is None or message["type"] != "smessage":
         message = await pubsub.get_message(timeout=5)
         assert message is not None, "no cancel message reached the workers' channel"
     assert message["data"] == payload.id

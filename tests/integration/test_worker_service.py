@@ -12,7 +12,7 @@ from worker.service import WorkerService
 
 def _subscribed(redis, channel):
     async def check():
-        return (await redis.pubsub_numsub(channel))[0][1] > 0
+        return (await redis.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1] > 0
     return check
 
 
@@ -71,7 +71,7 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
     assert beat["model"] == "m" and beat["capacity"] == 4 and beat["running"] == 1
 
     await until(_subscribed(redis, redis_keys.cancel_channel(prefix)), what="cancel listener subscribed")
-    await redis.publish(redis_keys.cancel_channel(prefix), "some-request")
+    await redis.execute_command("SPUBLISH", redis_keys.cancel_channel(prefix), "some-request")
     await until(lambda: _true(bool(engine.cancelled)), what="cancel delivered")
     assert engine.cancelled == ["some-request"]
     assert not engine.release.is_set()  # all of that happened during the step
