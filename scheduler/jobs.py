@@ -71,7 +71,7 @@ local function finish(new_status, reason, event, error)
   redis.call('HSET', KEYS[1], 'status', new_status, 'finish_reason', reason, 'finished_at', ARGV[7])
   if error then redis.call('HSET', KEYS[1], 'error', error) end
   redis.call('XADD', KEYS[2], '*', 'e', event)
-  redis.call('PUBLISH', KEYS[3], event)
+  redis.call('SPUBLISH', KEYS[3], event)
   redis.call('EXPIRE', KEYS[1], ARGV[8])
   redis.call('EXPIRE', KEYS[2], ARGV[8])
 end
