@@ -23,6 +23,12 @@ from shared.store import RequestStore
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
 
+# KEYS: the batch's results, its record (one slot: {batch id}). ARGV: custom id, result line, the
+# count to add it to. A result and its count in one step, each once (a job run again finds it).
+_RECORD_RESULT = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
+"""
+
 
 def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tuple[dict, bool]:
     """One line of the results, in OpenAI's batch output shape; and whether it succeeded."""
@@ -49,6 +55,7 @@ def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tu
 
 async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
     store = RequestStore(redis, prefix)
+    record_result = redis.register_script(_RECORD_RESULT)
     record_key, results_key = redis_keys.batch_record(prefix, batch_id), redis_keys.batch_results(prefix, batch_id)
     queue = RequestQueue(redis, prefix, model)
     await redis.hset(record_key, mapping={"status": "in_progress", "started_at": now()})
@@ -69,10 +76,8 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
             if record and RequestStatus(record["status"]).finished:
                 text = "".join(t.text for t in await store.output(rid))
                 line, ok = result_line(rid, item, record, text, model)
-                async with redis.pipeline(transaction=True) as pipe:
-                    pipe.hset(results_key, item["custom_id"], json.dumps(line, ensure_ascii=False))
-                    pipe.hincrby(record_key, "completed" if ok else "failed", 1)
-                    await pipe.execute()
+                await record_result(keys=[results_key, record_key], args=[
+                    item["custom_id"], json.dumps(line, ensure_ascii=False), "completed" if ok else "failed"])
                 del in_flight[rid]
         await asyncio.sleep(POLL_S)
     await redis.hset(record_key, mapping={"status": "completed", "completed_at": now()})
