@@ -55,16 +55,17 @@ def worker_settings(settings: SchedulerSettings) -> type:
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["streamq_redis"].aclose()
 
+    def every(coroutine, seconds: int):
+        # arq builds a cron run's job id from its name: the name carries arq's slot tag
+        return cron(coroutine, name=redis_keys.arq_job_id(settings.prefix, f"cron:{coroutine.__name__}"),
+                    second=set(range(0, 60, seconds)), run_at_startup=True, unique=True, timeout=60, keep_result=0)
+
     return type("StreamqScheduler", (), {
         "redis_settings": arq_settings(settings.redis_url),
         "queue_name": redis_keys.arq_queue(settings.prefix),
         "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
-        "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0),
-                      cron(reclaim, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0),
-                      cron(expire, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0)],
+        "cron_jobs": [every(trim, settings.trim_interval_s), every(reclaim, settings.reclaim_interval_s),
+                      every(expire, settings.reclaim_interval_s)],
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,
         "handle_signals": True,

@@ -41,7 +41,8 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
     stream, ids = await _setup(redis, prefix)
     assert await trim({"settings": settings, "streamq_redis": redis}) == 2
     cls = worker_settings(settings)
-    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 3
+    assert cls.queue_name == redis_keys.arq_queue(prefix) and len(cls.cron_jobs) == 3
+    assert all(job.name.startswith(redis_keys.ARQ_TAG) for job in cls.cron_jobs)  # arq's cron job ids: in its slot
 
 
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
