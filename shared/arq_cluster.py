@@ -26,11 +26,10 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from shared.redis_client import REDIS_DOWN, arq_settings
+from shared.redis_client import CLUSTER_SCHEMES, REDIS_DOWN, arq_settings
 
 log = logging.getLogger(__name__)
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> the scheme of one node's URL
 # The answers of a cluster node about a slot it does not serve (now): a plain client sees them
 # as ResponseError, alone or inside a pipeline's error ("... caused error: MOVED 6503 host:port").
 _NOT_HERE = re.compile(r"(^|error: )(MOVED|ASK|CLUSTERDOWN|TRYAGAIN) ")
@@ -53,7 +52,9 @@ class ClusterUrl:
 
 
 def parse_cluster_url(url: str) -> ClusterUrl | None:
-    """The seeds and options of a cluster URL; None for any other URL (one Redis)."""
+    """The seeds and options of a cluster URL; None for any other URL (one Redis). (Unlike
+    redis_client.cluster_nodes, it keeps the options as written, to build each node's URL for
+    arq_settings.)"""
     parts = urlsplit(url)
     if parts.scheme not in CLUSTER_SCHEMES:
         return None

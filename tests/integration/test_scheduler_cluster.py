@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-
 import time
 
 import pytest
 import redis
-from redis.asyncio.cluster import ClusterNode
-from redis.asyncio.cluster import RedisCluster as AsyncCluster
+from arq.worker import create_worker
 
-import scheduler.main
 from scheduler.jobs import reclaim_dead_workers
 from scheduler.main import supervise, worker_settings
 from scheduler.requeue import Requeue
@@ -35,15 +32,6 @@ def _url(cluster: RedisCluster) -> str:
     return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
 
 
-def _connect(url: str):
-    """shared.redis_client.connect once it takes a cluster URL (issue 17); a cluster client until then."""
-    try:
-        return connect(url)
-    except ValueError:
-        nodes = [ClusterNode(host, port) for host, port in parse_cluster_url(url).nodes]
-        return AsyncCluster(startup_nodes=nodes, decode_responses=True)
-
-
 @pytest.fixture
 def cluster(tmp_path):
     running = RedisCluster(tmp_path, masters=3)
@@ -54,9 +42,9 @@ def cluster(tmp_path):
 
 @pytest.fixture
 async def client(cluster):
-    redis = _connect(_url(cluster))
-    yield redis
-    await redis.aclose()
+    on_cluster = connect(_url(cluster))
+    yield on_cluster
+    await on_cluster.aclose()
 
 
 async def _taken_by_a_dead_worker(client, stream: str, prefix: str) -> tuple[RequestPayload, str]:
@@ -70,7 +58,7 @@ async def _taken_by_a_dead_worker(client, stream: str, prefix: str) -> tuple[Req
 
 
 async def test_the_requeue_runs_on_a_cluster_once_across_two_schedulers_and_a_death(client, prefix):
-    stream = f"{prefix}:requests:{{m}}:{LANE}"  # the model's slot, as the lanes have on a cluster
+    stream = redis_keys.request_stream(prefix, "m", LANE)
     record = redis_keys.request_record(prefix, RID)
     assert client.keyslot(stream) != client.keyslot(record)  # one script over both would fail here
     payload, entry_id = await _taken_by_a_dead_worker(client, stream, prefix)
@@ -109,8 +97,7 @@ async def _batch_status(client, prefix: str, batch_id: str) -> str | None:
     return await client.hget(redis_keys.batch_record(prefix, batch_id), "status")
 
 
-async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, prefix, monkeypatch):
-    monkeypatch.setattr(scheduler.main, "connect", _connect)
+async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, prefix):
     settings = SchedulerSettings(redis_url=_url(cluster), prefix=prefix, served_model_name="m")
     cls = worker_settings(settings)
     await _empty_batch(client, prefix, "batch_1")
@@ -123,7 +110,7 @@ async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, p
     pool = await ArqSlot(parse_cluster_url(settings.redis_url), cls.queue_name).pool(cls.queue_name)
     # The batch job and the three cron jobs that run at startup: each finishes in a MULTI with the
     # queue and arq:abort, which fails (CROSSSLOT) unless all lie in one slot.
-    worker = scheduler.main.create_worker(cls, redis_pool=pool, handle_signals=False)
+    worker = create_worker(cls, redis_pool=pool, handle_signals=False)
     running = asyncio.create_task(worker.main())
 
     async def four_done() -> bool:
@@ -139,15 +126,14 @@ async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, p
     assert await client.exists(f"arq:result:{redis_keys.arq_job_id(prefix, 'batch_1')}") == 1
 
 
-async def _follows_the_slot(tmp_path, prefix: str, monkeypatch, move) -> None:
+async def _follows_the_slot(tmp_path, prefix: str, move) -> None:
     """A batch job runs before and after `move(cluster, queue)` moves arq's slot to another master."""
     cluster = RedisCluster(tmp_path, masters=3, replicas=1)
     try:
         cluster.start()
-        monkeypatch.setattr(scheduler.main, "connect", _connect)
         settings = SchedulerSettings(redis_url=_url(cluster), prefix=prefix, served_model_name="m")
         queue = redis_keys.arq_queue(prefix)
-        client = _connect(settings.redis_url)
+        client = connect(settings.redis_url)
         api_pool = await arq_pool(settings.redis_url, queue)
         running = asyncio.create_task(supervise(settings))
         try:
@@ -176,9 +162,9 @@ async def _follows_the_slot(tmp_path, prefix: str, monkeypatch, move) -> None:
         cluster.stop()
 
 
-async def test_the_scheduler_follows_arqs_slot_to_the_promoted_replica(tmp_path, prefix, monkeypatch):
+async def test_the_scheduler_follows_arqs_slot_to_the_promoted_replica(tmp_path, prefix):
     """The master of arq's slot dies (SIGKILL): its connections drop, a replica takes over."""
-    await _follows_the_slot(tmp_path, prefix, monkeypatch, lambda cluster, key: cluster.kill_master_of(key))
+    await _follows_the_slot(tmp_path, prefix, lambda cluster, key: cluster.kill_master_of(key))
 
 
 def _manual_failover(cluster: RedisCluster, key: str) -> None:
@@ -196,5 +182,5 @@ def _manual_failover(cluster: RedisCluster, key: str) -> None:
     cluster.wait_ok()
 
 
-async def test_the_scheduler_follows_arqs_slot_when_its_old_master_answers_moved(tmp_path, prefix, monkeypatch):
-    await _follows_the_slot(tmp_path, prefix, monkeypatch, _manual_failover)
+async def test_the_scheduler_follows_arqs_slot_when_its_old_master_answers_moved(tmp_path, prefix):
+    await _follows_the_slot(tmp_path, prefix, _manual_failover)
