@@ -4,14 +4,14 @@ from __future__ import annotations
 import contextlib
 from contextlib import asynccontextmanager
 
-from arq import create_pool
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from shared.redis_client import REDIS_DOWN, arq_settings, connect, refuse_cluster
+from shared.arq_cluster import arq_pool
+from shared.redis_client import REDIS_DOWN, connect, refuse_cluster
 
 from api.auth import TenantDep, auth_enabled
 from api.deps import Replica
@@ -40,7 +40,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         await hub.start()
         store = RequestStore(redis, settings.prefix)
         relay = Relay(store, hub)
-        arq = await create_pool(arq_settings(settings.redis_url))
+        arq = await arq_pool(settings.redis_url, redis_keys.arq_queue(settings.prefix))
         keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
         limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if keys is not None else None
         models = Models(store, relay, settings, limits, metrics)

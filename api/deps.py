@@ -13,6 +13,7 @@ from api.hub import PubSubHub
 from api.relay import Relay
 from api.served_models import Models
 from shared.api_keys import KeyStore
+from shared.arq_cluster import ArqPool
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ class Replica:
     store: RequestStore
     hub: PubSubHub
     relay: Relay
-    arq: ArqRedis  # queues offline batches for the scheduler
+    arq: ArqRedis | ArqPool  # queues offline batches for the scheduler (ArqPool: on a Redis Cluster)
     keys: KeyStore | None  # None: auth is off
     models: Models
     model_name: str  # the model this replica serves by default
@@ -50,7 +51,7 @@ SettingsDep = Annotated[ApiSettings, _part("settings")]
 StoreDep = Annotated[RequestStore, _part("store")]
 HubDep = Annotated[PubSubHub, _part("hub")]
 RelayDep = Annotated[Relay, _part("relay")]
-ArqDep = Annotated[ArqRedis, _part("arq")]
+ArqDep = Annotated[ArqRedis | ArqPool, _part("arq")]
 TokenizerDep = Annotated[Tokenizer, _part("tokenizer")]
 ModelNameDep = Annotated[str, _part("model_name")]
 GenerationDep = Annotated[Generation, _part("generation")]

@@ -7,16 +7,9 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from scheduler.requeue import Requeue
 from shared import redis_keys
-from shared.messages import (
-    FinalEvent,
-    FinishReason,
-    RequestPayload,
-    RequestStatus,
-    Usage,
-    encode_event,
-    now,
-)
+from shared.messages import RequestPayload, now
 from shared.queue import RequestQueue
 from shared.store import RequestStore
 
@@ -57,42 +50,6 @@ def _entry_order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# KEYS: record, token log, channel, request stream, dead-letter stream.
-# ARGV: entry id, payload, request id, max attempts, encoded "failed" final event, encoded
-# "cancelled" final event, now, ttl, group.
-# Puts one reclaimed entry back in the queue, or ends it; one atomic step, so two schedulers
-# (or a scheduler that dies half-way) can never queue a request twice.
-_REQUEUE = """
-if #redis.call('XPENDING', KEYS[4], ARGV[9], ARGV[1], ARGV[1], 1) == 0 then
-  return 'gone'  -- another reclaimer handled this entry first
-end
-local status = redis.call('HGET', KEYS[1], 'status')
-local function finish(new_status, reason, event, error)
-  redis.call('HSET', KEYS[1], 'status', new_status, 'finish_reason', reason, 'finished_at', ARGV[7])
-  if error then redis.call('HSET', KEYS[1], 'error', error) end
-  redis.call('XADD', KEYS[2], '*', 'e', event)
-  redis.call('SPUBLISH', KEYS[3], event)
-  redis.call('EXPIRE', KEYS[1], ARGV[8])
-  redis.call('EXPIRE', KEYS[2], ARGV[8])
-end
-redis.call('XACK', KEYS[4], ARGV[9], ARGV[1])
-if status ~= 'running' and status ~= 'queued' then return 'ended' end
-if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
-  finish('cancelled', 'cancelled', ARGV[6], false)
-  return 'cancelled'
-end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-if attempts >= tonumber(ARGV[4]) then
-  redis.call('XADD', KEYS[5], '*', 'id', ARGV[3], 'payload', ARGV[2], 'reason', 'its worker died ' .. attempts .. ' times')
-  finish('failed', 'error', ARGV[5], 'the request took down its worker ' .. attempts .. ' times; it is in the dead-letter stream')
-  return 'dead'
-end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
-redis.call('XADD', KEYS[4], '*', 'payload', ARGV[2])
-return 'requeued'
-"""
-
-
 async def reclaim_dead_workers(redis: Redis, prefix: str, model: str, heartbeat_ttl_s: float,
                                max_attempts: int) -> dict[str, int]:
     """Put back the requests of workers whose heartbeat expired; returns counts by outcome.
@@ -101,18 +58,19 @@ async def reclaim_dead_workers(redis: Redis, prefix: str, model: str, heartbeat_
     with no heartbeat (XCLAIM's min-idle-time makes the take atomic). It is queued again with
     status `queued`, and the next worker continues it after the tokens already in its log. A
     request that took down `max_attempts` workers goes to the dead-letter stream and fails.
-    Every lane is looked at; a request goes back to its own lane.
+    Every lane is looked at; a request goes back to its own lane, in the two one-slot steps of
+    scheduler/requeue.py.
     """
-    script = redis.register_script(_REQUEUE)
+    requeue = Requeue(redis, prefix, max_attempts)
     outcomes: dict[str, int] = {}
     for stream in await RequestQueue(redis, prefix, model).streams():
-        for outcome, count in (await _reclaim(redis, script, prefix, stream, heartbeat_ttl_s, max_attempts)).items():
+        for outcome, count in (await _reclaim(redis, requeue, prefix, stream, heartbeat_ttl_s)).items():
             outcomes[outcome] = outcomes.get(outcome, 0) + count
     return outcomes
 
 
-async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl_s: float,
-                   max_attempts: int) -> dict[str, int]:
+async def _reclaim(redis: Redis, requeue: Requeue, prefix: str, stream: str, heartbeat_ttl_s: float
+                   ) -> dict[str, int]:
     try:
         consumers = await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)
     except ResponseError:  # no stream or group yet
@@ -129,7 +87,7 @@ async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl
         if not ids:
             continue
         for entry_id, fields in await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, ttl_ms, ids):
-            outcome = await _requeue(redis, script, prefix, stream, entry_id, fields, max_attempts)
+            outcome = await requeue(stream, entry_id, fields)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             log.warning("request entry %s of dead worker %s: %s", entry_id, name, outcome)
         # Deleting a consumer drops its pending entries: only once none is left. An entry the
@@ -139,27 +97,6 @@ async def _reclaim(redis: Redis, script, prefix: str, stream: str, heartbeat_ttl
         if name != redis_keys.RECLAIMER and not left:
             await redis.xgroup_delconsumer(stream, redis_keys.WORKER_GROUP, name)
     return outcomes
-
-
-async def _requeue(redis: Redis, script, prefix: str, stream: str, entry_id: str, fields: dict,
-                   max_attempts: int) -> str:
-    try:
-        payload = RequestPayload.model_validate_json(fields.get("payload", ""))
-    except ValidationError:
-        await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-        return "malformed"
-    rid = payload.id
-    record = await redis.hgetall(redis_keys.request_record(prefix, rid))
-    delivered = await redis.xlen(redis_keys.token_log(prefix, rid))
-    usage = Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=delivered)
-    failed = FinalEvent(status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, usage=usage,
-                        error=f"the request took down its worker {int(record.get('attempts', 0)) + 1} times")
-    cancelled = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, usage=usage)
-    return await script(
-        keys=[redis_keys.request_record(prefix, rid), redis_keys.token_log(prefix, rid),
-              redis_keys.request_channel(prefix, rid), stream, redis_keys.dead_letter_stream(prefix)],
-        args=[entry_id, payload.model_dump_json(), rid, max_attempts, encode_event(failed), encode_event(cancelled),
-              now(), redis_keys.RESULT_TTL_S, redis_keys.WORKER_GROUP])
 
 
 async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:

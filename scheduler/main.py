@@ -1,5 +1,6 @@
 """Entry point of the scheduler: an arq worker whose cron jobs reclaim the requests of dead
-workers and keep Redis tidy, run under a loop that outlives Redis restarts."""
+workers and keep Redis tidy, run under a loop that outlives Redis restarts and, on a Redis
+Cluster, follows the master of arq's slot (shared/arq_cluster.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,9 @@ from typing import Any, TypeVar
 from arq import cron, func
 from arq.connections import ArqRedis, create_pool
 from arq.worker import Worker, create_worker
-from shared.redis_client import REDIS_DOWN, arq_settings, connect, until_redis_answers
+from redis.exceptions import ResponseError
+from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings, slot_lost
+from shared.redis_client import REDIS_DOWN, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
@@ -55,16 +58,17 @@ def worker_settings(settings: SchedulerSettings) -> type:
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["streamq_redis"].aclose()
 
+    def every(coroutine, seconds: int):
+        # arq builds a cron run's job id from its name: the name carries arq's slot tag
+        return cron(coroutine, name=redis_keys.arq_job_id(settings.prefix, f"cron:{coroutine.__name__}"),
+                    second=set(range(0, 60, seconds)), run_at_startup=True, unique=True, timeout=60, keep_result=0)
+
     return type("StreamqScheduler", (), {
-        "redis_settings": arq_settings(settings.redis_url),
+        "redis_settings": redis_settings(settings.redis_url),  # None on a cluster: supervise() gives a pool
         "queue_name": redis_keys.arq_queue(settings.prefix),
         "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
-        "cron_jobs": [cron(trim, second=set(range(0, 60, settings.trim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0),
-                      cron(reclaim, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0),
-                      cron(expire, second=set(range(0, 60, settings.reclaim_interval_s)), run_at_startup=True,
-                           unique=True, timeout=60, keep_result=0)],
+        "cron_jobs": [every(trim, settings.trim_interval_s), every(reclaim, settings.reclaim_interval_s),
+                      every(expire, settings.reclaim_interval_s)],
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,
         "handle_signals": True,
@@ -78,21 +82,33 @@ def main(settings: SchedulerSettings | None = None) -> None:
 async def supervise(settings: SchedulerSettings) -> None:
     """Run the arq worker until SIGINT or SIGTERM. arq's loop ends with an error when Redis
     goes away (a restart), so then wait until Redis answers and run a fresh worker: its cron
-    jobs start again, and run at once (run_at_startup)."""
+    jobs start again, and run at once (run_at_startup). On a cluster the worker runs on the
+    master of arq's slot, found anew for each worker: a failover or a MOVED ends the old one."""
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     cls = worker_settings(settings)
+    cluster = parse_cluster_url(settings.redis_url)
+    slot = ArqSlot(cluster, cls.queue_name) if cluster else None
+
+    async def open_pool() -> ArqRedis:
+        if slot is None:
+            return await create_pool(cls.redis_settings, default_queue_name=cls.queue_name)
+        return await slot.pool(cls.queue_name)
+
     while not stop.is_set():
-        pool = await _unless(stop, until_redis_answers(
-            "scheduler start", lambda: create_pool(cls.redis_settings, default_queue_name=cls.queue_name), log))
+        pool = await _unless(stop, until_redis_answers("scheduler start", open_pool, log))
         if pool is None:
             return
         worker = create_worker(cls, redis_pool=pool, handle_signals=False)
         try:
             await _unless(stop, worker.main())
-        except REDIS_DOWN as exc:
-            log.warning("redis unavailable, the scheduler's jobs stopped (%s); they start again when it answers", exc)
+        except (*REDIS_DOWN, ResponseError) as exc:
+            if not slot_lost(exc):  # on one Redis: only a lost connection
+                raise
+            log.warning("redis unavailable, the scheduler's jobs stopped (%s); they start again when it answers"
+                        if slot is None else "arq's slot moved or lost its master (%s); the scheduler's jobs start "
+                        "again on the master that serves it", exc)
         finally:
             await _close(worker, pool)
 

@@ -105,9 +105,24 @@ def batch_results(prefix: str, batch_id: str) -> str:
     return f"{prefix}:batch:{{{batch_id}}}:results"
 
 
+# arq's keys: the queue (a sorted set) and `<queue>:health-check`; per job `arq:job:<id>`,
+# `arq:in-progress:<id>`, `arq:result:<id>`, `arq:retry:<id>`; and its fixed abort set
+# `arq:abort`, which every job's finishing MULTI touches (even with aborts off). Its MULTIs and
+# WATCHes span a job's keys, the queue and that set, and a Redis Cluster runs each on one slot:
+# so the queue name and every job id (and cron job name, from which arq builds cron job ids)
+# begin with this tag, which puts them all in `arq:abort`'s slot.
+ARQ_TAG = "{arq:abort}"
+
+
 def arq_queue(prefix: str) -> str:
-    """The scheduler's arq job queue (batch jobs)."""
-    return f"{prefix}:arq"
+    """The scheduler's arq job queue (batch jobs, cron jobs)."""
+    return f"{ARQ_TAG}:{prefix}:arq"
+
+
+def arq_job_id(prefix: str, name: str) -> str:
+    """An arq job id, or a cron job's name, in the queue's slot (ARQ_TAG); the prefix keeps two
+    deployments on one Redis from sharing a cron run's id (arq's `<name>:<ms>`)."""
+    return f"{ARQ_TAG}:{prefix}:{name}"
 
 
 def api_keys(prefix: str) -> str:

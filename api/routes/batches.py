@@ -87,7 +87,8 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
             "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
             "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
         await pipe.execute()
-    await arq.enqueue_job("run_batch", batch_id, _job_id=batch_id, _queue_name=redis_keys.arq_queue(store.prefix))
+    await arq.enqueue_job("run_batch", batch_id, _job_id=redis_keys.arq_job_id(store.prefix, batch_id),
+                          _queue_name=redis_keys.arq_queue(store.prefix))
     return await _batch_object(store, batch_id, tenant)
 
 

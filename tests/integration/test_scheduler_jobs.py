@@ -2,6 +2,7 @@
 import asyncio
 
 from scheduler.jobs import expire_waiting, reclaim_dead_workers
+from scheduler.requeue import Requeue
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event, now
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
@@ -40,7 +41,8 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
     stream, ids = await _setup(redis, prefix)
     assert await trim({"settings": settings, "streamq_redis": redis}) == 2
     cls = worker_settings(settings)
-    assert cls.queue_name == f"{prefix}:arq" and len(cls.cron_jobs) == 3
+    assert cls.queue_name == redis_keys.arq_queue(prefix) and len(cls.cron_jobs) == 3
+    assert all(job.name.startswith(redis_keys.ARQ_TAG) for job in cls.cron_jobs)  # arq's cron job ids: in its slot
 
 
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
@@ -149,3 +151,60 @@ async def test_an_entry_a_dead_worker_read_just_before_it_died_is_reclaimed_too(
     assert (await store.record(young.id))["status"] == "queued"
     consumers = {c["name"] for c in await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)}
     assert "w-dead" not in consumers
+
+
+async def test_two_schedulers_requeuing_one_entry_queue_it_once_and_count_one_attempt(redis, prefix):
+    """Each step of the requeue run twice for the same entry, interleaved as two schedulers that
+    both claimed it would run them: one new entry in the lane, one attempt counted."""
+    store, stream, payload, entry_id = await _running_request(redis, prefix)
+    first, second = Requeue(redis, prefix, 3), Requeue(redis, prefix, 3)
+    assert await first.decide(entry_id, payload) == ("requeued", True)
+    assert await second.decide(entry_id, payload) == ("requeued", False)  # decided already: the record is kept
+    assert await second.release(stream, entry_id, "requeued", payload) == "requeued"
+    assert await first.release(stream, entry_id, "requeued", payload) == "gone"  # the second acked it first
+    record = await store.record(payload.id)
+    assert record["status"] == "queued" and record["attempts"] == "1"
+    assert [e for e, _ in await redis.xrange(stream)][:1] == [entry_id] and await redis.xlen(stream) == 2
+    assert (await redis.xpending(stream, redis_keys.WORKER_GROUP))["pending"] == 0
+
+
+async def test_a_scheduler_that_dies_between_the_two_steps_leaves_one_entry_and_one_attempt(redis, prefix):
+    """The record step ran, then the scheduler died before the lane step: the entry is still
+    pending on the reclaimer, and the next round finishes the requeue without counting again."""
+    store, stream, payload, entry_id = await _running_request(redis, prefix)
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, 0, [entry_id])
+    assert await Requeue(redis, prefix, 3).decide(entry_id, payload) == ("requeued", True)  # ... and it died
+    assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"requeued": 1}
+    assert (await store.record(payload.id))["attempts"] == "1"
+    entries = await redis.xrange(stream)
+    assert len(entries) == 2 and entries[0][0] == entry_id
+    assert RequestPayload.model_validate_json(entries[1][1]["payload"]) == payload
+    assert (await redis.xpending(stream, redis_keys.WORKER_GROUP))["pending"] == 0
+    assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {}  # nothing left to do
+
+
+async def test_a_dead_request_reaches_the_dead_letter_stream_once_across_a_death_between_the_steps(redis, prefix):
+    store, stream, payload, entry_id = await _running_request(redis, prefix, attempts="2")
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, 0, [entry_id])
+    assert await Requeue(redis, prefix, 3).decide(entry_id, payload) == ("dead", True)
+    outcomes = await asyncio.gather(*(reclaim_dead_workers(redis, prefix, "m", 0.0, 3) for _ in range(2)))
+    assert sum(o.get("dead", 0) for o in outcomes) == 1
+    record = await store.record(payload.id)
+    assert record["status"] == "failed" and record["attempts"] == "3"
+    assert len(await redis.xrange(redis_keys.dead_letter_stream(prefix))) == 1
+    assert len([e for e in await store.events(payload.id) if isinstance(decode_event(e[1]), FinalEvent)]) == 1
+
+
+async def test_a_stale_entry_of_an_already_requeued_request_changes_nothing(redis, prefix):
+    """A scheduler that claimed the first entry and stalled past a whole second requeue: its
+    record step sees an entry older than the one recorded and leaves the record alone."""
+    store, stream, payload, entry_id = await _running_request(redis, prefix)
+    requeue = Requeue(redis, prefix, 3)
+    assert await requeue(stream, entry_id, {"payload": payload.model_dump_json()}) == "requeued"
+    [(_, [(second_entry, _)])] = await redis.xreadgroup(redis_keys.WORKER_GROUP, "w2", {stream: ">"})
+    assert await store.claim(payload.id, "w2")
+    assert await requeue(stream, second_entry, {"payload": payload.model_dump_json()}) == "requeued"
+    assert await requeue.decide(entry_id, payload) == ("stale", False)
+    assert await requeue.release(stream, entry_id, "stale", payload) == "gone"
+    record = await store.record(payload.id)
+    assert record["attempts"] == "2" and record["requeued_from"] == second_entry
