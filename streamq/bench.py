@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -172,7 +173,8 @@ async def run(args) -> dict:
             print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=sys.stderr, flush=True)
         return result
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, headers=headers) as client:
         start = time.perf_counter()
         tasks = []
         for item in prompts:
@@ -204,6 +206,8 @@ def print_report(report: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=os.environ.get("STREAMQ_API_KEY"),
+                        help="sent as a Bearer token (a server with keys on needs one); default $STREAMQ_API_KEY")
     parser.add_argument("--endpoint", choices=ENDPOINTS, default="native")
     parser.add_argument("--model", default=None, help="model name for the OpenAI endpoints")
     parser.add_argument("--num-prompts", type=int, default=32)

@@ -6,6 +6,8 @@ SIGKILL while streams flow: its replica takes over and every stream ends with it
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +20,7 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy, submit, wait_done
 from tests.e2e.test_auth import bearer, keys_cli
 from tests.redis_cluster import RedisCluster
-from tests.stack import Stack, stream_events, stream_posted
+from tests.stack import ROOT, Stack, stream_events, stream_posted
 
 ENV = {"STREAMQ_AUTH": "on", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1",
        "STREAMQ_RECLAIM_INTERVAL_S": "1", "STREAMQ_NUM_KV_BLOCKS": "512"}
@@ -102,6 +104,16 @@ def test_a_killed_worker_is_taken_over(stack, client, tiny_llama):
         assert [int(e["id"]) for e in tokens] == list(range(TOKENS)), prompt
         assert [e["data"]["token_id"] for e in tokens] == _greedy(tiny_llama, prompt), prompt
     assert client.get(f"{api}/v1/requests/{first[0]}").json()["worker"] != victim
+
+
+def test_streamq_bench_runs_against_it(stack, tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "streamq.cli", "bench", "--url", stack.urls[1], "--quiet",
+                          "--api-key", stack.key, "--num-prompts", "6", "--concurrency", "3", "--max-tokens", "8",
+                          "--ignore-eos", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0 and summary["received_tokens"] == 48
 
 
 def test_a_tenants_limits_hold_across_replicas(stack):
