@@ -1,0 +1,54 @@
+"""The api's pub/sub hub on a Redis Cluster: one connection per master, whatever the number of
+streams, and every channel's messages reach its streams (sharded pub/sub)."""
+import asyncio
+import uuid
+from contextlib import AsyncExitStack
+
+import pytest
+import redis
+
+from api.hub import PubSubHub
+from shared import redis_keys
+from shared.redis_client import connect
+from tests.redis_cluster import RedisCluster
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = RedisCluster(tmp_path, masters=3)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _pubsub_clients(node) -> int:
+    with redis.Redis(port=node.port, decode_responses=True) as client:
+        return len(client.client_list(_type="pubsub"))
+
+
+async def test_one_connection_per_master_carries_every_stream(cluster):
+    client = connect(cluster.url)
+    hub = PubSubHub(client, redis_keys.replica_channel("hubtest", "r0"), tick_s=30)
+    await hub.start()
+    by_master: dict[int, list[str]] = {n.port: [] for n in cluster.live()}
+    while any(len(c) < 8 for c in by_master.values()):  # 8 streams on each master
+        channel = redis_keys.request_channel("hubtest", str(uuid.uuid4()))
+        by_master[cluster.master_of(channel).port].append(channel)
+    channels = [c for chosen in by_master.values() for c in chosen[:8]]
+    masters = set(by_master)
+    try:
+        async with AsyncExitStack() as streams:
+            queues = [await streams.enter_async_context(hub.subscribe(c)) for c in channels]
+            assert hub.channels == 24
+            assert {port: _pubsub_clients(n) for n in cluster.live() if (port := n.port) in masters} == \
+                dict.fromkeys(masters, 1)
+            for i, channel in enumerate(channels):
+                assert await client.execute_command("SPUBLISH", channel, f"event {i}") == 1
+            for i, queue in enumerate(queues):
+                assert await asyncio.wait_for(queue.get(), 10) == f"event {i}"
+        assert hub.channels == 0
+    finally:
+        await hub.close()
+        await client.aclose()
