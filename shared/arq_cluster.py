@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.jobs import Job
@@ -26,7 +24,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from shared.redis_client import CLUSTER_SCHEMES, REDIS_DOWN, arq_settings
+from shared.redis_client import REDIS_DOWN, ClusterUrl, arq_settings, parse_cluster_url
 
 log = logging.getLogger(__name__)
 
@@ -34,39 +32,6 @@ log = logging.getLogger(__name__)
 # as ResponseError, alone or inside a pipeline's error ("... caused error: MOVED 6503 host:port").
 _NOT_HERE = re.compile(r"(^|error: )(MOVED|ASK|CLUSTERDOWN|TRYAGAIN) ")
 RESOLVE_TIMEOUT_S = 2.0  # a node that does not answer CLUSTER SLOTS within this is skipped
-
-
-@dataclass(frozen=True)
-class ClusterUrl:
-    """`redis+cluster://[user:pass@]host:port[,host:port...][?query]` (rediss+cluster: TLS)."""
-    nodes: tuple[tuple[str, int], ...]  # the seeds, in the URL's order
-    tls: bool
-    userinfo: str  # "user:pass@" as written (percent-encoded), or ""
-    query: str  # the options every node's connection takes (ssl_ca_certs=...), or ""
-
-    def node_url(self, host: str, port: int) -> str:
-        """The URL of one node, as a single Redis (database 0: a cluster has no other)."""
-        address = f"[{host}]" if ":" in host else host
-        query = f"?{self.query}" if self.query else ""
-        return f"{'rediss' if self.tls else 'redis'}://{self.userinfo}{address}:{port}/0{query}"
-
-
-def parse_cluster_url(url: str) -> ClusterUrl | None:
-    """The seeds and options of a cluster URL; None for any other URL (one Redis). (Unlike
-    redis_client.cluster_nodes, it keeps the options as written, to build each node's URL for
-    arq_settings.)"""
-    parts = urlsplit(url)
-    if parts.scheme not in CLUSTER_SCHEMES:
-        return None
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    nodes = []
-    for address in hosts.split(","):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{unquote(address)!r} in the cluster URL is not host:port")
-        nodes.append((host.strip("[]"), int(port)))
-    return ClusterUrl(tuple(nodes), CLUSTER_SCHEMES[parts.scheme] == "rediss", f"{userinfo}@" if userinfo else "",
-                      parts.query)
 
 
 def slot_lost(exc: BaseException) -> bool:

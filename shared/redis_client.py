@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlsplit
 
 from arq.connections import RedisSettings
 from redis.asyncio import ConnectionPool, Redis
@@ -80,16 +81,41 @@ def connect(url: str) -> Redis:
     return Redis.from_pool(ConnectionPool(decode_responses=True, **options))
 
 
+@dataclass(frozen=True)
+class ClusterUrl:
+    """`redis+cluster://[user:pass@]host:port[,host:port...][?query]` (rediss+cluster: TLS)."""
+    nodes: tuple[tuple[str, int], ...]  # the seeds, in the URL's order
+    tls: bool
+    userinfo: str  # "user:pass@" as written (percent-encoded), or ""
+    query: str  # the options every node's connection takes (ssl_ca_certs=...), or ""
+
+    def node_url(self, host: str, port: int) -> str:
+        """The URL of one node, as a single Redis (database 0: a cluster has no other)."""
+        address = f"[{host}]" if ":" in host else host
+        query = f"?{self.query}" if self.query else ""
+        return f"{'rediss' if self.tls else 'redis'}://{self.userinfo}{address}:{port}/0{query}"
+
+
+def parse_cluster_url(url: str) -> ClusterUrl | None:
+    """The seeds and options of a cluster URL, as written; None for any other URL (one Redis)."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return None
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{unquote(address)!r} in the cluster URL is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    return ClusterUrl(tuple(nodes), CLUSTER_SCHEMES[parts.scheme] == "rediss", f"{userinfo}@" if userinfo else "",
+                      parts.query)
+
+
 def cluster_nodes(url: str) -> list[dict]:
     """The connection options of each node a redis+cluster:// URL names, as parse_url gives them."""
-    parsed = urlparse(url)
-    scheme = CLUSTER_SCHEMES[parsed.scheme]
-    credentials, _, hosts = parsed.netloc.rpartition("@")
-    query = f"?{parsed.query}" if parsed.query else ""
-    if not hosts:
-        raise ValueError(f"{url!r} names no node: redis+cluster://host:port[,host:port...]")
-    return [parse_url(f"{scheme}://{credentials + '@' if credentials else ''}{host}{query}")
-            for host in hosts.split(",")]
+    cluster = parse_cluster_url(url)
+    return [parse_url(cluster.node_url(host, port)) for host, port in cluster.nodes]
 
 
 def _connect_cluster(url: str) -> RedisCluster:
