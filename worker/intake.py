@@ -103,8 +103,9 @@ if shared > 0 and room > 0 then
   share = math.max(0, math.min(room, math.ceil(room - level)))
   if idle and own == 0 then share = math.max(share, 1) end
 end
+-- Nobody has a free slot: the head of each of its lanes and of every lane for any worker, for
+-- the batcher's fair choice (not another worker's: that one may free a slot first).
 local heads = free == 0 and mine + shared > 0 and #others == 0
--- nobody has a free slot: the head of each lane, for the batcher's fair choice
 local reply, taken = {0}, 0
 -- Round-robin over the lanes of these kinds, an entry at a time, up to `limit` (-1: one per lane),
 -- from an 'o' lane only what is due.
@@ -134,7 +135,7 @@ local function take(wanted, limit)
   return got_here
 end
 if heads then
-  taken = take('mao', -1)
+  taken = take('ma', -1)
 else
   if own > 0 then taken = take('m', own) end
   if share > 0 then taken = taken + take('ao', share) end
