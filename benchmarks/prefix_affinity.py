@@ -1,6 +1,6 @@
 """Prefix-aware vs prefix-blind work: 2 workers, 8 system prompts, 64 requests, in ONE run.
 
-    .venv/bin/python benchmarks/prefix_affinity.py [--backend hf|null] [--rounds 4] [--rate 8]
+    .venv/bin/python benchmarks/prefix_affinity.py [--backend hf|null] [--rounds 6] [--rate 3] [--kv-blocks N]
 
 One stack: a private Redis, 2 workers and two api replicas, one routing by prefix
 (STREAMQ_PREFIX_AFFINITY=true) and one not (false); the workers are the same for both and
@@ -108,14 +108,16 @@ async def one_round(url: str, prompts: list[str], order: list[int], tokens: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="hf", choices=["hf", "null"])
-    parser.add_argument("--rounds", type=int, default=4, help="rounds in all, alternating aware and blind")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds in all, alternating aware and blind")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8, help="distinct system prompts a round")
     parser.add_argument("--prompt-tokens", type=int, default=500, help="tokens of each system prompt")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated a request")
-    parser.add_argument("--rate", type=float, default=8.0, help="requests sent a second (0: all at once)")
+    parser.add_argument("--rate", type=float, default=3.0, help="requests sent a second (0: all at once)")
     parser.add_argument("--wait-ms", type=int, default=1000, help="the affinity bound (STREAMQ_PREFIX_AFFINITY_WAIT_MS)")
     parser.add_argument("--batch", type=int, default=16, help="slots a worker")
+    parser.add_argument("--kv-blocks", type=int, default=0,
+                        help="KV-cache blocks a worker (0: sized from STREAMQ_KV_CACHE_GB, room for every prompt)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads of each worker")
     parser.add_argument("--null-rate", type=float, default=50.0, help="the null backend's tokens/s a request")
     args = parser.parse_args()
@@ -123,7 +125,8 @@ def main() -> None:
     tok = Tokenizer(prepare_model(WorkerSettings()))
     settings = {"STREAMQ_BACKEND": args.backend, "STREAMQ_BATCH_SIZE": str(args.batch), "STREAMQ_NULL_TOKENS_PER_S": str(args.null_rate),
                 "STREAMQ_PREFIX": "affinity", "STREAMQ_PREFIX_AFFINITY_WAIT_MS": str(args.wait_ms),
-                "OMP_NUM_THREADS": str(args.threads)}
+                "OMP_NUM_THREADS": str(args.threads), **({"STREAMQ_NUM_KV_BLOCKS": str(args.kv_blocks)}
+                                                         if args.kv_blocks else {})}
     urls: list[str] = []
     results: dict[str, list[dict]] = {"aware": [], "blind": []}
     with local_stack("affinity", settings, workers=2, urls_out=urls,

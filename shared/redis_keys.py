@@ -42,9 +42,10 @@ def worker_free_slots(prefix: str, model: str) -> str:
 
 
 def prefix_holders(prefix: str, model: str) -> str:
-    """Hash: prompt-prefix hash -> "<expiry, ms>:<worker>", the worker that last took a request with
-    that prefix (so holds its KV blocks), announced at its intake (shared/prefix_affinity.py). In
-    the model's queue slot (`{model}` hash tag): the announcing script also writes the next key."""
+    """Hash: prompt-prefix hash -> "<expiry, ms>:<worker>/...", the last few workers that took a
+    request with that prefix (so hold its KV blocks), announced at their intake
+    (shared/prefix_affinity.py). In the model's queue slot (`{model}` hash tag): the announcing
+    script also writes the next key, the api's lookup reads worker_free_slots."""
     return f"{prefix}:prefixes:{{{model}}}"
 
 

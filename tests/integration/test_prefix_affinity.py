@@ -55,6 +55,25 @@ async def test_a_request_goes_to_the_live_worker_that_announced_its_prefix(redis
     assert lane_of(same) == "^w1/0:t"
 
 
+async def test_of_several_holders_the_one_with_most_free_slots_gets_it(redis, prefix):
+    affinity = PrefixAffinity(redis, prefix, "m", TOKENS)
+    for worker in ("w1", "w2", "w3", "w4", "w5"):
+        await _beat(redis, prefix, worker)
+        await affinity.announce(worker, [_payload()], ttl_ms=HOUR_MS)
+    held = await redis.hget(affinity.holders_key, affinity.hash_of(_payload()))
+    assert [h.partition(":")[2] for h in held.split("/")] == ["w5", "w4", "w3", "w2"]  # the latest few
+    request = _payload()
+    await affinity.route([request])
+    assert request.affinity == "w5"  # none announced free slots: the latest
+    free_key = redis_keys.worker_free_slots(prefix, "m")
+    await redis.hset(free_key, mapping={"w5": f"1:{2**52}", "w3": f"6:{2**52}", "w2": f"8:{2**52}", "w1": f"9:{2**52}"})
+    await affinity.route([request])
+    assert request.affinity == "w2"  # w1, with more room, no longer holds it
+    await redis.delete(redis_keys.worker_heartbeat(prefix, "w2"))
+    await affinity.route([request])
+    assert request.affinity == "w3"
+
+
 async def test_the_worker_that_announced_a_prefix_takes_its_request_though_another_reads_first(redis, prefix):
     await _beat(redis, prefix, "w1")
     await PrefixAffinity(redis, prefix, "m", TOKENS).announce("w1", [_payload()], ttl_ms=HOUR_MS)
