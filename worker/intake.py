@@ -26,25 +26,29 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.queue import BACKLOG_LUA, RequestQueue, affinity_of
 
-# KEYS: free-slots hash, then the lanes to read. ARGV: group, consumer, free slots, idle (0/1),
-# announcement ttl ms, affinity bound ms, and one letter per lane: 'm' this worker's affinity
-# lane, 'a' a lane for any worker, 'o' another worker's affinity lane (its entries may be taken
-# here once they have waited the bound: an entry id starts with the ms it was added, by Redis's
-# clock, as TIME). Returns {taken, {lane index, entry id, {field, value, ...}} ..., last ids,
+# KEYS: free-slots hash, lanes set, then the lanes to read. ARGV: group, consumer, free slots,
+# idle (0/1), announcement ttl ms, affinity bound ms, one letter per lane: 'm' this worker's
+# affinity lane, 'a' a lane for any worker, 'o' another worker's affinity lane (its entries may
+# be taken here once they have waited the bound: an entry id starts with the ms it was added, by
+# Redis's clock, as TIME), and the lane streams' key prefix. Another worker's affinity lane that
+# is empty, with nothing pending, while that worker announces no free slots (it stopped reading:
+# dead, or renamed by a restart) is removed from the lanes set and deleted; a request queued
+# there later creates it again, as any new lane. Returns {taken, {lane index, entry id, {field, value, ...}} ..., last ids,
 # wake ms}: the last ids (one per lane, '0-0' for an empty lane) and the ms until another
 # worker's entry is due here (-1: none waits) only when nothing was taken, for the XREAD that
 # waits for the next entry. Values in the hash are "<free>:<expires ms>".
 _TAKE = """
 local group, me, free, idle, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
-local bound, kinds = tonumber(ARGV[6]), ARGV[7]
+local bound, kinds, stream_prefix = tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local others = {}
+local others, reading = {}, {}
 local announced = redis.call('HGETALL', KEYS[1])
 for i = 1, #announced, 2 do
   if announced[i] ~= me then
     local slots, expires = string.match(announced[i + 1], '^(%d+):(%d+)$')
     if expires and tonumber(expires) > now then
+      reading[announced[i]] = true
       if tonumber(slots) > 0 then others[#others + 1] = tonumber(slots) end
     else
       redis.call('HDEL', KEYS[1], announced[i])
@@ -56,31 +60,39 @@ end
 local function due_entries(stream, cap)
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
   if not ok then return 0, nil end
-  local last
+  local last, pending
   for _, g in ipairs(groups) do
     local fields = {}
     for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-    if fields['name'] == group then last = fields['last-delivered-id'] end
+    if fields['name'] == group then last, pending = fields['last-delivered-id'], fields['pending'] end
   end
   if not last then return 0, nil end
   local due = redis.call('XRANGE', stream, '(' .. last, now - bound, 'COUNT', cap)
   local after = due[#due] and due[#due][1] or last
   local next_entry = redis.call('XRANGE', stream, '(' .. after, '+', 'COUNT', 1)[1]
+  if #due == 0 and not next_entry and tonumber(pending) == 0 then
+    local lane = string.sub(stream, #stream_prefix + 1)
+    local owner = string.match(string.match(lane, '^@[^/]*/(.*)$') or lane, '^%^([^/]*)/')
+    if owner and not reading[owner] then
+      redis.call('SREM', KEYS[2], lane)
+      redis.call('DEL', stream)
+    end
+  end
   return #due, next_entry and tonumber(string.match(next_entry[1], '^(%d+)')) + bound
 end
 -- What waits: for this worker ('m' lanes), and for any worker ('a' lanes, and what is due of 'o' lanes).
-local lanes = #KEYS - 1
+local lanes = #KEYS - 2
 local cap = free
 for _, slots in ipairs(others) do cap = cap + slots end
 local waiting, mine, shared, wake = {}, 0, 0, -1
 for i = 1, lanes do
   local kind = string.sub(kinds, i, i)
   if kind == 'o' then
-    local due, due_at = due_entries(KEYS[i + 1], math.max(cap, 1))
+    local due, due_at = due_entries(KEYS[i + 2], math.max(cap, 1))
     waiting[i] = due
     if due_at and (wake < 0 or due_at - now < wake) then wake = math.max(0, due_at - now) end
   else
-    waiting[i] = lane_backlog(KEYS[i + 1], group)
+    waiting[i] = lane_backlog(KEYS[i + 2], group)
   end
   if kind == 'm' then mine = mine + waiting[i] else shared = shared + waiting[i] end
 end
@@ -108,19 +120,20 @@ end
 local heads = free == 0 and mine + shared > 0 and #others == 0
 local reply, taken = {0}, 0
 -- Round-robin over the lanes of these kinds, an entry at a time, up to `limit` (-1: one per lane),
--- from an 'o' lane only what is due.
+-- from an affinity lane only what waits (its own: it may have been deleted as empty while this
+-- worker did not read), from another's only what is due.
 local function take(wanted, limit)
   local got_here, open = 0, {}
   for i = 1, lanes do
     local kind = string.sub(kinds, i, i)
-    open[i] = string.find(wanted, kind, 1, true) ~= nil and (kind ~= 'o' or waiting[i] > 0)
+    open[i] = string.find(wanted, kind, 1, true) ~= nil and (kind == 'a' or waiting[i] > 0)
   end
   local more = true
   while more and (limit == -1 or got_here < limit) do
     more = false
     for i = 1, lanes do
       if open[i] and (limit == -1 or got_here < limit) then
-        local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS', KEYS[i + 1], '>')
+        local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS', KEYS[i + 2], '>')
         if got then
           local entry = got[1][2][1]
           reply[#reply + 1] = {i, entry[1], entry[2]}
@@ -128,7 +141,7 @@ local function take(wanted, limit)
           waiting[i] = waiting[i] - 1
           more = limit ~= -1
         end
-        open[i] = got and limit ~= -1 and (string.sub(kinds, i, i) ~= 'o' or waiting[i] > 0)
+        open[i] = got and limit ~= -1 and (string.sub(kinds, i, i) == 'a' or waiting[i] > 0)
       end
     end
   end
@@ -144,7 +157,7 @@ reply[1] = taken
 if taken == 0 then
   local last = {}
   for i = 1, lanes do
-    local top = redis.call('XREVRANGE', KEYS[i + 1], '+', '-', 'COUNT', 1)
+    local top = redis.call('XREVRANGE', KEYS[i + 2], '+', '-', 'COUNT', 1)
     last[i] = top[1] and top[1][1] or '0-0'
   end
   reply[#reply + 1] = last
@@ -195,9 +208,9 @@ class Intake:
         """Claim this worker's share of the requests waiting in `lanes` (with no free slot and
         nobody else free, the head of each lane), and announce the free slots left."""
         kinds = "".join(self._kind(lane) for lane in lanes)
-        reply = await self._take(keys=[self.free_key, *lanes],
+        reply = await self._take(keys=[self.free_key, self.queue.lanes_key, *lanes],
                                  args=[redis_keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms,
-                                       self.affinity_wait_ms or 0, kinds])
+                                       self.affinity_wait_ms or 0, kinds, self.queue.stream_prefix])
         taken = Taken(entries=[(lanes[i - 1], entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
                                for i, entry_id, flat in reply[1:1 + reply[0]]])
         if not taken.entries:

@@ -97,6 +97,27 @@ async def test_past_the_bound_any_worker_takes_it(redis, prefix):
     assert [json.loads(f["payload"])["id"] for _, _, f in taken.entries] == [request.id]
 
 
+async def test_an_empty_affinity_lane_goes_once_its_worker_stops_reading(redis, prefix):
+    request = _payload(affinity="w1")
+    await RequestStore(redis, prefix).enqueue([request])
+    w1, w2 = _intake(redis, prefix, "w1", HOUR_MS), _intake(redis, prefix, "w2", HOUR_MS)
+    lanes, _ = await w1.lanes("null")
+    [(stream, entry_id, _)] = (await w1.take(lanes, free=8, idle=True)).entries
+    lanes_key = redis_keys.request_lanes(prefix, "m")
+    await w2.take(lanes, free=8, idle=True)
+    assert "^w1/0:t" in await redis.smembers(lanes_key)  # taken, not acked yet
+    await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
+    await w2.take(lanes, free=8, idle=True)
+    assert "^w1/0:t" in await redis.smembers(lanes_key)  # empty, but w1 reads
+    await w1.withdraw()
+    await w2.take(lanes, free=8, idle=True)
+    assert "^w1/0:t" not in await redis.smembers(lanes_key) and not await redis.exists(stream)
+    again = _payload(affinity="w1")  # queued there later: the lane comes back, with its group
+    await RequestStore(redis, prefix).enqueue([again])
+    lanes, _ = await w1.lanes("null")
+    assert [json.loads(f["payload"])["id"] for _, _, f in (await w1.take(lanes, 8, True)).entries] == [again.id]
+
+
 async def test_without_affinity_a_worker_reads_every_lane_as_its_own(redis, prefix):
     request = _payload(affinity="w1")  # marked for w1 by an api with affinity on
     await RequestStore(redis, prefix).enqueue([request])
