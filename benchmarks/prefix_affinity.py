@@ -1,6 +1,6 @@
 """Prefix-aware vs prefix-blind work: 2 workers, 8 system prompts, 64 requests, in ONE run.
 
-    .venv/bin/python benchmarks/prefix_affinity.py [--backend hf|null] [--rounds 6] [--rate 3] [--kv-blocks N]
+    .venv/bin/python benchmarks/prefix_affinity.py [--backend hf|null] [--rounds 6] [--rate 2] [--kv-blocks N]
 
 One stack: a private Redis, 2 workers and two api replicas, one routing by prefix
 (STREAMQ_PREFIX_AFFINITY=true) and one not (false); the workers are the same for both and
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="distinct system prompts a round")
     parser.add_argument("--prompt-tokens", type=int, default=500, help="tokens of each system prompt")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated a request")
-    parser.add_argument("--rate", type=float, default=3.0, help="requests sent a second (0: all at once)")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests sent a second (0: all at once)")
     parser.add_argument("--wait-ms", type=int, default=1000, help="the affinity bound (STREAMQ_PREFIX_AFFINITY_WAIT_MS)")
     parser.add_argument("--batch", type=int, default=16, help="slots a worker")
     parser.add_argument("--kv-blocks", type=int, default=0,
@@ -152,11 +152,12 @@ def main() -> None:
         runs = results[mode]
         rows.append({"mode": mode, **{key: round(statistics.median(x[key] for x in runs), 3)
                                       for key in ("hit_rate", "cached_share", "ttft_p50_s", "ttft_p99_s", "tok_per_s")},
+                     "ttft_p50_by_round": " / ".join(f"{x['ttft_p50_s']:.2f}" for x in runs),
                      "per_worker": " / ".join(x["per_worker"] for x in runs)})
     aware, blind = rows
     rows.append({"mode": "aware / blind", **{key: round(aware[key] / blind[key], 2) if blind[key] else None
                                              for key in ("hit_rate", "cached_share", "ttft_p50_s", "ttft_p99_s",
-                                                         "tok_per_s")}, "per_worker": ""})
+                                                         "tok_per_s")}, "ttft_p50_by_round": "", "per_worker": ""})
     facts = machine("n/a" if args.backend == "null" else "auto", args.threads, workers=2)
     report = {"machine": facts, "args": vars(args), "rows": rows, "rounds": results}
     print(json.dumps(report, indent=1))
