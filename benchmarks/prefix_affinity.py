@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=500, help="tokens of each system prompt")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated a request")
     parser.add_argument("--rate", type=float, default=2.0, help="requests sent a second (0: all at once)")
-    parser.add_argument("--wait-ms", type=int, default=1000, help="the affinity bound (STREAMQ_PREFIX_AFFINITY_WAIT_MS)")
+    parser.add_argument("--wait-ms", type=int, default=1000,
+                        help="the affinity bound (STREAMQ_PREFIX_AFFINITY_WAIT_MS)")
     parser.add_argument("--batch", type=int, default=16, help="slots a worker")
     parser.add_argument("--kv-blocks", type=int, default=0,
                         help="KV-cache blocks a worker (0: sized from STREAMQ_KV_CACHE_GB, room for every prompt)")
@@ -123,7 +124,8 @@ def main() -> None:
     args = parser.parse_args()
     block = WorkerSettings().block_size
     tok = Tokenizer(prepare_model(WorkerSettings()))
-    settings = {"STREAMQ_BACKEND": args.backend, "STREAMQ_BATCH_SIZE": str(args.batch), "STREAMQ_NULL_TOKENS_PER_S": str(args.null_rate),
+    settings = {"STREAMQ_BACKEND": args.backend, "STREAMQ_BATCH_SIZE": str(args.batch),
+                "STREAMQ_NULL_TOKENS_PER_S": str(args.null_rate),
                 "STREAMQ_PREFIX": "affinity", "STREAMQ_PREFIX_AFFINITY_WAIT_MS": str(args.wait_ms),
                 "OMP_NUM_THREADS": str(args.threads), **({"STREAMQ_NUM_KV_BLOCKS": str(args.kv_blocks)}
                                                          if args.kv_blocks else {})}

@@ -33,7 +33,8 @@ from shared.queue import BACKLOG_LUA, RequestQueue, affinity_of
 # Redis's clock, as TIME), and the lane streams' key prefix. Another worker's affinity lane that
 # is empty, with nothing pending, while that worker announces no free slots (it stopped reading:
 # dead, or renamed by a restart) is removed from the lanes set and deleted; a request queued
-# there later creates it again, as any new lane. Returns {taken, {lane index, entry id, {field, value, ...}} ..., last ids,
+# there later creates it again, as any new lane.
+# Returns {taken, {lane index, entry id, {field, value, ...}} ..., last ids,
 # wake ms}: the last ids (one per lane, '0-0' for an empty lane) and the ms until another
 # worker's entry is due here (-1: none waits) only when nothing was taken, for the XREAD that
 # waits for the next entry. Values in the hash are "<free>:<expires ms>".
