@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.relay import Event, Relay
 from shared.messages import FinalEvent, RequestPayload, now
+from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
@@ -38,9 +39,11 @@ class ApiError(Exception):
 class Generation:
     def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str, *,
                  default_max_tokens: int, queue_timeout_s: float = 300.0, max_tokens_cap: int = 1_000_000,
-                 backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False):
+                 backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
+                 affinity: PrefixAffinity | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
-        when auth is on."""
+        when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
+        worker that holds their prompt's prefix."""
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
@@ -51,6 +54,7 @@ class Generation:
         self.backpressure = backpressure
         self.limits = limits
         self.log_prompts = log_prompts
+        self.affinity = affinity
 
     async def live_backends(self) -> set[str]:
         """The backends of the live workers that serve this model."""
@@ -122,6 +126,8 @@ class Generation:
         """Queue the requests for tenant `owner`, all or none (past the backlog limit, 503)."""
         if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
             return
+        if self.affinity is not None:
+            await self.affinity.route(payloads)
         weight, tokens = 1.0, 0
         if self.limits is not None and owner:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
@@ -139,7 +145,8 @@ class Generation:
             raise
         for payload in payloads:
             fields = {"request_id": payload.id, "tenant": owner, "prompt_tokens": len(payload.prompt_token_ids),
-                      "max_tokens": payload.params.max_tokens, "priority": payload.priority}
+                      "max_tokens": payload.params.max_tokens, "priority": payload.priority,
+                      "affinity": payload.affinity}
             if self.log_prompts:
                 fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
             log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)

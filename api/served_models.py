@@ -14,6 +14,7 @@ from api.limits import Limits
 from api.metrics import ApiMetrics
 from api.relay import Relay
 from shared import tokenizer_files
+from shared.prefix_affinity import PrefixAffinity
 from shared.queue import RequestQueue
 from shared.settings import ApiSettings
 from shared.store import RequestStore
@@ -47,7 +48,10 @@ class Models:
         self._backpressure.append(backpressure)
         generation = Generation(self.store, self.relay, tokenizer, name, default_max_tokens=settings.default_max_tokens,
                                 queue_timeout_s=settings.queue_timeout_s, max_tokens_cap=settings.max_tokens_cap,
-                                backpressure=backpressure, limits=self.limits, log_prompts=settings.log_prompts)
+                                backpressure=backpressure, limits=self.limits, log_prompts=settings.log_prompts,
+                                affinity=PrefixAffinity(self.store.redis, settings.prefix, name,
+                                                        settings.prefix_affinity_tokens)
+                                if settings.prefix_affinity else None)
         self._loaded[name] = generation
         self.default = self.default or generation
         return generation

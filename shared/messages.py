@@ -71,6 +71,8 @@ class RequestPayload(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first, within its tenant's share
     weight: float = Field(1.0, gt=0)  # the tenant's share of a worker's batch, relative to other tenants
     backend: str | None = Field(None, pattern=r"^[a-z]+$")  # only a worker of this backend may run it (None: any)
+    # The worker that holds the prompt's prefix: the request waits in its affinity lane (shared/queue.py)
+    affinity: str | None = Field(None, pattern=r"^[^/]+$")
 
 
 class Usage(BaseModel):

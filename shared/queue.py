@@ -1,5 +1,7 @@
 """A model's request queue: one Redis stream per lane, a lane being a tenant and a priority
-(and, for a request only one backend may run, that backend: `@vllm/0:acme`).
+(and, for a request only one backend may run, that backend: `@vllm/0:acme`; for a request that
+one worker should run, as it holds the KV blocks of its prompt's prefix, that worker's affinity
+lane: `^worker-1/0:acme`, or `@vllm/^worker-1/0:acme`).
 
 The api writes each request to its lane's stream (with the record, in one script); workers
 take their share of all lanes in one script (worker/intake.py) and the batcher chooses between
@@ -58,10 +60,20 @@ end
 
 
 def lane_of(payload: RequestPayload) -> str:
-    """`<priority>:<tenant>`, after `@<backend>/` when the request needs one backend; the
-    priority before the tenant, so a tenant name may contain ':'."""
+    """`<priority>:<tenant>`, after `^<worker>/` when a worker holds the request's prefix, after
+    `@<backend>/` when the request needs one backend; the priority before the tenant, so a tenant
+    name may contain ':' (backend and worker names have no '/')."""
     lane = f"{payload.priority}:{payload.owner or ANONYMOUS}"
+    if payload.affinity:
+        lane = f"^{payload.affinity}/{lane}"
     return f"@{payload.backend}/{lane}" if payload.backend else lane
+
+
+def affinity_of(lane: str) -> str | None:
+    """The worker whose affinity lane this is (None: an unmarked lane, any worker's)."""
+    if lane.startswith("@"):
+        lane = lane.partition("/")[2]
+    return lane[1:].partition("/")[0] if lane.startswith("^") else None
 
 
 def served_by(lane: str, backend: str) -> bool:

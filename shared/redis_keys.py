@@ -44,6 +44,20 @@ def worker_free_slots(prefix: str, model: str) -> str:
     return f"{prefix}:free:{{{model}}}"
 
 
+def prefix_holders(prefix: str, model: str) -> str:
+    """Hash: prompt-prefix hash -> "<expiry, ms>:<worker>/...", the last few workers that took a
+    request with that prefix (so hold its KV blocks), announced at their intake
+    (shared/prefix_affinity.py). In the model's queue slot (`{model}` hash tag): the announcing
+    script also writes the next key, the api's lookup reads worker_free_slots."""
+    return f"{prefix}:prefixes:{{{model}}}"
+
+
+def prefix_expiry(prefix: str, model: str) -> str:
+    """Sorted set: prompt-prefix hash -> its announcement's expiry (ms), so expired entries of
+    prefix_holders are found and dropped without scanning the hash; same slot."""
+    return f"{prefix}:prefixes:{{{model}}}:expiry"
+
+
 def model_files(prefix: str, model: str) -> str:
     """Hash: file name -> content of a served model's tokenizer files, written by its workers
     at start, so any api replica can take requests for any served model."""

@@ -47,6 +47,13 @@ class CommonSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Least severe level logged.")
     log_format: Literal["text", "json"] = Field("text", description="'json': one JSON object per line, with request ids and timings.")
     log_prompts: bool = Field(False, description="Also log each request's prompt (off: prompts never reach the logs).")
+    prefix_affinity: bool = Field(True, description="A request whose prompt starts like one a live worker took "
+                                                    "recently goes to that worker, which holds the prefix's KV "
+                                                    "blocks (docs/scaling.md); api: route, worker: announce and "
+                                                    "prefer. Off: any worker takes any request.")
+    prefix_affinity_tokens: int = Field(256, ge=1, le=1_000_000,
+                                        description="Leading prompt tokens that identify a prefix (the api's and the "
+                                                    "workers' must agree); shorter prompts go to any worker.")
 
 
 class ApiSettings(CommonSettings):
@@ -134,12 +141,19 @@ class WorkerSettings(CommonSettings):
 
     # -- the process -------------------------------------------------------------------------------
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                             description="Consumer name in the request group; unique per process.")
+                             pattern=r"^[^/]+$",
+                             description="Consumer name in the request group; unique per process; no '/' "
+                                         "(it is part of the names of its affinity lanes).")
     backend: Literal["hf", "vllm", "null"] = Field(
         "hf", description="'hf': the built-in engine on transformers weights; 'vllm': vLLM's async engine "
                           "(needs vLLM installed); 'null': no model, tokens at null_tokens_per_s.")
     null_tokens_per_s: float = Field(20.0, gt=0, le=10_000, description="Tokens per second per request (null backend).")
     heartbeat_interval_s: float = Field(2.0, gt=0, le=60, description="Seconds between heartbeat writes.")
+    prefix_affinity_wait_ms: int = Field(
+        1000, ge=0, le=3_600_000, description="A request in another worker's affinity lane that has waited this long "
+                                              "goes to any worker (0: at once; affinity is then a preference only).")
+    prefix_affinity_ttl_s: float = Field(60.0, gt=0, le=86_400,
+                                         description="How long a worker's announcement of a prefix it took lasts.")
     intake_block_ms: int = Field(1000, ge=1, le=60_000, description="How long one XREADGROUP waits when the worker is idle.")
     engine_stall_s: float = Field(120.0, gt=0, le=86_400,
                                   description="A step running longer than this means the engine is stuck: the worker "

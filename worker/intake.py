@@ -11,6 +11,11 @@ Two rules make M workers split k requests that arrive together about k/M each:
   a water-filling split (the emptiest workers fill first, to an equal level), then announces
   what it has left. An idle worker always takes at least one, so a stale announcement of a
   dead worker can slow a burst's spread but never leaves a request waiting with every worker idle.
+
+With prefix affinity (shared/prefix_affinity.py), a request the api marked for a worker waits in
+that worker's affinity lane. That worker takes from its affinity lanes first (up to its free
+slots), then its split of the rest; the others take an entry of its affinity lanes only once
+the entry has waited the bound, so a busy or dead worker's requests go elsewhere after it.
 """
 from __future__ import annotations
 
@@ -19,73 +24,145 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from shared import redis_keys
-from shared.queue import BACKLOG_LUA, RequestQueue
+from shared.queue import BACKLOG_LUA, RequestQueue, affinity_of
 
-# KEYS: free-slots hash, then the lanes to read. ARGV: group, consumer, free slots, idle (0/1),
-# announcement ttl ms. Returns {taken, {lane index, entry id, {field, value, ...}} ...,
-# last ids}: the last ids (one per lane, '0-0' for an empty lane) only when nothing was taken,
-# for the XREAD that waits for the next entry. Values in the hash are "<free>:<expires ms>".
+# KEYS: free-slots hash, lanes set, then the lanes to read. ARGV: group, consumer, free slots,
+# idle (0/1), announcement ttl ms, affinity bound ms, one letter per lane: 'm' this worker's
+# affinity lane, 'a' a lane for any worker, 'o' another worker's affinity lane (its entries may
+# be taken here once they have waited the bound: an entry id starts with the ms it was added, by
+# Redis's clock, as TIME), and the lane streams' key prefix. Another worker's affinity lane that
+# is empty, with nothing pending, while that worker announces no free slots (it stopped reading:
+# dead, or renamed by a restart) is removed from the lanes set and deleted; a request queued
+# there later creates it again, as any new lane.
+# Returns {taken, {lane index, entry id, {field, value, ...}} ..., last ids,
+# wake ms}: the last ids (one per lane, '0-0' for an empty lane) and the ms until another
+# worker's entry is due here (-1: none waits) only when nothing was taken, for the XREAD that
+# waits for the next entry. Values in the hash are "<free>:<expires ms>".
 _TAKE = """
 local group, me, free, idle, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
+local bound, kinds, stream_prefix = tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local frees = {free}
+local others, reading = {}, {}
 local announced = redis.call('HGETALL', KEYS[1])
 for i = 1, #announced, 2 do
   if announced[i] ~= me then
     local slots, expires = string.match(announced[i + 1], '^(%d+):(%d+)$')
     if expires and tonumber(expires) > now then
-      if tonumber(slots) > 0 then frees[#frees + 1] = tonumber(slots) end
+      reading[announced[i]] = true
+      if tonumber(slots) > 0 then others[#others + 1] = tonumber(slots) end
     else
       redis.call('HDEL', KEYS[1], announced[i])
     end
   end
 end
-local waiting = 0
-for i = 2, #KEYS do waiting = waiting + lane_backlog(KEYS[i], group) end
--- The water level: what every worker keeps free once the waiting requests are spread.
+-- Entries of another worker's affinity lane that have waited the bound (at most `cap`), and the
+-- ms when its next entry will have.
+local function due_entries(stream, cap)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return 0, nil end
+  local last, pending
+  for _, g in ipairs(groups) do
+    local fields = {}
+    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+    if fields['name'] == group then last, pending = fields['last-delivered-id'], fields['pending'] end
+  end
+  if not last then return 0, nil end
+  local due = redis.call('XRANGE', stream, '(' .. last, now - bound, 'COUNT', cap)
+  local after = due[#due] and due[#due][1] or last
+  local next_entry = redis.call('XRANGE', stream, '(' .. after, '+', 'COUNT', 1)[1]
+  if #due == 0 and not next_entry and tonumber(pending) == 0 then
+    local lane = string.sub(stream, #stream_prefix + 1)
+    local owner = string.match(string.match(lane, '^@[^/]*/(.*)$') or lane, '^%^([^/]*)/')
+    if owner and not reading[owner] then
+      redis.call('SREM', KEYS[2], lane)
+      redis.call('DEL', stream)
+    end
+  end
+  return #due, next_entry and tonumber(string.match(next_entry[1], '^(%d+)')) + bound
+end
+-- What waits: for this worker ('m' lanes), and for any worker ('a' lanes, and what is due of 'o' lanes).
+local lanes = #KEYS - 2
+local cap = free
+for _, slots in ipairs(others) do cap = cap + slots end
+local waiting, mine, shared, wake = {}, 0, 0, -1
+for i = 1, lanes do
+  local kind = string.sub(kinds, i, i)
+  if kind == 'o' then
+    local due, due_at = due_entries(KEYS[i + 2], math.max(cap, 1))
+    waiting[i] = due
+    if due_at and (wake < 0 or due_at - now < wake) then wake = math.max(0, due_at - now) end
+  else
+    waiting[i] = lane_backlog(KEYS[i + 2], group)
+  end
+  if kind == 'm' then mine = mine + waiting[i] else shared = shared + waiting[i] end
+end
+-- Its own affinity lanes first: nobody else takes them before the bound.
+local own = math.min(free, mine)
+local room = free - own
+-- Of what any worker may take, its part of a water-filling split: the emptiest workers fill
+-- first, to an equal level, what every worker keeps free once the waiting requests are spread.
 local share = 0
-if waiting > 0 and free > 0 then
+if shared > 0 and room > 0 then
+  local frees = {room}
+  for _, slots in ipairs(others) do frees[#frees + 1] = slots end
   table.sort(frees, function(a, b) return a > b end)
   local level, sum = 0, 0
   for k = 1, #frees do
     sum = sum + frees[k]
-    local candidate = (sum - waiting) / k
+    local candidate = (sum - shared) / k
     if candidate >= (frees[k + 1] or 0) then level = math.max(0, candidate) break end
   end
-  share = math.max(0, math.min(free, math.ceil(free - level)))
-  if idle then share = math.max(share, 1) end
-elseif waiting > 0 and #frees == 1 then
-  share = -1  -- nobody has a free slot: the head of each lane, for the batcher's fair choice
+  share = math.max(0, math.min(room, math.ceil(room - level)))
+  if idle and own == 0 then share = math.max(share, 1) end
 end
+-- Nobody has a free slot: the head of each of its lanes and of every lane for any worker, for
+-- the batcher's fair choice (not another worker's: that one may free a slot first).
+local heads = free == 0 and mine + shared > 0 and #others == 0
 local reply, taken = {0}, 0
-local lanes = #KEYS - 1
-local open = {}
-for i = 1, lanes do open[i] = true end
-local more = true
-while more and (share == -1 or taken < share) do
-  more = false
+-- Round-robin over the lanes of these kinds, an entry at a time, up to `limit` (-1: one per lane),
+-- from an affinity lane only what waits (its own: it may have been deleted as empty while this
+-- worker did not read), from another's only what is due.
+local function take(wanted, limit)
+  local got_here, open = 0, {}
   for i = 1, lanes do
-    if open[i] and (share == -1 or taken < share) then
-      local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS', KEYS[i + 1], '>')
-      if got then
-        local entry = got[1][2][1]
-        reply[#reply + 1] = {i, entry[1], entry[2]}
-        taken = taken + 1
-        more = share ~= -1
+    local kind = string.sub(kinds, i, i)
+    open[i] = string.find(wanted, kind, 1, true) ~= nil and (kind == 'a' or waiting[i] > 0)
+  end
+  local more = true
+  while more and (limit == -1 or got_here < limit) do
+    more = false
+    for i = 1, lanes do
+      if open[i] and (limit == -1 or got_here < limit) then
+        local got = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS', KEYS[i + 2], '>')
+        if got then
+          local entry = got[1][2][1]
+          reply[#reply + 1] = {i, entry[1], entry[2]}
+          got_here = got_here + 1
+          waiting[i] = waiting[i] - 1
+          more = limit ~= -1
+        end
+        open[i] = got and limit ~= -1 and (string.sub(kinds, i, i) == 'a' or waiting[i] > 0)
       end
-      open[i] = got and share ~= -1
     end
   end
+  return got_here
+end
+if heads then
+  taken = take('ma', -1)
+else
+  if own > 0 then taken = take('m', own) end
+  if share > 0 then taken = taken + take('ao', share) end
 end
 reply[1] = taken
 if taken == 0 then
   local last = {}
   for i = 1, lanes do
-    local top = redis.call('XREVRANGE', KEYS[i + 1], '+', '-', 'COUNT', 1)
+    local top = redis.call('XREVRANGE', KEYS[i + 2], '+', '-', 'COUNT', 1)
     last[i] = top[1] and top[1][1] or '0-0'
   end
   reply[#reply + 1] = last
+  reply[#reply + 1] = wake
 end
 redis.call('HSET', KEYS[1], me, math.max(0, free - taken) .. ':' .. (now + ttl))
 return reply
@@ -95,19 +172,27 @@ return reply
 @dataclass
 class Taken:
     """What one take() got: (lane stream, entry id, fields) in reading order, and, when it got
-    nothing, each lane's last entry id, from which to wait for the next."""
+    nothing, each lane's last entry id, from which to wait for the next, and the ms until an
+    entry of another worker's affinity lane may be taken here (None: none waits)."""
     entries: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     last_ids: dict[str, str] = field(default_factory=dict)
+    due_in_ms: int | None = None
 
 
 class Intake:
-    """One worker's reads of its model's lanes: its share of what waits, and the wait for more."""
+    """One worker's reads of its model's lanes: its share of what waits, and the wait for more.
 
-    def __init__(self, redis: Redis, queue: RequestQueue, worker: str, ttl_s: float):
+    With `affinity_wait_ms` (prefix affinity on), it takes from its own affinity lanes first,
+    and from another worker's only the entries that have waited that long; without it, every
+    lane is any worker's."""
+
+    def __init__(self, redis: Redis, queue: RequestQueue, worker: str, ttl_s: float,
+                 affinity_wait_ms: int | None = None):
         self.redis = redis
         self.queue = queue
         self.worker = worker
         self.ttl_ms = int(ttl_s * 1000)
+        self.affinity_wait_ms = affinity_wait_ms
         self.free_key = redis_keys.worker_free_slots(queue.prefix, queue.model)
         self._take = redis.register_script(BACKLOG_LUA + _TAKE)
 
@@ -125,13 +210,23 @@ class Intake:
     async def take(self, lanes: list[str], free: int, idle: bool) -> Taken:
         """Claim this worker's share of the requests waiting in `lanes` (with no free slot and
         nobody else free, the head of each lane), and announce the free slots left."""
-        reply = await self._take(keys=[self.free_key, *lanes],
-                                 args=[redis_keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms])
+        kinds = "".join(self._kind(lane) for lane in lanes)
+        reply = await self._take(keys=[self.free_key, self.queue.lanes_key, *lanes],
+                                 args=[redis_keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms,
+                                       self.affinity_wait_ms or 0, kinds, self.queue.stream_prefix])
         taken = Taken(entries=[(lanes[i - 1], entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
                                for i, entry_id, flat in reply[1:1 + reply[0]]])
         if not taken.entries:
-            taken.last_ids = dict(zip(lanes, reply[-1], strict=True))
+            taken.last_ids = dict(zip(lanes, reply[-2], strict=True))
+            taken.due_in_ms = None if reply[-1] < 0 else reply[-1]
         return taken
+
+    def _kind(self, stream: str) -> str:
+        """'m': this worker's affinity lane, 'o': another worker's, 'a': any worker's."""
+        owner = affinity_of(stream.removeprefix(self.queue.stream_prefix))
+        if owner is None or self.affinity_wait_ms is None:
+            return "a"
+        return "m" if owner == self.worker else "o"
 
     async def wait(self, last_ids: dict[str, str], doorbell_id: str, block_ms: int) -> bool:
         """Wait until a lane gets an entry after its last id, or a lane is added after

@@ -23,6 +23,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 
 from shared import redis_keys
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
+from shared.prefix_affinity import PrefixAffinity
 from shared.pubsub import MESSAGE, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
 from shared.queue import RequestQueue
 from shared.redis_client import REDIS_DOWN, until_redis_answers
@@ -49,7 +50,11 @@ class WorkerService:
         self.store = RequestStore(redis, settings.prefix)
         self.publisher = Publisher(redis, self.queue)
         self._stopping = asyncio.Event()
-        self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s)
+        self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s,
+                             settings.prefix_affinity_wait_ms if settings.prefix_affinity else None)
+        # Announces the prefixes it takes, when it keeps them (a prefix cache) and affinity is on.
+        self.affinity = (PrefixAffinity(redis, settings.prefix, model, settings.prefix_affinity_tokens)
+                         if settings.prefix_affinity and settings.prefix_caching else None)
         self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
         self._lanes_read_at = -math.inf
         self._doorbell_id = "0-0"  # the doorbell's last entry when the lanes were read
@@ -184,12 +189,20 @@ class WorkerService:
             await self._retry("groups", self.queue.ensure_groups)
             return
         self._announced = max(0, free - len(taken.entries))
+        admitted = []
         for stream, entry_id, fields in taken.entries:
             # Every Redis call of _admit can be repeated; the engine gets the request last.
-            await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
+            payload = await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
+            if payload is not None:
+                admitted.append(payload)
+        if admitted and self.affinity is not None:
+            ttl_ms = int(self.settings.prefix_affinity_ttl_s * 1000)
+            await self._retry("announce", lambda: self.affinity.announce(self.name, admitted, ttl_ms))
         if block and not taken.entries:
-            added = await self._retry("wait", lambda: self.intake.wait(
-                taken.last_ids, self._doorbell_id, self.settings.intake_block_ms))
+            block_ms = self.settings.intake_block_ms
+            if taken.due_in_ms is not None:  # another worker's request may be taken here then
+                block_ms = max(1, min(block_ms, taken.due_in_ms))
+            added = await self._retry("wait", lambda: self.intake.wait(taken.last_ids, self._doorbell_id, block_ms))
             if added:  # a new lane: read it from the next intake on
                 self._lanes_read_at = -math.inf
 
@@ -199,7 +212,9 @@ class WorkerService:
             self._lanes_read_at = time.monotonic()
         return self._lanes
 
-    async def _admit(self, stream: str, entry_id: str, fields: dict[str, str]) -> None:
+    async def _admit(self, stream: str, entry_id: str, fields: dict[str, str]) -> RequestPayload | None:
+        """Hand a taken entry's request to the backend; None when it is not to run (malformed,
+        expired, ended while queued)."""
         try:
             payload = RequestPayload.model_validate_json(fields.get("payload", ""))
         except ValidationError as exc:
@@ -209,20 +224,20 @@ class WorkerService:
             if request_id is not None:
                 await self.store.fail_queued(request_id, f"the worker cannot run this request: {exc}")
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return
+            return None
         if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
             log.info("request %s expired in the queue", payload.id)
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return
+            return None
         if not await self.store.claim(payload.id, self.name):
             # Cancelled (or otherwise ended) while queued: nothing to run.
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return
+            return None
         # A request put back after its worker died continues after the tokens already delivered.
         delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
         if any(isinstance(e, FinalEvent) for e in delivered):
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return
+            return None
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
         log.info("request %s started", payload.id, extra={
             "request_id": payload.id, "worker": self.name, "tenant": payload.owner,
@@ -231,6 +246,7 @@ class WorkerService:
         self.metrics.taken(payload)
         self.publisher.taken(payload.id, entry_id)
         self.backend.add(payload, resumed)
+        return payload
 
     async def _listen_cancels(self) -> None:
         # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh

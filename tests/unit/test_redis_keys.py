@@ -34,3 +34,8 @@ def test_request_stream_is_per_model_and_lane():
 def test_heartbeat_pattern_matches_heartbeats():
     pattern = redis_keys.worker_heartbeat_pattern("p").replace("*", ".*")
     assert re.fullmatch(pattern, redis_keys.worker_heartbeat("p", "host-1"))
+
+
+def test_prefix_announcements_share_the_models_slot():
+    names = [redis_keys.prefix_holders("p", "m"), redis_keys.prefix_expiry("p", "m")]
+    assert {_hash_tag(n) for n in names} == {"m"} and len(set(names)) == 2

@@ -1,0 +1,135 @@
+"""Prefix affinity: a request goes to the worker that holds the KV blocks of its prompt's prefix.
+
+A worker announces, for the requests it takes, the hash of each prompt's first `tokens` tokens,
+with an expiry, in a per-model hash in the model's queue slot (`redis_keys.prefix_holders`),
+which keeps the last few takers of each prefix. The api looks up a request's hash at enqueue;
+when live workers of the model (and of the request's backend, if it names one) announced it,
+the request is marked for the one of them with the most free slots (`RequestPayload.affinity`)
+and waits in that worker's affinity lane of its tenant and priority (shared/queue.py). That
+worker reads it first; the others take it only once it has waited past a bound
+(worker/intake.py), so nothing starves behind a busy or dead worker.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from shared import redis_keys
+from shared.messages import RequestPayload
+
+MAX_HOLDERS = 4  # workers remembered per prefix, the latest first
+
+# KEYS: holders hash, expiry set. ARGV: worker, ttl ms, most holders, then the prefix hashes it
+# took. Each hash's value lists its holders, the latest first: "<expiry ms>:<worker>/..." ('/' is
+# in no worker name); the set scores each hash with its latest expiry. Also drops up to 100
+# prefixes whose every announcement has expired, whoever made them.
+_ANNOUNCE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local me, expires, most = ARGV[1], now + tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 4, #ARGV do
+  local holders = {expires .. ':' .. me}
+  for held in string.gmatch(redis.call('HGET', KEYS[1], ARGV[i]) or '', '[^/]+') do
+    local until_ms, worker = string.match(held, '^(%d+):(.*)$')
+    if worker ~= me and tonumber(until_ms) > now and #holders < most then holders[#holders + 1] = held end
+  end
+  redis.call('HSET', KEYS[1], ARGV[i], table.concat(holders, '/'))
+  redis.call('ZADD', KEYS[2], expires, ARGV[i])
+end
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)
+if #old > 0 then
+  redis.call('HDEL', KEYS[1], unpack(old))
+  redis.call('ZREM', KEYS[2], unpack(old))
+end
+return #old
+"""
+
+# KEYS: holders hash, free-slots hash (worker/intake.py). ARGV: prefix hashes. For each, the
+# workers whose announcement of it has not expired by Redis's clock (the workers' expiries are
+# in that clock too), those with the most free slots first, then the latest.
+_LOOKUP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local found = redis.call('HMGET', KEYS[1], unpack(ARGV))
+local free_of = {}
+for i, value in ipairs(found) do
+  local holders = {}
+  for held in string.gmatch(value or '', '[^/]+') do
+    local until_ms, worker = string.match(held, '^(%d+):(.*)$')
+    if tonumber(until_ms) > now then
+      if not free_of[worker] then
+        local slots, free_until = string.match(redis.call('HGET', KEYS[2], worker) or '', '^(%d+):(%d+)$')
+        free_of[worker] = free_until and tonumber(free_until) > now and tonumber(slots) or 0
+      end
+      holders[#holders + 1] = {worker, free_of[worker], #holders}
+    end
+  end
+  table.sort(holders, function(a, b) return a[2] > b[2] or (a[2] == b[2] and a[3] < b[3]) end)
+  for k, holder in ipairs(holders) do holders[k] = holder[1] end
+  found[i] = holders
+end
+return found
+"""
+
+
+def prefix_hash(token_ids: Sequence[int], tokens: int) -> str | None:
+    """The hash of a prompt's first `tokens` token ids; None when the prompt is not longer (the
+    prefix cache never holds a prompt's last token, so a prompt of `tokens` tokens shares less)."""
+    if len(token_ids) <= tokens:
+        return None
+    return hashlib.blake2b(",".join(map(str, token_ids[:tokens])).encode(), digest_size=12).hexdigest()
+
+
+class PrefixAffinity:
+    """One model's prefix announcements: a worker writes them (`announce`), the api reads them (`route`)."""
+
+    def __init__(self, redis: Redis, prefix: str, model: str, tokens: int):
+        self.redis = redis
+        self.prefix = prefix
+        self.model = model
+        self.tokens = tokens
+        self.holders_key = redis_keys.prefix_holders(prefix, model)
+        self.expiry_key = redis_keys.prefix_expiry(prefix, model)
+        self.free_key = redis_keys.worker_free_slots(prefix, model)
+        self._announce = redis.register_script(_ANNOUNCE)
+        self._lookup = redis.register_script(_LOOKUP)
+
+    def hash_of(self, payload: RequestPayload) -> str | None:
+        return prefix_hash(payload.prompt_token_ids, self.tokens)
+
+    async def announce(self, worker: str, payloads: Sequence[RequestPayload], ttl_ms: int) -> None:
+        """`worker` took these requests: it holds their prefixes for the next `ttl_ms`."""
+        hashes = sorted({h for p in payloads if (h := self.hash_of(p)) is not None})
+        if hashes:
+            await self._announce(keys=[self.holders_key, self.expiry_key],
+                                 args=[worker, ttl_ms, MAX_HOLDERS, *hashes])
+
+    async def route(self, payloads: Sequence[RequestPayload]) -> None:
+        """Mark each request for a live worker that holds its prefix, if one does (and serves its
+        backend, when it names one): of several, the one with the most free slots. Leave the
+        others unmarked."""
+        hashes = [self.hash_of(p) for p in payloads]
+        wanted = sorted({h for h in hashes if h is not None})
+        if not wanted:
+            return
+        holders = dict(zip(wanted, await self._lookup(keys=[self.holders_key, self.free_key], args=wanted),
+                           strict=True))
+        workers = sorted({w for found in holders.values() for w in found})
+        if not workers:
+            return
+        # The heartbeats say who is alive now: an announcement outlives its worker by up to its ttl.
+        # One GET each, not an MGET: heartbeats lie in other slots of a cluster.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker in workers:
+                pipe.get(redis_keys.worker_heartbeat(self.prefix, worker))
+            beats = await pipe.execute()
+        live = {w: json.loads(beat) for w, beat in zip(workers, beats, strict=True) if beat is not None}
+        for payload, h in zip(payloads, hashes, strict=True):
+            payload.affinity = next((w for w in holders.get(h, []) if w in live and self._serves(live[w], payload)),
+                                    None)
+
+    def _serves(self, beat: dict, payload: RequestPayload) -> bool:
+        return beat.get("model") == self.model and payload.backend in (None, beat.get("backend"))
