@@ -10,6 +10,8 @@ SSUBSCRIBE/SUNSUBSCRIBE. Its messages have the types "ssubscribe", "smessage" an
 """
 from __future__ import annotations
 
+import asyncio
+
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
@@ -24,6 +26,17 @@ _CLUSTER_ONLY = ("response_callbacks", "parser_class", "max_connections")
 class ShardPubSub(PubSub):
     PUBLISH_MESSAGE_TYPES = ("message", "pmessage", MESSAGE)
     UNSUBSCRIBE_MESSAGE_TYPES = ("unsubscribe", "punsubscribe", UNSUBSCRIBED)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._connecting = asyncio.Lock()
+
+    async def connect(self) -> None:
+        """One connection however many subscribes open it at once (a cluster master's first
+        streams): redis-py's connect awaits the pool between its check and its assignment, so
+        each would open its own, and the channels of all but the last go unread."""
+        async with self._connecting:
+            await super().connect()
 
     async def execute_command(self, *args):
         if args[0] in ("SUBSCRIBE", "UNSUBSCRIBE"):  # what subscribe() and unsubscribe() send
