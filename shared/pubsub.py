@@ -34,9 +34,17 @@ class ShardPubSub(PubSub):
     async def connect(self) -> None:
         """One connection however many subscribes open it at once (a cluster master's first
         streams): redis-py's connect awaits the pool between its check and its assignment, so
-        each would open its own, and the channels of all but the last go unread."""
-        async with self._connecting:
-            await super().connect()
+        each would open its own, and the channels of all but the last go unread.
+
+        Only that first opening holds the lock. A reconnection runs on_connect, which subscribes
+        again through execute_command and so comes back here: under the lock, it would wait for
+        itself (a Redis restart left every new stream hanging)."""
+        if self.connection is None:
+            async with self._connecting:
+                if self.connection is None:
+                    await super().connect()
+                    return
+        await super().connect()
 
     async def execute_command(self, *args):
         if args[0] in ("SUBSCRIBE", "UNSUBSCRIBE"):  # what subscribe() and unsubscribe() send
