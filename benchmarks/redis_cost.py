@@ -9,7 +9,7 @@
    Redis's main-thread CPU time over the workload gives its cost per token, and so the tokens/s
    one Redis (one shard, one core) carries.
 2. redis-benchmark against the same server: the ops/s of the two commands each token costs
-   (XADD and PUBLISH, pipelined as the worker sends them), without subscribers: an upper bound.
+   (XADD and SPUBLISH, pipelined as the worker sends them), without subscribers: an upper bound.
 
 The figures feed docs/scaling.md. The api and the worker share the machine's cores with Redis,
 as they would not in production; the commands and bytes per token do not depend on that.
@@ -67,7 +67,7 @@ async def workload(url: str, requests: int, tokens: int, clients: int) -> int:
 def redis_benchmark(port: int, pipeline: int, requests: int = 200_000) -> dict[str, float]:
     """ops/s of the per-token commands, from redis-benchmark (its own client, `pipeline` deep)."""
     commands = {"XADD": ["XADD", "bench:{r}:events", "MAXLEN", "~", "1000", "*", "e", "x" * 80],
-                "PUBLISH": ["PUBLISH", "bench:{r}:channel", "x" * 80]}
+                "SPUBLISH": ["SPUBLISH", "bench:{r}:channel", "x" * 80]}
     out = {}
     for name, args in commands.items():
         run = subprocess.run(["redis-benchmark", "-p", str(port), "-n", str(requests), "-P", str(pipeline), "-c", "8",
@@ -111,7 +111,7 @@ def main() -> None:
     # command, the subscribers' deliveries and the requests' own costs included; one core), and
     # from redis-benchmark's rate of the two per-token commands alone (no subscriber: an upper bound).
     shard_tokens = {"from the workload's Redis CPU": generated / delta["cpu_s"],
-                    "from redis-benchmark (XADD + PUBLISH)": 1 / sum(1 / bench[name] for name in ("XADD", "PUBLISH"))}
+                    "from redis-benchmark (XADD + SPUBLISH)": 1 / sum(1 / bench[name] for name in bench)}
     report = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "args": vars(args), "wall_s": wall, "commands": commands,
               "per_token": per_token, "bytes": {k: delta[k] for k in ("bytes_in", "bytes_out")},
               "redis_benchmark_ops_per_s": bench, "tokens_per_s_one_shard": shard_tokens}
