@@ -1,10 +1,12 @@
-"""The benchmarks' pure helpers: the CPU list vLLM binds to, the flags a report keeps, W's FLOPs."""
+"""The benchmarks' pure helpers: the CPU list vLLM binds to, the flags a report keeps, W's FLOPs,
+the cluster benchmark's medians."""
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.backends import cpu_ranges
+from benchmarks.cluster_capacity import MEDIANS, _row, median_of, pct
 from benchmarks.matmul_ref import w_flops
 from benchmarks.report import RELEVANT_FLAGS
 
@@ -31,3 +33,16 @@ def test_w_flops_counts_every_fed_token_and_one_head_row_per_output():
     assert work["body_rows"] == 5 + 2 * 3  # the prompts, then 3 fed-back tokens each
     assert work["head_rows"] == 8
     assert work["flops"] == 2 * body * 11 + 2 * 50 * 16 * 8
+
+
+def test_cluster_capacity_takes_medians_per_setup_and_node():
+    def one(setup: str, value: float, nodes: list[float]) -> dict:
+        return {"setup": setup, **dict.fromkeys(MEDIANS, value),
+                "nodes": [{"commands_per_s": n, "cpu_pct": n / 1000} for n in nodes]}
+    rounds = [one("single", 1, [9000]), one("cluster", 5, [1000, 2000, 3000]), one("single", 3, [11000]),
+              one("cluster", 7, [3000, 2000, 1000]), one("single", 2, [10000])]
+    single, cluster = median_of(rounds, "single"), median_of(rounds, "cluster")
+    assert single["events_per_s"] == 2 and single["nodes"] == [{"commands_per_s": 10000, "cpu_pct": 10}]
+    assert cluster["gap_p99_s"] == 6 and [n["commands_per_s"] for n in cluster["nodes"]] == [2000, 2000, 2000]
+    assert _row(cluster)[-1] == "2.0k, 2 % / 2.0k, 2 % / 2.0k, 2 %"
+    assert pct([3, 1, 2, 4], 0.5) == 2 and pct(list(range(101)), 0.99) == 99
