@@ -11,6 +11,7 @@ from api.hub import PubSubHub
 from shared import redis_keys
 from shared.redis_client import connect
 from tests.redis_cluster import RedisCluster
+from tests.waiting import until
 
 
 @pytest.fixture
@@ -28,16 +29,21 @@ def _pubsub_clients(node) -> int:
         return len(client.client_list(_type="pubsub"))
 
 
+def _channels(cluster, each: int) -> list[str]:
+    """`each` request channels on every master."""
+    by_master: dict[int, list[str]] = {n.port: [] for n in cluster.live()}
+    while any(len(c) < each for c in by_master.values()):
+        channel = redis_keys.request_channel("hubtest", str(uuid.uuid4()))
+        by_master[cluster.master_of(channel).port].append(channel)
+    return [c for chosen in by_master.values() for c in chosen[:each]]
+
+
 async def test_one_connection_per_master_carries_every_stream(cluster):
     client = connect(cluster.url)
     hub = PubSubHub(client, redis_keys.replica_channel("hubtest", "r0"), tick_s=30)
     await hub.start()
-    by_master: dict[int, list[str]] = {n.port: [] for n in cluster.live()}
-    while any(len(c) < 8 for c in by_master.values()):  # 8 streams on each master
-        channel = redis_keys.request_channel("hubtest", str(uuid.uuid4()))
-        by_master[cluster.master_of(channel).port].append(channel)
-    channels = [c for chosen in by_master.values() for c in chosen[:8]]
-    masters = set(by_master)
+    channels = _channels(cluster, 8)  # 8 streams on each master
+    masters = {n.port for n in cluster.live()}
     try:
         async with AsyncExitStack() as streams:
             queues = [await streams.enter_async_context(hub.subscribe(c)) for c in channels]
@@ -49,6 +55,34 @@ async def test_one_connection_per_master_carries_every_stream(cluster):
             for i, queue in enumerate(queues):
                 assert await asyncio.wait_for(queue.get(), 10) == f"event {i}"
         assert hub.channels == 0
+    finally:
+        await hub.close()
+        await client.aclose()
+
+
+async def test_streams_opened_at_once_on_a_new_connection_all_get_their_messages(cluster):
+    """A replica's first streams on a master open its connection together (a burst after a
+    start): one connection, read by the hub, carries them all."""
+    client = connect(cluster.url)
+    hub = PubSubHub(client, redis_keys.replica_channel("hubtest", "r0"), tick_s=30)
+    await hub.start()
+    channels, opened, published = _channels(cluster, 4), [], asyncio.Event()
+
+    async def stream(channel: str) -> str:
+        async with hub.subscribe(channel) as queue:
+            opened.append(channel)
+            await published.wait()
+            return await asyncio.wait_for(queue.get(), 10)
+    try:
+        streams = [asyncio.create_task(stream(c)) for c in channels]
+        async def all_open() -> bool:
+            return len(opened) == len(channels)
+        await until(all_open, 10, "every stream confirmed by its master")
+        assert {_pubsub_clients(n) for n in cluster.live()} == {1}
+        for channel in channels:
+            assert await client.execute_command("SPUBLISH", channel, channel) == 1
+        published.set()
+        assert await asyncio.gather(*streams) == channels
     finally:
         await hub.close()
         await client.aclose()
