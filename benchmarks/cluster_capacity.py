@@ -6,9 +6,11 @@ Each round starts each setup afresh, one after the other (single, cluster, singl
 a private redis-server, or a 3-master cluster without replicas (tests/redis_cluster.py); then
 4 null-backend workers (batch 64, --rate tokens/s a request) and 2 api replicas, all given the
 same REDIS_URL. --clients load processes (async httpx) submit --requests requests of --tokens
-tokens over both replicas and follow each over SSE to its end, --concurrency at a time. Measured
-at the clients: token events/s delivered, TTFT, the gap between a stream's consecutive tokens
-(nominal 1/rate) and the delivery delay (the null backend's tokens carry their emit time).
+tokens over both replicas and follow each over SSE to its end, --concurrency at a time (the first
+ones spread over one request's length, so streams start and end out of phase). Measured at the
+clients: token events/s delivered while every stream is in flight (offered: concurrency x rate),
+TTFT, the gap between a stream's consecutive tokens (nominal 1/rate) and the delivery delay (the
+null backend's tokens carry their emit time).
 Measured on each Redis master before and after (INFO commandstats, INFO cpu): commands/s and
 main-thread CPU, to show the load spreading; and the CPU the workers and apis spent per token.
 
@@ -30,6 +32,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -107,19 +110,33 @@ def _wait_workers(url: str, count: int, timeout_s: float) -> bool:
     return False
 
 
-async def _load(urls: list[str], ids: list[int], tokens: int, concurrency: int, deadline_s: float) -> dict:
-    """Submit request `i` to replica (i // 2) % len(urls) and follow it over SSE; every timing.
-    A stream that has not ended by `deadline_s` is an error (a lost event), not a hang."""
-    gate = asyncio.Semaphore(concurrency)
-    out: dict = {"ttft": [], "gap": [], "delivery": [], "events": 0, "ended": 0, "start": time.time()}
+@dataclass
+class Load:
+    """What one load process sends: requests `ids` (request i to replica (i // 2) % len(urls)),
+    `concurrency` at a time. The first wave starts `stagger_s` apart, so that streams run out of
+    phase as in steady traffic, not in waves that end and start together."""
+    urls: list[str]
+    ids: list[int]
+    tokens: int
+    concurrency: int
+    stagger_s: float = 0.0
+    deadline_s: float = 60.0  # a stream not ended by then is an error (a lost event), not a hang
+
+
+async def _load(load: Load) -> dict:
+    """Submit each request, follow it over SSE to its end; the time of every token event."""
+    gate = asyncio.Semaphore(load.concurrency)
+    out: dict = {"ttft": [], "gap": [], "delivery": [], "arrivals": [], "ended": 0, "start": time.time()}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        async def one(i: int) -> None:
-            url = urls[(i // 2) % len(urls)]
+        async def one(n: int, i: int) -> None:
+            url = load.urls[(i // 2) % len(load.urls)]
             async with gate:
+                if n < load.concurrency:
+                    await asyncio.sleep(i * load.stagger_s)
                 sent = time.time()
-                reply = await client.post(f"{url}/v1/requests", json={"prompt": f"request {i}", "max_tokens": tokens,
-                                                                       "ignore_eos": True})
+                reply = await client.post(f"{url}/v1/requests", json={"prompt": f"request {i}",
+                                                                       "max_tokens": load.tokens, "ignore_eos": True})
                 reply.raise_for_status()
                 last, token = None, False
                 async with client.stream("GET", f"{url}/v1/requests/{reply.json()['id']}/events") as events:
@@ -131,25 +148,23 @@ async def _load(urls: list[str], ids: list[int], tokens: int, concurrency: int, 
                         elif token and line.startswith("data: "):
                             now = time.time()
                             out["delivery"].append(now - float(json.loads(line[6:])["text"]))
-                            if last is None:
-                                out["ttft"].append(now - sent)
-                            else:
-                                out["gap"].append(now - last)
-                            last, out["events"] = now, out["events"] + 1
+                            out["ttft" if last is None else "gap"].append(now - (sent if last is None else last))
+                            out["arrivals"].append(now)
+                            last = now
                 out["ended"] += 1
         try:
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in ids)), deadline_s)
+            await asyncio.wait_for(asyncio.gather(*(one(n, i) for n, i in enumerate(load.ids))), load.deadline_s)
         except asyncio.TimeoutError:
-            open_ = len(ids) - out["ended"]
-            raise RuntimeError(f"{open_} of {len(ids)} streams had not ended after {deadline_s:.0f} s") from None
+            left = f"{len(load.ids) - out['ended']} of {len(load.ids)}"
+            raise RuntimeError(f"{left} streams had not ended after {load.deadline_s:.0f} s") from None
     out["end"] = time.time()
     return out
 
 
-def _client(urls: list[str], ids: list[int], tokens: int, concurrency: int, deadline_s: float, queue) -> None:
+def _client(load: Load, queue) -> None:
     cpu = time.process_time()
     try:
-        out = asyncio.run(_load(urls, ids, tokens, concurrency, deadline_s))
+        out = asyncio.run(_load(load))
     except Exception as exc:  # noqa: BLE001 - the parent reports it
         queue.put({"error": f"{type(exc).__name__}: {exc}"})
         return
@@ -173,16 +188,16 @@ def run_round(kind: str, args: argparse.Namespace) -> dict:
                 "STREAMQ_BATCH_SIZE": str(args.batch_size), "STREAMQ_PREFIX": "cap"}
     with redis_setup(kind, folder) as (url, ports), stack(url, folder, settings, args.workers, args.replicas) as (
             urls, pids):
-        asyncio.run(_load(urls, list(range(8)), 4, 8, 60))  # warm-up: lanes, groups, pub/sub connections
+        asyncio.run(_load(Load(urls, list(range(8)), 4, 8)))  # warm-up: lanes, groups, pub/sub connections
         nodes = [redis.Redis(port=p, decode_responses=True) for p in ports]
         before = [counters(n) for n in nodes]
         cpu_before = {role: sum(map(_cpu_s, ps)) for role, ps in pids.items()}
         queue: mp.Queue = mp.Queue()
-        waves = -(-args.requests // args.concurrency)
-        deadline = 60 + 3 * waves * args.tokens / args.rate
-        clients = [mp.Process(target=_client, args=(urls, list(range(c, args.requests, args.clients)), args.tokens,
-                                                    args.concurrency // args.clients, deadline, queue))
-                   for c in range(args.clients)]
+        length = args.tokens / args.rate  # one request's seconds
+        deadline = 60 + 3 * (args.requests / args.concurrency + 1) * length
+        clients = [mp.Process(target=_client, args=(Load(urls, list(range(c, args.requests, args.clients)), args.tokens,
+                                                         args.concurrency // args.clients, length / args.concurrency,
+                                                         deadline), queue)) for c in range(args.clients)]
         for c in clients:
             c.start()
         parts = [queue.get(timeout=deadline + 60) for _ in clients]
@@ -192,15 +207,21 @@ def run_round(kind: str, args: argparse.Namespace) -> dict:
             raise SystemExit(f"{kind}: {'; '.join(errors)}; logs in {folder}")
         cpu = {role: sum(map(_cpu_s, ps)) - cpu_before[role] for role, ps in pids.items()}
         after = [counters(n) for n in nodes]
-    events = sum(p["events"] for p in parts)
+    arrivals = [t for p in parts for t in p["arrivals"]]
+    events = len(arrivals)
     assert events == args.requests * args.tokens, f"the clients read {events} of {args.requests * args.tokens} tokens"
-    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    start, end = min(p["start"] for p in parts), max(p["end"] for p in parts)
+    wall = end - start
+    # Steady: from the last first-wave start to the first end of the drain, every stream in flight.
+    steady = (start + length, end - length)
+    steady_events = sum(steady[0] <= t < steady[1] for t in arrivals)
     per_node = []
     for port, b, a in zip(ports, before, after):
         calls, cpu_s = sum(a[k] - b.get(k, 0) for k in a if k.startswith("cmd:")), a["cpu_s"] - b["cpu_s"]
         per_node.append({"port": port, "commands_per_s": calls / wall, "cpu_pct": 100 * cpu_s / wall, "cpu_s": cpu_s})
     merged = {k: [x for p in parts for x in p[k]] for k in ("ttft", "gap", "delivery")}
-    return {"setup": kind, "events": events, "wall_s": wall, "events_per_s": events / wall,
+    return {"setup": kind, "events": events, "wall_s": wall, "events_per_s_all": events / wall,
+            "events_per_s": steady_events / (steady[1] - steady[0]),
             "ttft_p50_s": pct(merged["ttft"], 0.5), "ttft_p99_s": pct(merged["ttft"], 0.99),
             "gap_p50_s": pct(merged["gap"], 0.5), "gap_p99_s": pct(merged["gap"], 0.99),
             "delivery_p50_s": pct(merged["delivery"], 0.5), "delivery_p99_s": pct(merged["delivery"], 0.99),
