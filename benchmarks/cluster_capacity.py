@@ -1,6 +1,6 @@
 """The null backend through 2 api replicas and 4 workers: a 3-master Redis Cluster against one Redis.
 
-    .venv/bin/python benchmarks/cluster_capacity.py [--rounds 3] [--requests 512] [--concurrency 128] [--rate 40]
+    .venv/bin/python benchmarks/cluster_capacity.py [--rounds 3] [--requests 1152] [--concurrency 192] [--rate 40]
 
 Each round starts each setup afresh, one after the other (single, cluster, single, cluster...):
 a private redis-server, or a 3-master cluster without replicas (tests/redis_cluster.py); then
@@ -259,9 +259,9 @@ def _stop(signum: int, frame: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each setup, interleaved")
-    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=1152)
     parser.add_argument("--tokens", type=int, default=100, help="tokens a request")
-    parser.add_argument("--concurrency", type=int, default=128, help="requests in flight at once, over all clients")
+    parser.add_argument("--concurrency", type=int, default=192, help="requests in flight at once, over all clients")
     parser.add_argument("--rate", type=float, default=40.0, help="tokens/s a request (the null backend's)")
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--workers", type=int, default=4)
