@@ -24,6 +24,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -207,6 +208,9 @@ def run_round(kind: str, args: argparse.Namespace) -> dict:
             raise SystemExit(f"{kind}: {'; '.join(errors)}; logs in {folder}")
         cpu = {role: sum(map(_cpu_s, ps)) - cpu_before[role] for role, ps in pids.items()}
         after = [counters(n) for n in nodes]
+        for n in nodes:
+            n.close()
+    shutil.rmtree(folder, ignore_errors=True)  # the processes' logs: kept only when a round fails
     arrivals = [t for p in parts for t in p["arrivals"]]
     events = len(arrivals)
     assert events == args.requests * args.tokens, f"the clients read {events} of {args.requests * args.tokens} tokens"
