@@ -86,3 +86,39 @@ async def test_streams_opened_at_once_on_a_new_connection_all_get_their_messages
     finally:
         await hub.close()
         await client.aclose()
+
+
+async def test_a_stream_whose_slot_moves_to_another_master_follows_it(cluster):
+    """The slot of a subscribed channel is given to another master (a resharding): the old one
+    unsubscribes the channel (sunsubscribe); the hub subscribes it on the new one, the stream
+    is told to catch up from its log (RESYNC), and it hears the channel's messages again."""
+    from api.hub import RESYNC
+
+    client = connect(cluster.url)
+    hub = PubSubHub(client, redis_keys.replica_channel("hubtest", "r0"), tick_s=30)
+    await hub.start()
+    channel = redis_keys.request_channel("hubtest", str(uuid.uuid4()))
+    source = cluster.master_of(channel)
+    target = next(n for n in cluster.live() if n is not source)
+    try:
+        async with hub.subscribe(channel) as queue:
+            await client.execute_command("SPUBLISH", channel, "before")
+            assert await asyncio.wait_for(queue.get(), 10) == "before"
+            with redis.Redis(port=source.port, decode_responses=True) as old, \
+                    redis.Redis(port=target.port, decode_responses=True) as new:
+                slot = old.cluster("keyslot", channel)
+                target_id = new.cluster("myid")
+                new.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)  # no keys: no MIGRATE
+                old.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+            assert await asyncio.wait_for(queue.get(), 10) == RESYNC
+            await until(lambda: _subscribed_on(target, channel), timeout_s=10, what="subscribed on the new master")
+            await client.execute_command("SPUBLISH", channel, "after")  # MOVED, then to the new master
+            assert await asyncio.wait_for(queue.get(), 10) == "after"
+    finally:
+        await hub.close()
+        await client.aclose()
+
+
+async def _subscribed_on(node, channel: str) -> bool:
+    with redis.Redis(port=node.port, decode_responses=True) as client:
+        return client.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1] == 1
