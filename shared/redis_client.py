@@ -126,12 +126,23 @@ def _connect_cluster(url: str) -> RedisCluster:
     tls = urlparse(url).scheme == "rediss+cluster"
     client = RedisCluster(startup_nodes=[ClusterNode(n.get("host", "localhost"), int(n.get("port", 6379)))
                                          for n in nodes], decode_responses=True, ssl=tls, **options)
+    # redis-py iterates the seeds (awaiting each) while refreshing its map of the slots, and a command
+    # that loses its node's connection meanwhile removes that node from them: "dictionary changed size
+    # during iteration" killed a worker when a master died. Each iteration takes a snapshot instead.
+    client.nodes_manager.startup_nodes = _SnapshotDict(client.nodes_manager.startup_nodes)
     if hiredis is not None:  # RedisCluster takes no connection class: set ours where it builds nodes from
         fast = FastSSLConnection if tls else FastConnection
         client.connection_kwargs["connection_class"] = fast
         for node in client.nodes_manager.startup_nodes.values():
             node.connection_class = fast
     return client
+
+
+class _SnapshotDict(dict):
+    """A dict whose values() is a list taken now: safe to iterate while others change the dict."""
+
+    def values(self):
+        return list(super().values())
 
 
 def is_cluster(redis: Redis | RedisCluster) -> bool:
