@@ -25,6 +25,18 @@ def wait_done(client: httpx.Client, url: str, request_id: str, timeout_s: float 
     raise AssertionError(f"request {request_id} did not finish within {timeout_s} s: {state}")
 
 
+def batch_results(client: httpx.Client, url: str, batch: dict, timeout_s: float = 120) -> tuple[dict, list[dict]]:
+    """Poll a batch until it completes (polling is this API's contract); the batch and its result lines."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while batch["status"] != "completed":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.get(f"{url}/v1/batches/{batch['id']}").json()
+    return batch, [json.loads(x) for x in client.get(f"{url}{batch['results_url']}").text.splitlines()]
+
+
 def token_ids(events: list[dict]) -> list[int]:
     return [e["data"]["token_id"] for e in events if e.get("event") == "token"]
 

@@ -1,10 +1,9 @@
 """Offline batches (OpenAI Batch shape): run by the scheduler, results equal direct calls."""
-import json
-import time
 
 import httpx
 import pytest
 
+from tests.e2e.helpers import batch_results
 from tests.stack import Stack
 
 
@@ -28,13 +27,8 @@ def test_a_batch_runs_and_its_results_match_direct_calls(with_scheduler):
         assert created.status_code == 200, created.text
         batch = created.json()
         assert batch["object"] == "batch" and batch["request_counts"]["total"] == 5
-        deadline = time.monotonic() + 120
-        while batch["status"] != "completed":  # polling is this API's contract
-            assert time.monotonic() < deadline, batch
-            time.sleep(0.2)
-            batch = client.get(f"{api}/v1/batches/{batch['id']}").json()
+        batch, lines = batch_results(client, api, batch)
         assert batch["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
-        lines = [json.loads(x) for x in client.get(f"{api}{batch['results_url']}").text.splitlines()]
         assert [x["custom_id"] for x in lines] == [f"q{i}" for i in range(5)]
         for i, line in enumerate(lines):
             direct = client.post(f"{api}/v1/chat/completions", json=_chat(i)).json()

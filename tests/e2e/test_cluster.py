@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 
 from shared import redis_keys
 from shared.tokenizer import Tokenizer
-from tests.e2e.helpers import events_of, hf_greedy, submit, wait_done
+from tests.e2e.helpers import batch_results, events_of, hf_greedy, submit, wait_done
 from tests.e2e.test_auth import bearer, keys_cli
 from tests.redis_cluster import RedisCluster
 from tests.stack import ROOT, Stack, stream_events, stream_posted
@@ -134,14 +133,8 @@ def test_a_batch_runs(stack, client):
         "requests": [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
                      for i, body in enumerate(chat)]})
     assert created.status_code == 200, created.text
-    batch = created.json()
-    deadline = time.monotonic() + 120
-    while batch["status"] != "completed":  # polling is this API's contract
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-        batch = client.get(f"{api}/v1/batches/{batch['id']}").json()
+    batch, lines = batch_results(client, api, created.json())
     assert batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
-    lines = [json.loads(x) for x in client.get(f"{api}{batch['results_url']}").text.splitlines()]
     for i, line in enumerate(lines):
         direct = client.post(f"{api}/v1/chat/completions", json=chat[i]).json()
         assert line["response"]["body"]["choices"][0]["message"] == direct["choices"][0]["message"]
