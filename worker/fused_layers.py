@@ -53,6 +53,8 @@ class Weight:
         """x @ w.T + b in calls of exactly `tile` rows (the last padded with zeros): every row goes
         through the same call shape, whatever else the step holds."""
         rows, tile = x.shape[0], self.tile
+        if rows == 0:  # a step whose chunks need no logits (a chunked prefill's first part)
+            return self._matmul(x)
         padded = F.pad(x, (0, 0, 0, -rows % tile))
         return torch.cat([self._matmul(padded[i:i + tile]) for i in range(0, padded.shape[0], tile)])[:rows]
 

@@ -33,6 +33,7 @@ class StaticEngine:
         self.cancels = CancelInbox()
         self.grammars = Grammars(tokenizer, runner.vocab_size)
         self._refused: list[StepOutput] = []  # ended at scheduling (a constraint that does not compile)
+        self.last_step_size = 0  # rows the last step ran, for metrics (the Engine protocol's field)
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -66,6 +67,7 @@ class StaticEngine:
         outputs = self._apply_cancels()
         started = self._schedule()
         outputs, self._refused = outputs + self._refused, []
+        self.last_step_size = len(self.running)
         if self.running:
             logits = self._execute(started)
             outputs += self._update(logits)

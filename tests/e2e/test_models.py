@@ -7,7 +7,9 @@ import pytest
 
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy, token_ids
+from tests.e2e.test_worker_metrics import scrape
 from tests.stack import Stack, stream_events
+from tests.tiny_models import build_model
 
 PROMPTS = ["Once", "The capital of France is", "a b c d e f g h i j k l m n o p", "🚀", "Seoul and Paris"]
 
@@ -25,6 +27,22 @@ def test_opt_model_greedy_output_equals_transformers(redis_url, tiny_opt, tmp_pa
         results = _stream_all(stack.urls[0], PROMPTS, 20)
     for prompt, events in zip(PROMPTS, results):
         assert token_ids(events) == hf_greedy(tiny_opt, tok.encode(prompt), 20), prompt
+
+
+def test_static_engine_worker_greedy_output_equals_transformers(redis_url, tmp_path):
+    """An architecture without a paged runner (gpt2) serves through the static engine, in a whole
+    worker process: its step, metrics and publish path, several requests in one batch."""
+    folder = build_model(tmp_path / "gpt2", "gpt2")
+    tok = Tokenizer(folder)
+    with Stack(redis_url, folder, tmp_path / "stack") as stack:
+        results = _stream_all(stack.urls[0], PROMPTS, 12)
+        [worker] = httpx.get(f"{stack.urls[0]}/readyz", timeout=30).json()["workers"]
+        metrics = scrape(httpx.Client(timeout=30), f"http://127.0.0.1:{worker['metrics_port']}/metrics")
+    for prompt, events in zip(PROMPTS, results):
+        assert token_ids(events) == hf_greedy(folder, tok.encode(prompt), 12), prompt
+    # Every step's size reached the metrics (the service reads last_step_size after each step).
+    assert metrics[("streamq:step_batch_size_count", ())] >= 12
+    assert metrics[("streamq:step_batch_size_sum", ())] >= metrics[("streamq:step_batch_size_count", ())]
 
 
 @pytest.mark.slow
