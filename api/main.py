@@ -1,15 +1,26 @@
 """Entry point of one api replica."""
 from __future__ import annotations
 
+import logging
+
 import uvicorn
 
 from api.app import create_app
+from shared.model_paths import ModelNotFound, model_dir
 from shared.settings import ApiSettings
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger("streamq.api")
 
 
 def main(settings: ApiSettings | None = None) -> None:
     settings = settings or ApiSettings()
+    try:  # before the server: a model it cannot find is one line at start, not a lifespan traceback
+        tokenizer = Tokenizer(model_dir(settings))
+    except ModelNotFound as exc:
+        log.critical("%s", exc)
+        raise SystemExit(2) from exc
     # One event loop, no reload: a replica is one process; run more of them to scale.
     # log_config=None: uvicorn's loggers go through the process's own set-up (text or JSON).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+    uvicorn.run(create_app(settings, tokenizer), host=settings.host, port=settings.port, log_level=settings.log_level,
                 log_config=None, timeout_graceful_shutdown=5)

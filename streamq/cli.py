@@ -75,10 +75,13 @@ def main(argv: list[str] | None = None) -> None:
         scheduler_main()
     elif args.command == "prepare-model":
         from shared.logs import route_transformers  # noqa: PLC0415
-        from shared.model_paths import prepare_model  # noqa: PLC0415
+        from shared.model_paths import ModelNotFound, prepare_model  # noqa: PLC0415
         from shared.settings import CommonSettings  # noqa: PLC0415
         route_transformers()
-        print(prepare_model(CommonSettings()))
+        try:
+            print(prepare_model(CommonSettings()))
+        except ModelNotFound as exc:
+            sys.exit(f"streamq prepare-model: {exc}")
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, unt
 
 from shared import tokenizer_files
 from shared.logs import route_transformers
-from shared.model_paths import model_dir, prepare_model, served_name, weights_dir
+from shared.model_paths import ModelNotFound, model_dir, prepare_model, served_name, weights_dir
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer
 from worker import kernels
@@ -132,7 +132,7 @@ async def build_backend(settings: WorkerSettings) -> Backend:
 async def serve(settings: WorkerSettings) -> None:
     try:
         engine = await build_backend(settings)
-    except (VllmUnavailable, ValueError) as exc:  # settings this worker cannot serve: say why, once
+    except (VllmUnavailable, ValueError, ModelNotFound) as exc:  # settings this worker cannot serve: say why, once
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     redis = connect(settings.redis_url)

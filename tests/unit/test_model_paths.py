@@ -1,14 +1,19 @@
-"""Converting the default model into a cache folder that several processes share (pods on one
-volume): each converts into its own folder, and the first whole result stays in place."""
+"""What STREAMQ_MODEL names, and converting a GGUF model (the default one too) into a cache folder
+that several processes share (pods on one volume): each converts into its own folder, and the first
+whole result stays in place."""
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
+import gguf
+import numpy as np
+import pytest
 import transformers
 
-from shared import model_paths
-from shared.model_paths import DEFAULT_NAME, _move_into_place
+from shared import model_paths, tokenizer_files
+from shared.model_paths import DEFAULT_NAME, ModelNotFound, Source, _move_into_place
+from shared.settings import CommonSettings
 
 
 def _whole(folder: Path, mark: str) -> Path:
@@ -40,7 +45,7 @@ def test_a_half_made_folder_is_replaced(tmp_path):
 
 
 class _Saves:
-    """Stands in for the model and the tokenizer: saving waits until both conversions are saving."""
+    """Stands in for the model: saving waits until both conversions are saving."""
 
     def __init__(self, both_saving: threading.Barrier, folders: list[Path]):
         self.both_saving, self.folders = both_saving, folders
@@ -50,24 +55,24 @@ class _Saves:
         self.folders.append(folder)
         self.both_saving.wait(timeout=30)
         folder.mkdir(exist_ok=True)
-        for name in ("model.safetensors", "tokenizer.json"):
-            (folder / name).write_text(str(folder))
+        (folder / "model.safetensors").write_text(str(folder))
 
 
 def test_two_conversions_at_once_each_write_their_own_folder(tmp_path, monkeypatch):
     folders: list[Path] = []
     both_saving = threading.Barrier(2)
     fake = _Saves(both_saving, folders)
-    monkeypatch.setattr(model_paths, "default_gguf_path", lambda: tmp_path / "package" / model_paths.DEFAULT_GGUF)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: fake)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: fake)
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
     target = tmp_path / "cache" / DEFAULT_NAME
     target.parent.mkdir()
     errors: list[BaseException] = []
 
     def convert() -> None:
         try:
-            model_paths._convert_default(target)
+            model_paths._convert_gguf(tmp_path / "package" / model_paths.DEFAULT_GGUF, target, tokenizer)
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
     threads = [threading.Thread(target=convert) for _ in range(2)]
@@ -81,3 +86,80 @@ def test_two_conversions_at_once_each_write_their_own_folder(tmp_path, monkeypat
     assert model_paths._converted(target)
     assert (target / "model.safetensors").read_text() in {str(p) for p in partials}
     assert [p.name for p in target.parent.iterdir()] == [DEFAULT_NAME]  # the loser's folder is gone
+
+
+def write_gguf(path: Path, context: int = 4096, template: str = "{{ messages }}") -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(context)
+    writer.add_token_list(["<s>", "</s>", "hé", "llo"])  # an array of strings: skipped, not read
+    writer.add_token_scores([0.0, 0.0, -1.0, -2.0])
+    writer.add_eos_token_id(1)
+    writer.add_chat_template(template)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_header_is_read_without_its_arrays(tmp_path):
+    meta = tokenizer_files.gguf_metadata(write_gguf(tmp_path / "m.gguf", template="{{ 'é' }}"))
+    assert meta["general.architecture"] == "llama"
+    assert meta["llama.context_length"] == 4096
+    assert meta["tokenizer.ggml.eos_token_id"] == 1
+    assert meta["tokenizer.chat_template"] == "{{ 'é' }}"
+    assert "tokenizer.ggml.tokens" not in meta
+
+
+def test_a_file_that_is_no_gguf_says_so(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        tokenizer_files.gguf_metadata(tmp_path / "x.gguf")
+
+
+def test_what_the_model_setting_names(tmp_path):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    file = write_gguf(tmp_path / "small.Q4_K_M.gguf")
+
+    def named(model: str) -> tuple[Source, str]:
+        settings = CommonSettings(model=model, model_cache_dir=tmp_path / "cache")
+        return model_paths.source(settings), model_paths.served_name(settings)
+    assert named(str(folder)) == (Source("folder", str(folder)), "my-model")
+    assert named(str(file)) == (Source("gguf", str(file)), "small.Q4_K_M")
+    assert named("Qwen/Qwen2.5-0.5B-Instruct") == (Source("hub", "Qwen/Qwen2.5-0.5B-Instruct"),
+                                                   "Qwen/Qwen2.5-0.5B-Instruct")
+    assert named("Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf") == (
+        Source("hub_gguf", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf"),
+        "qwen2.5-0.5b-instruct-q4_k_m")
+    with pytest.raises(ModelNotFound, match="no folder or .gguf file"):
+        named(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelNotFound, match="no folder or .gguf file"):
+        named("not a model")
+    renamed = CommonSettings(model=str(file), served_model_name="mine")
+    assert model_paths.served_name(renamed) == "mine"
+
+
+def test_the_default_model_is_a_gguf_file_like_any_other(tmp_path):
+    settings = CommonSettings(model_cache_dir=tmp_path)
+    path = model_paths.default_gguf_path()
+    assert model_paths.source(settings) == Source("gguf", str(path))
+    assert model_paths.gguf_file(settings) == path
+    assert model_paths.served_name(settings) == DEFAULT_NAME
+    assert model_paths.weights_dir(settings).parent == tmp_path
+    assert model_paths.weights_dir(settings).name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def test_a_changed_gguf_file_gets_other_cache_folders(tmp_path):
+    settings = CommonSettings(model=str(write_gguf(tmp_path / "m.gguf")), model_cache_dir=tmp_path / "cache")
+    first = model_paths.weights_dir(settings)
+    assert model_paths.weights_dir(settings) == first
+    write_gguf(tmp_path / "m.gguf", template="{{ messages }} (another)")  # the size tells, whatever the clock
+    assert model_paths.weights_dir(settings) != first
+
+
+def test_a_commit_as_the_revision_needs_neither_redis_nor_the_hub():
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    settings = CommonSettings(model="org/name", model_revision=commit, redis_url="redis://127.0.0.1:1/0")
+    assert model_paths.hub_commit(settings, "org/name") == commit
