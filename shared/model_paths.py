@@ -136,7 +136,7 @@ def weights_dir(settings: CommonSettings) -> Path:
         return Path(src.where)
     if src.kind == "hub":
         return _hub_weights(settings, src.where)
-    return _gguf_cache(settings, gguf_file(settings))
+    return gguf_cache(settings, gguf_file(settings))
 
 
 def model_dir(settings: CommonSettings) -> Path:
@@ -156,7 +156,7 @@ def prepare_model(settings: CommonSettings, weights: bool = True) -> Path:
         src = source(settings)
         if src.kind in ("gguf", "hub_gguf"):
             gguf = gguf_file(settings)
-            _convert_gguf(gguf, _gguf_cache(settings, gguf), folder)
+            _convert_gguf(gguf, gguf_cache(settings, gguf), folder)
         else:
             weights_dir(settings)
     return folder
@@ -166,7 +166,7 @@ def _tokenizer_dir(settings: CommonSettings, in_child: bool) -> Path:
     src = source(settings)
     if src.kind in ("gguf", "hub_gguf"):
         gguf = gguf_file(settings)
-        weights = _gguf_cache(settings, gguf)
+        weights = gguf_cache(settings, gguf)
         folder = weights.with_name(f"{weights.name}-tokenizer")
         if not _has_tokenizer(folder):
             _make_tokenizer(in_child, "write_from_gguf", gguf, folder)
@@ -356,7 +356,7 @@ def _hub_file(settings: CommonSettings, repo: str, name: str) -> Path:
 
 # -- GGUF files ------------------------------------------------------------------------------------
 
-def _gguf_cache(settings: CommonSettings, gguf: Path) -> Path:
+def gguf_cache(settings: CommonSettings, gguf: Path) -> Path:
     """The dequantised copy's folder, named for the file and keyed by its path, size and time of
     change, so a changed or replaced file is read again. Its tokenizer's folder adds '-tokenizer'."""
     stat = gguf.stat()
@@ -377,7 +377,7 @@ def _convert_gguf(gguf: Path, target: Path, tokenizer_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     # Its own folder: pods sharing the cache volume convert at once, each as pid 1.
-    partial = _partial(target)
+    partial = partial_folder(target)
     try:
         model.save_pretrained(partial)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
@@ -386,12 +386,12 @@ def _convert_gguf(gguf: Path, target: Path, tokenizer_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    _move_into_place(partial, target)
+    move_into_place(partial, target)
 
 
 # -- folders in the cache --------------------------------------------------------------------------
 
-def _partial(target: Path) -> Path:
+def partial_folder(target: Path) -> Path:
     return target.with_name(f"{target.name}.partial-{uuid.uuid4().hex}")
 
 
@@ -404,7 +404,7 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file()
 
 
-def _move_into_place(partial: Path, target: Path, whole: Callable[[Path], bool] = _converted) -> None:
+def move_into_place(partial: Path, target: Path, whole: Callable[[Path], bool] = _converted) -> None:
     """Rename the finished `partial` folder to `target`: atomic, so a reader sees no folder or a
     whole one. A whole one already there (another process made it at the same time) is kept,
     since a process may be reading it, and `partial` is dropped."""
@@ -420,7 +420,7 @@ def _move_into_place(partial: Path, target: Path, whole: Callable[[Path], bool] 
 def _make_tokenizer(in_child: bool, writer: str, source_dir: Path, target: Path) -> None:
     """Write a tokenizer folder with `tokenizer_files.<writer>`, atomically; `in_child`: in a child
     process, so this one (the api) never imports transformers."""
-    partial = _partial(target)
+    partial = partial_folder(target)
     log.info("writing the tokenizer of %s into %s (once%s)", source_dir.name, target,
              ", in a child process" if in_child else "")
     if not in_child:
@@ -439,4 +439,4 @@ def _make_tokenizer(in_child: bool, writer: str, source_dir: Path, target: Path)
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])
             raise ModelNotFound(f"could not build the tokenizer of {source_dir} (`streamq prepare-model` "
                                 f"shows why):\n{tail}")
-    _move_into_place(partial, target, whole=_has_tokenizer)
+    move_into_place(partial, target, whole=_has_tokenizer)

@@ -104,6 +104,9 @@ class StepSettings(_Section):
     device: Literal["auto", "cpu", "cuda"]
     cpu_kernels: bool
     kernel_cache_dir: Path
+    cpu_isa: Literal["auto", "avx512", "avx2", "portable"]
+    quantization: Literal["none", "int8", "int4"]
+    gguf_weights: Literal["quantized", "dequantized"]
     cuda_graphs: bool
     deterministic: bool
 
@@ -192,6 +195,12 @@ class WorkerSettings(CommonSettings):
         "auto", description="Instruction set of the CPU kernels' projections (panel and quantized matmuls): auto the "
                             "widest this CPU has; portable none (oneDNN, or dequantize then matmul); one this CPU "
                             "lacks stops the worker with an error naming both.")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="Weight-only, group-wise compression of float projections at load (llama-family models "
+                            "on the paged engine): int8 (symmetric) or int4 (min-max), 32 weights a scale.")
+    gguf_weights: Literal["quantized", "dequantized"] = Field(
+        "quantized", description="A GGUF model's block-quantized tensors: kept quantized in memory (llama-family "
+                                 "models on a CPU), or dequantized once into a float copy in the model cache.")
     cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
                                                 "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
     deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "

@@ -112,3 +112,48 @@ def first_layers(folder: Path, target: Path, layers: int) -> Path:
         if (folder / name).is_file():
             shutil.copy(folder / name, target / name)
     return target
+
+
+def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F32") -> Path:
+    """The tiny llama of `model` as a GGUF file: its BPE vocabulary, the chat template, and its
+    tensors in F32, or with every 2-D weight (projections, embedding, head) in `qtype` (Q8_0, Q4_0,
+    Q5_0, ...: the block types gguf-py quantizes) and the norms in F32."""
+    import gguf
+    import torch
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    config = json.loads((model / "config.json").read_text())
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(context)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    for name, tensor in load_file(model / "model.safetensors").items():
+        data, kind = tensor.to(torch.float32).numpy(), gguf.GGMLQuantizationType[qtype]
+        if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

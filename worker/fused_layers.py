@@ -19,32 +19,64 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from worker.quant_linear import QuantLinear
+from worker.quantized import QuantizedWeight, concat_rows
+
 log = logging.getLogger(__name__)
 
 
 class Weight:
-    """A projection, x @ w.T + b: on the step kernels' panel_linear where `panels` (the kernels)
-    is given, else with w prepacked for oneDNN on a CPU, else (and on a GPU) the plain matmul."""
+    """A projection, x @ w.T + b, for a float weight or a QuantizedWeight. With the step kernels
+    (`kernels`, their projections on its `isa`): a float w runs on panel_linear where that computes
+    w's dtype, a quantized one on quant_linear. Without: a float w is prepacked for oneDNN on a CPU
+    (the plain matmul on a GPU), a quantized one dequantized a slice at a time (QuantLinear)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
-                 panels: ModuleType | None = None):
-        self.w, self.bias = w, bias
-        self.panels = panels.pack_panels(w) if panels is not None else None
-        self.panel_linear = panels.panel_linear if panels is not None else None
-        self.packed = _pack(w) if device.type == "cpu" and panels is None else None
-        # Rows a matmul call takes, padded, in deterministic mode without panels (0: any number).
-        # panel_linear computes each row alone; a library matmul picks its blocking by the row
-        # count, so a row's result would hang on how many others share the call.
+    def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                 kernels: ModuleType | None = None):
+        self.bias, self.isa = bias, getattr(kernels, "isa", "auto")
+        self.w = self.panels = self.packed = self.quant = None
+        self.out_features = w.shape[0]
+        if isinstance(w, QuantizedWeight):
+            self.quant = QuantLinear(w, bias, kernels)
+        elif kernels is not None and str(w.dtype).removeprefix("torch.") in kernels.panel_dtypes:
+            self.w, self.panels, self.panel_linear = w, kernels.pack_panels(w), kernels.panel_linear
+        else:
+            self.w, self.packed = w, _pack(w) if device.type == "cpu" else None
+        # Rows a matmul call takes, padded, in deterministic mode where rows are not computed alone
+        # (0: any number). panel_linear and quant_linear compute each row alone; a library matmul
+        # picks its blocking by the row count, so a row's result would hang on how many others share the call.
         self.tile = 0
+
+    @property
+    def row_independent(self) -> bool:
+        """Whether each row's result is the same whatever other rows share the call, untiled."""
+        return self.panels is not None or (self.quant is not None and self.quant.row_independent)
+
+    def compute_rows_alone(self, tile: int) -> None:
+        """Deterministic mode: a row's result is the same whatever other rows share the call. The
+        kernels compute each row alone already; a library matmul gets calls of exactly `tile` rows."""
+        if not self.row_independent:
+            self.tile = tile
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return self.panel_linear(x, self.panels, self.w.shape[0], self.bias)
+            return self.panel_linear(x, self.panels, self.out_features, self.bias, self.isa)
         if self.tile:
             return self._tiled(x)
         return self._matmul(x)
 
+    def projection(self, ops: ModuleType):
+        """This projection for the step kernels' one-token Layers (`ops`); None where it runs in
+        Python only (a quantized weight on the portable path)."""
+        if self.quant is not None:
+            return self.quant.projection(ops)
+        if self.panels is not None:
+            return ops.Projection.panels(self.panels, self.out_features, self.bias, self.isa)
+        return ops.Projection.matmul(self.w, self.packed, self.bias)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.w, self.bias)
@@ -87,24 +119,34 @@ def fusable(model: torch.nn.Module) -> bool:
             and layer.self_attn.o_proj.bias is None)
 
 
-def fuse(model: torch.nn.Module, device: torch.device, panels: ModuleType | None = None) -> list[FusedLayer]:
+def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | None = None) -> list[FusedLayer]:
     """Concatenate each layer's q/k/v and gate/up weights; point the modules at views of them.
-    `panels`: the step kernels, when the projections run on their panel_linear."""
+    `kernels`: the step kernels, whose projection kernels run what they compute (Weight).
+    A module that carries a `quantized` weight (worker/quant_model.py) is projected through it;
+    its own `weight` is left as it is (a placeholder)."""
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+
+        def weight(modules: list[torch.nn.Module], bias: torch.Tensor | None = None) -> Weight:
+            found = [getattr(module, "quantized", None) for module in modules]
+            if any(q is not None for q in found) and any(q is None for q in found):
+                raise ValueError("q, k and v (or gate and up) must be all quantized or none: they run as one projection")
+            w = concat_rows(found) if found[0] is not None else _concat(modules, "weight")
+            return Weight(w, bias, device, kernels)
+
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         bqkv = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
         layers.append(FusedLayer(
             layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-            Weight(_concat(qkv, "weight"), bqkv, device, panels), Weight(attn.o_proj.weight.data, None, device, panels),
-            Weight(_concat([mlp.gate_proj, mlp.up_proj], "weight"), None, device, panels),
-            Weight(mlp.down_proj.weight.data, None, device, panels)))
+            weight(qkv, bqkv), weight([attn.o_proj]), weight([mlp.gate_proj, mlp.up_proj]), weight([mlp.down_proj])))
     return layers
 
 
 def _concat(modules: list[torch.nn.Module], name: str) -> torch.Tensor:
     parts = [getattr(m, name).data for m in modules]
+    if len(parts) == 1:
+        return parts[0]
     fused = torch.cat(parts)
     start = 0
     for module, part in zip(modules, parts):

@@ -6,6 +6,10 @@ starts load the cached build in well under a second. The build lands in
 the torch version, the compiler flags and the CPU's flags, so a changed source or another CPU
 builds anew. When the build fails (no compiler, no ninja) the worker logs why and runs the
 eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
+
+The projection kernels (panel_linear, quant_linear) run on any ISA the build holds and the CPU
+runs (the module's `isas`, widest first); `STREAMQ_CPU_ISA` holds them to one, or to none
+("portable": oneDNN for float weights, dequantize-then-matmul in Python for quantized ones).
 """
 from __future__ import annotations
 
@@ -21,11 +25,13 @@ from types import ModuleType
 
 import torch
 
-from shared.settings import WorkerSettings
+from shared.settings import StepSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "step_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "step_kernels.cpp", CSRC / "panel_linear.cpp", CSRC / "quant_linear.cpp"]
+ISAS = ("auto", "avx512", "avx2", "portable")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
@@ -40,14 +46,58 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    key = "\n".join([SOURCE.read_text(), torch.__version__, " ".join(FLAGS), platform.machine(), _cpu_flags()])
+    texts = [path.read_text() for path in sorted(CSRC.glob("*.[ch]*"))]  # the headers too
+    key = "\n".join([*texts, torch.__version__, " ".join(FLAGS), platform.machine(), _cpu_flags()])
     return f"streamq_step_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def load(settings: WorkerSettings | None = None) -> ModuleType | None:
-    """The compiled kernels, built in the settings' kernel cache; None (logged) where they
-    cannot be built."""
-    return load_from((settings or WorkerSettings()).kernel_cache_dir)
+def load(settings: WorkerSettings | StepSettings | None = None) -> ModuleType | IsaKernels | None:
+    """The compiled kernels, built in the settings' kernel cache, their projections on the
+    settings' cpu_isa; None (logged) where they cannot be built."""
+    settings = settings or WorkerSettings()
+    module = load_from(settings.kernel_cache_dir)
+    if module is None:
+        if settings.cpu_isa not in ("auto", "portable"):
+            raise ValueError(f"cpu_isa={settings.cpu_isa} asked for, but the CPU step kernels did not build "
+                             "(see the log); this worker runs only the portable path")
+        return None
+    return with_isa(module, settings.cpu_isa)
+
+
+class IsaKernels:
+    """The step kernels with their projections held to one ISA: every other kernel is the
+    module's; `isa` is what Weight hands the projection kernels, and `panel_dtypes` what
+    panel_linear computes on it (none where portable)."""
+
+    def __init__(self, module: ModuleType, isa: str):
+        self.module, self.isa = module, isa
+        self.panel_dtypes = () if isa == "portable" else tuple(module.panel_dtypes_of(isa))
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+def with_isa(module: ModuleType, isa: str) -> ModuleType | IsaKernels:
+    """`module` as is for "auto", else held to `isa`; a ValueError naming it and this CPU's
+    ISAs where this CPU (or the build) lacks it."""
+    if isa not in ISAS:
+        raise ValueError(f"cpu_isa={isa!r}: one of {', '.join(ISAS)}")
+    if isa == "auto":
+        return module
+    if isa != "portable" and isa not in module.isas:
+        raise ValueError(f"cpu_isa={isa} asked for, but this CPU ({cpu_model()}) runs the projection kernels only on: "
+                         f"{', '.join([*module.isas, 'portable'])}")
+    return IsaKernels(module, isa)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @cache
@@ -59,7 +109,7 @@ def load_from(folder: Path) -> ModuleType | None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _builder(directory):
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+            module = cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=FLAGS,
                                         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the eager path still serves
         log.warning("CPU step kernels unavailable, the eager path serves (slower): %s",

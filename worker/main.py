@@ -20,7 +20,7 @@ from worker.block_manager import BlockManager
 from worker.drafter import DraftProposer
 from worker.engine import Engine
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
-from worker.model_loader import load_model, pick_device, pick_dtype
+from worker.model_loader import load_model, load_weights, pick_device, pick_dtype
 from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
 from worker.speculation import NgramProposer, Speculator
@@ -55,10 +55,10 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     if settings.backend == "null":
         log.info("null backend: no model, %.1f tokens/s per request", settings.null_tokens_per_s)
         return NullEngine(batching.batch_size, settings.null_tokens_per_s)
-    tokenizer = Tokenizer(prepare_model(settings))
+    tokenizer = Tokenizer(prepare_model(settings, weights=False))
     device = pick_device(step.device)
     dtype = pick_dtype(step.dtype, device)
-    model = load_model(weights_dir(settings), device, dtype)
+    model = load_weights(settings, device, dtype)
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
     if not supports(model):
         if step.deterministic:
@@ -91,7 +91,7 @@ def step_kernels(step: StepSettings, device):
     """The compiled CPU step kernels for a CPU worker (built on first use, then cached), or None."""
     if device.type != "cpu" or not step.cpu_kernels:
         return None
-    return kernels.load_from(step.kernel_cache_dir)
+    return kernels.load(step)
 
 
 def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: Tokenizer) -> Speculator | None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
+from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
@@ -89,7 +90,7 @@ class PagedRunner:
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
         self.model = model
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
+        self.vocab_size = quant_model.vocab_size(model)  # the logits' width
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,6 +99,9 @@ class PagedRunner:
         dtype = next(model.parameters()).dtype
         self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         fused = self.arch == "llama" and fusable(model)
+        if quant_model.is_quantized(model) and not fused:
+            raise ValueError(f"quantized weights run on the fused llama-family layers; "
+                             f"model_type={model.config.model_type!r} has none")
         # Decode graphs (graph_batch > 0, fused llama layers without the CPU kernels) pad their
         # batch with rows that write to one more cache block, which the block manager never hands out.
         graphs = graph_batch > 0 and fused and not (kernels is not None and device.type == "cpu")
@@ -111,16 +115,18 @@ class PagedRunner:
         usable = fused and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernels = kernels if usable else None
         # Every projection and the LM head run on the kernels' panel_linear where this CPU has it
-        # for the dtype (AVX-512; bf16 also AVX512-BF16): 1.2-1.9x oneDNN's prepacked matmul per
-        # step at 1 to 64 rows, on par at prefill sizes (docs/engine.md).
+        # for the dtype (Weight decides). AVX-512 (bf16: AVX512-BF16): 1.2-1.9x oneDNN's prepacked
+        # matmul per step at 1 to 64 rows, on par at prefill sizes (docs/engine.md); AVX2, fp32 only:
+        # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
         panels = self.kernels
-        if panels is not None and str(dtype).removeprefix("torch.") not in panels.panel_dtypes:
-            panels = None
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
         self.fused = fuse(model, device, panels) if fused else None
         if self.fused is not None:
-            self.lm_head = Weight(model.lm_head.weight.data, getattr(model.lm_head, "bias", None), device, panels)
+            head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
+            self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), device, panels)
+            quant_model.install_embedding(model, dtype)
+            quant_model.release_projections(model)  # the Weights hold them now, packed
             first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
             self.eps = first.input_layernorm.variance_epsilon
             self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
@@ -136,21 +142,23 @@ class PagedRunner:
             if self.kernels is None:
                 raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
                                  "a llama-like model); this worker has none")
-            if panels is None:
-                for w in [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
-                    w.tile = DETERMINISTIC_TILE
-                self.lm_head.tile = DETERMINISTIC_TILE
+            weights = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for w in [*weights, self.lm_head]:
+                w.compute_rows_alone(DETERMINISTIC_TILE)
+            if not all(w.row_independent for w in [*weights, self.lm_head]):
                 self.one_token = None  # it calls the library's matmul on one row
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
 
     def _one_token_layers(self):
+        """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)."""
         ops, layers = self.kernels, self.fused
-        def args(name: str) -> list[tuple]:
-            return [(p.w, p.packed, p.panels, p.bias) for p in (getattr(w, name) for w in layers)]
-        return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args("qkv"), args("o"), args("gate_up"),
-                          args("down"), self.model.config.num_attention_heads, self.kv_heads, self.eps, self.scale)
+        args = {name: [getattr(w, name).projection(ops) for w in layers] for name in ("qkv", "o", "gate_up", "down")}
+        if any(p is None for projections in args.values() for p in projections):
+            return None
+        return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args["qkv"], args["o"], args["gate_up"],
+                          args["down"], self.model.config.num_attention_heads, self.kv_heads, self.eps, self.scale)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

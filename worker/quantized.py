@@ -106,6 +106,8 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """
     if not weights:
         raise ValueError("concat_rows needs at least one weight")
+    if len(weights) == 1:
+        return weights[0]
     ks = {w.shape[1] for w in weights}
     if len(ks) > 1:
         raise ValueError(f"cannot stack weights of different K: {sorted(ks)}")
@@ -117,21 +119,3 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     parts = [_widened(w, bits, group, with_offset) for w in weights]
     return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                            torch.cat([p.offset for p in parts]) if with_offset else None, group, bits)
-
-
-def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """The parts' rows one after another (q, k and v as one projection), exactly: where their
-    formats differ, the codes are stored at the widest bits and the scales repeated to the
-    smallest group (a group of 32 is two of 16 with the same scale), which costs memory, not values."""
-    if len(parts) == 1:
-        return parts[0]
-    bits, group = max(p.bits for p in parts), min(p.group for p in parts)
-    offsets = any(p.offset is not None for p in parts)
-
-    def per_group(t: torch.Tensor, p: QuantizedWeight) -> torch.Tensor:
-        return t.repeat_interleave(p.group // group, dim=1)
-
-    return QuantizedWeight(
-        torch.cat([p.q for p in parts]), torch.cat([per_group(p.scale, p) for p in parts]),
-        torch.cat([per_group(p.offset if p.offset is not None else torch.zeros_like(p.scale), p) for p in parts])
-        if offsets else None, group, bits)

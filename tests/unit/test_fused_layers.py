@@ -61,3 +61,42 @@ def _engine(folder, fuse: bool, kernels: bool = False, dtype=torch.bfloat16) -> 
     if not fuse:
         runner.fused = None  # the modules' own forward, step by step
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 32))
+
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("isa", ["auto", "portable"])
+def test_quantized_weights_decode_as_their_float_values_do(tiny_llama, isa):
+    """Modules carrying QuantizedWeights (q and k 4-bit, the rest 8-bit: q/k/v fused across
+    formats) give the greedy tokens of the same model with those weights dequantized to floats;
+    with the kernels a one-token step runs the whole stack quantized in one call, as the
+    per-layer path does."""
+    from worker.quantized import quantize
+
+    ops = step_kernels.with_isa(step_kernels.load(), isa)
+    model = load_model(tiny_llama, torch.device("cpu"), torch.float32)
+    modules = [layer.get_submodule(name) for layer in model.model.layers for name in PROJECTIONS]
+    quantized = []
+    for module, name in zip(modules, PROJECTIONS * len(model.model.layers)):
+        quantized.append(quantize(module.weight.data, 4 if name.endswith(("q_proj", "k_proj")) else 8,
+                                  16 if "mlp" in name else 32))
+        module.weight.data = quantized[-1].dequantize()  # the float twin's weights: the same values
+    float_twin = _runner_engine(tiny_llama, model, ops)
+    for module, q in zip(modules, quantized):
+        module.quantized = q
+    engine = _runner_engine(tiny_llama, model, ops)
+    assert all(w.quant is not None and w.w is None for layer in engine.runner.fused
+               for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert (engine.runner.one_token is not None) == (isa != "portable")
+    texts = prompts(6, seed=7)
+    want = [s.output_ids for s in run(float_twin, texts)]
+    assert [s.output_ids for s in run(engine, texts)] == want
+    engine.runner.one_token = None
+    assert [s.output_ids for s in run(engine, texts)] == want
+
+
+def _runner_engine(folder, model, ops) -> Engine:
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4, ops)
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 32))

@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from shared import model_paths, tokenizer_files
-from shared.model_paths import DEFAULT_NAME, ModelNotFound, Source, _move_into_place
+from shared.model_paths import DEFAULT_NAME, ModelNotFound, Source, move_into_place
 from shared.settings import CommonSettings
 
 
@@ -24,14 +24,14 @@ def _whole(folder: Path, mark: str) -> Path:
 
 
 def test_the_converted_folder_is_renamed_into_place(tmp_path):
-    _move_into_place(_whole(tmp_path / "m.partial-a", "a"), tmp_path / "m")
+    move_into_place(_whole(tmp_path / "m.partial-a", "a"), tmp_path / "m")
     assert (tmp_path / "m" / "model.safetensors").read_text() == "a"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 def test_a_whole_folder_another_process_put_there_first_is_kept(tmp_path):
     target = _whole(tmp_path / "m", "first")
-    _move_into_place(_whole(tmp_path / "m.partial-b", "second"), target)
+    move_into_place(_whole(tmp_path / "m.partial-b", "second"), target)
     assert (target / "model.safetensors").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
@@ -40,7 +40,7 @@ def test_a_half_made_folder_is_replaced(tmp_path):
     target = tmp_path / "m"
     target.mkdir()
     (target / "tokenizer.json").write_text("old")  # no weights
-    _move_into_place(_whole(tmp_path / "m.partial-c", "new"), target)
+    move_into_place(_whole(tmp_path / "m.partial-c", "new"), target)
     assert (target / "model.safetensors").read_text() == "new"
 
 

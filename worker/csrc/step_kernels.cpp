@@ -6,7 +6,8 @@
 //   add_rms_norm   residual add and RMSNorm            (transformers' LlamaRMSNorm, op for op)
 //   rope_cache     rotary on q and k, k and v written to their cache slots
 //   paged_attention each query token over its sequence's cached keys, through the block table
-//   panel_linear   a projection over a weight packed in 32-column panels (AVX-512; bf16: AVX512-BF16)
+//   panel_linear   a projection over a weight packed in 32-column panels (panel_linear.cpp)
+//   quant_linear   a projection over 4- or 8-bit codes with group-wise scales (quant_linear.cpp)
 //
 // Each follows the eager ops' roundings where it is cheap to (a bf16 result is rounded where the
 // eager op would round it), so fp32 and bf16 results stay close to the modules'; sums run in
@@ -24,11 +25,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
 
 namespace {
+
+using namespace streamq;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -118,10 +119,6 @@ void float_or_bfloat16(at::ScalarType dtype, const char* name, F&& f) {
   } else {
     TORCH_CHECK(false, name, ": float32 or bfloat16 only");
   }
-}
-
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, name, " must be a contiguous 2-d CPU tensor");
 }
 
 // out = rms_norm(h + y) with h updated in place to h + y; y may be None (out = rms_norm(h)).
@@ -303,193 +300,6 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
   });
 }
 
-#if defined(__AVX512F__)
-// Projections for the few rows of a decode step (1 to 64 tokens). A step streams every weight
-// from memory once, and at these row counts oneDNN's kernels reach 13-17 GB/s in fp32: they read
-// a stretch of weight, then compute on it, and do not overlap the two. Here the weight is packed
-// once into panels of 32 output columns, each contiguous; a block of up to 12 rows keeps 12 x 2
-// accumulators in registers over the whole K, and while the second block of rows computes on a
-// panel (from L2 by then) the next panel is prefetched. Every output is one running fp32 sum over
-// k in order: fused multiply-adds in fp32; in bf16 the CPU's bf16 dot product of k-pairs (exact
-// products, fp32 sums), rounded to bf16 once at the end, after the bias.
-//   fp32 panels: [ceil(N / 32), K, 32]        bf16 panels: [ceil(N / 32), ceil(K / 2), 32, 2]
-constexpr int64_t kPanel = 32;
-constexpr int kPanelRows = 12;
-
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
-}
-
-inline void prefetch_lines(const void* at) {
-  _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(at) + 64, _MM_HINT_T1);
-}
-
-// One step of k (fp32) or of a k-pair (bf16) for R rows: acc[r] += x[r] * panel row.
-template <typename T, int R> struct PanelStep;
-
-template <int R> struct PanelStep<float, R> {
-  static constexpr int64_t kWidth = 1;  // k per step
-  static void run(__m512 (&acc)[R][2], const float* x, int64_t k_total, int64_t step, const float* row, bool) {
-    const __m512 b0 = _mm512_loadu_ps(row), b1 = _mm512_loadu_ps(row + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k_total + step]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <int R> struct PanelStep<c10::BFloat16, R> {
-  static constexpr int64_t kWidth = 2;
-  static void run(__m512 (&acc)[R][2], const c10::BFloat16* x, int64_t k_total, int64_t step, const c10::BFloat16* row,
-                  bool half) {  // half: K is odd and this is its last, lone k
-    const __m512i b0 = _mm512_loadu_si512(row), b1 = _mm512_loadu_si512(row + 32);
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* xr = reinterpret_cast<const uint16_t*>(x + r * k_total + 2 * step);
-      int32_t pair = xr[0];
-      if (!half) pair |= int32_t(xr[1]) << 16;
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, (__m512bh)b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, (__m512bh)b1);
-    }
-  }
-};
-#endif
-
-inline void store_panel_row(float* out, __m512 lo, __m512 hi, int64_t left) {
-  _mm512_mask_storeu_ps(out, first_lanes(left), lo);
-  _mm512_mask_storeu_ps(out + 16, first_lanes(left - 16), hi);
-}
-
-#if defined(__AVX512BF16__)
-inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, int64_t left) {
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo)),
-                                          (__m256i)_mm512_cvtneps_pbh(hi), 1);
-  const __mmask32 lanes = left >= 32 ? ~__mmask32(0) : __mmask32((uint64_t{1} << left) - 1);
-  _mm512_mask_storeu_epi16(out, lanes, both);
-}
-#endif
-
-inline __m512 load_bias(const float* bias, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), bias); }
-
-#if defined(__AVX512BF16__)
-inline __m512 load_bias(const c10::BFloat16* bias, int64_t left) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(first_lanes(left), bias);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
-template <typename T, int R>
-void panel_block(const T* x, int64_t k_total, const T* panel, const T* next, bool prefetch, const T* bias,
-                 int64_t left, T* out, int64_t n_total) {
-  using Step = PanelStep<T, R>;
-  constexpr int64_t row = kPanel * Step::kWidth;  // elements of one panel row
-  const int64_t steps = (k_total + Step::kWidth - 1) / Step::kWidth;
-  const bool odd = k_total % Step::kWidth != 0;
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < steps; ++i) {
-    if (prefetch) prefetch_lines(next + i * row);  // the next panel's lines for this step
-    Step::run(acc, x, k_total, i, panel + i * row, odd && i == steps - 1);
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 lo = acc[r][0], hi = acc[r][1];
-    if (bias) lo = _mm512_add_ps(lo, load_bias(bias, left)), hi = _mm512_add_ps(hi, load_bias(bias + 16, left - 16));
-    store_panel_row(out + r * n_total, lo, hi, left);
-  }
-}
-
-template <typename T>
-void panel_linear_impl(const T* xp, const T* pp, const T* bp, T* op, int64_t m, int64_t k, int64_t n, int64_t panels,
-                       int64_t panel_elems) {
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel, left = n - n0;
-      const T* panel = pp + p * panel_elems;
-      const T* next = p + 1 < end ? panel + panel_elems : panel;
-      for (int64_t r0 = 0, block = 0; r0 < m; r0 += kPanelRows, ++block) {
-        // The first block of rows reads the panel from memory; the second, computing from L2,
-        // prefetches the next (with one block only, that one does).
-        const bool prefetch = block == 1 || m <= kPanelRows;
-        const T* xr = xp + r0 * k;
-        const T* b = bp ? bp + n0 : nullptr;
-        T* o = op + r0 * n + n0;
-        switch (std::min<int64_t>(kPanelRows, m - r0)) {
-#define STREAMQ_PANEL_ROWS(R) \
-  case R: panel_block<T, R>(xr, k, panel, next, prefetch, b, left, o, n); break;
-          STREAMQ_PANEL_ROWS(1) STREAMQ_PANEL_ROWS(2) STREAMQ_PANEL_ROWS(3) STREAMQ_PANEL_ROWS(4)
-          STREAMQ_PANEL_ROWS(5) STREAMQ_PANEL_ROWS(6) STREAMQ_PANEL_ROWS(7) STREAMQ_PANEL_ROWS(8)
-          STREAMQ_PANEL_ROWS(9) STREAMQ_PANEL_ROWS(10) STREAMQ_PANEL_ROWS(11) STREAMQ_PANEL_ROWS(12)
-#undef STREAMQ_PANEL_ROWS
-        }
-      }
-    }
-  });
-}
-#endif
-
-// The dtypes panel_linear computes on this CPU: fp32 with AVX-512, bf16 with AVX512-BF16 too.
-bool panels_for(at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
-  return false;
-}
-
-// w [N, K] -> its panels (the layout above), the columns past N and a bf16 lone last k zero.
-at::Tensor pack_panels(at::Tensor w) {
-  check_rows(w, "w");
-  TORCH_CHECK(panels_for(w.scalar_type()), "pack_panels: this CPU has no panel_linear for ", w.scalar_type());
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + 31) / 32, width = w.scalar_type() == at::kFloat ? 1 : 2;
-  const int64_t steps = (k + width - 1) / width;
-  at::Tensor packed = at::zeros(width == 1 ? std::vector<int64_t>{panels, k, 32} : std::vector<int64_t>{panels, steps, 32, 2},
-                                w.options());
-  const auto elem = w.element_size();
-  const char* src = static_cast<const char*>(w.data_ptr());
-  char* dst = static_cast<char*>(packed.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < 32 && p * 32 + j < n; ++j)
-        for (int64_t i = 0; i < k; ++i)
-          std::memcpy(dst + (((p * steps + i / width) * 32 + j) * width + i % width) * elem,
-                      src + ((p * 32 + j) * k + i) * elem, elem);
-  });
-  return packed;
-}
-
-// x [M, K] @ w.T (+ bias), w given as pack_panels(w) and its row count N; fp32 or bf16.
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
-  x = x.contiguous();
-  check_rows(x, "x");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(panels_for(dtype) && panels.scalar_type() == dtype, "panel_linear: x and the panels in one dtype "
-              "this CPU computes them in");
-  const int64_t m = x.size(0), k = x.size(1), width = dtype == at::kFloat ? 1 : 2;
-  TORCH_CHECK(panels.is_contiguous() && panels.dim() == (width == 1 ? 3 : 4) && panels.size(0) == (n + 31) / 32 &&
-              panels.size(1) == (k + width - 1) / width && panels.size(2) == 32,
-              "panel_linear: panels must be pack_panels(w) of w [n, K]");
-  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == dtype, "bad bias");
-  at::Tensor out = at::empty({m, n}, x.options());
-  const int64_t panel_elems = panels.numel() / panels.size(0);
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat)
-    panel_linear_impl<float>(x.data_ptr<float>(), panels.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-                             out.data_ptr<float>(), m, k, n, panels.size(0), panel_elems);
-#endif
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16)
-    panel_linear_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), panels.data_ptr<c10::BFloat16>(),
-                                     bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(),
-                                     m, k, n, panels.size(0), panel_elems);
-#endif
-  return out;
-}
-
 // oneDNN's matmul over a prepacked weight, the op worker/fused_layers.py's Weight calls.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -498,43 +308,47 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
-// One projection, chosen as Weight.__call__ chooses: the panels where there are some, else the
-// prepacked weight where there is one, else the plain matmul (F.linear's op).
+// One projection as worker/fused_layers.py's Weight runs it: a float weight on its panels, on
+// oneDNN's prepacked weight or on the plain matmul (F.linear's op); or quantized codes on
+// quant_linear. Built in Python by the static constructors bound below.
 struct Projection {
-  at::Tensor w;
-  c10::optional<at::Tensor> packed, panels, bias;
+  at::Tensor w;                           // float [N, K]; undefined where quantized
+  c10::optional<at::Tensor> packed, bias;  // oneDNN's prepacked weight, panels, or quantized codes
+  int64_t n = 0, group = 0, bits = 0;     // bits > 0: quantized; else panels where isa is set
+  std::string isa;
+
+  static Projection matmul(at::Tensor w, c10::optional<at::Tensor> packed, c10::optional<at::Tensor> bias) {
+    return Projection{w, packed, bias, w.size(0), 0, 0, ""};
+  }
+  static Projection panels(at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias, std::string isa) {
+    return Projection{at::Tensor(), panels, bias, n, 0, 0, isa};
+  }
+  static Projection quantized(at::Tensor codes, int64_t n, int64_t group, int64_t bits, c10::optional<at::Tensor> bias,
+                              std::string isa) {
+    return Projection{at::Tensor(), codes, bias, n, group, bits, isa};
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (panels) return panel_linear(x, *panels, w.size(0), bias);
+    if (bits) return quant_linear(x, *packed, n, group, bits, bias, isa);
+    if (!isa.empty()) return panel_linear(x, *packed, n, bias, isa);
     return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
   }
 };
 
 // A llama-family model's layers for a step of one token (one stream decoding): the same kernels
 // and matmuls as the per-layer calls from Python, in one call, so the step pays no per-op Python
-// overhead. Each projection is given as (weight, prepacked weight or None, panels or None, bias
-// or None).
-using ProjectionArgs =
-    std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
-
+// overhead.
 struct Layers {
   std::vector<at::Tensor> ln1, ln2;
   std::vector<Projection> qkv, o, gate_up, down;
   int64_t heads, kv_heads;
   double eps, scale;
 
-  static std::vector<Projection> projections(const std::vector<ProjectionArgs>& args) {
-    std::vector<Projection> out;
-    for (const auto& [w, packed, panels, bias] : args) out.push_back(Projection{w, packed, panels, bias});
-    return out;
-  }
-
-  Layers(std::vector<at::Tensor> ln1, std::vector<at::Tensor> ln2, const std::vector<ProjectionArgs>& qkv,
-         const std::vector<ProjectionArgs>& o, const std::vector<ProjectionArgs>& gate_up,
-         const std::vector<ProjectionArgs>& down, int64_t heads, int64_t kv_heads, double eps, double scale)
-      : ln1(std::move(ln1)), ln2(std::move(ln2)), qkv(projections(qkv)), o(projections(o)),
-        gate_up(projections(gate_up)), down(projections(down)), heads(heads), kv_heads(kv_heads), eps(eps),
-        scale(scale) {}
+  Layers(std::vector<at::Tensor> ln1, std::vector<at::Tensor> ln2, std::vector<Projection> qkv,
+         std::vector<Projection> o, std::vector<Projection> gate_up, std::vector<Projection> down, int64_t heads,
+         int64_t kv_heads, double eps, double scale)
+      : ln1(std::move(ln1)), ln2(std::move(ln2)), qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)),
+        down(std::move(down)), heads(heads), kv_heads(kv_heads), eps(eps), scale(scale) {}
 
   // h [T, hidden] (updated in place); returns h after the last layer's residual.
   at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache,
@@ -560,22 +374,30 @@ struct Layers {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("add_rms_norm", &add_rms_norm, "out = rms_norm(h + y), h updated to h + y");
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
   m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
   m.def("pack_panels", &pack_panels, "a weight [N, K] in 32-column panels, for panel_linear");
-  m.def("panel_linear", &panel_linear, "x @ w.T (+ bias), w as pack_panels(w) and its row count (panel_dtypes)");
-  pybind11::class_<Layers>(m, "Layers")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, const std::vector<ProjectionArgs>&,
-                          const std::vector<ProjectionArgs>&, const std::vector<ProjectionArgs>&,
-                          const std::vector<ProjectionArgs>&, int64_t, int64_t, double, double>())
+  m.def("panel_linear", &panel_linear, "x @ w.T (+ bias), w as pack_panels(w) and its row count (panel_dtypes)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias"), py::arg("isa") = "auto");
+  m.def("panel_dtypes_of", &panel_dtypes, "the dtypes panel_linear computes on an isa", py::arg("isa"));
+  m.def("pack_quantized", &pack_quantized, "codes q [N, K] int8, scale and offset [N, K / group] -> quant_linear's "
+        "packed weight", py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("bits"));
+  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias), w as pack_quantized(...) and its row count",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"), py::arg("bits"), py::arg("bias"),
+        py::arg("isa") = "auto");
+  py::class_<Projection>(m, "Projection")
+      .def_static("matmul", &Projection::matmul, "a float weight, oneDNN-prepacked or not")
+      .def_static("panels", &Projection::panels, "a float weight's panels (pack_panels)")
+      .def_static("quantized", &Projection::quantized, "a quantized weight's codes (pack_quantized)")
+      .def("__call__", &Projection::operator());
+  py::class_<Layers>(m, "Layers")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Projection>, std::vector<Projection>,
+                    std::vector<Projection>, std::vector<Projection>, int64_t, int64_t, double, double>())
       .def("run", &Layers::run, "the layers of a one-token step");
-  m.attr("panel_dtypes") = std::vector<std::string>{
-#if defined(__AVX512F__)
-      "float32",
-#endif
-#if defined(__AVX512BF16__)
-      "bfloat16",
-#endif
-  };
+  // The projection kernels' ISAs on this CPU, widest first ("auto" picks the first), and the
+  // dtypes panel_linear computes on the widest: none where the list is empty (the portable path).
+  m.attr("isas") = runnable_isas();
+  m.attr("panel_dtypes") = panel_dtypes("auto");
 }

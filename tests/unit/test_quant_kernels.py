@@ -1,0 +1,171 @@
+"""The projection kernels (worker/csrc/quant_linear.cpp, panel_linear.cpp) through Weight, on every
+ISA this CPU runs and on the portable path, against dequantize-then-matmul in float64."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.settings import WorkerSettings
+from worker import kernels
+from worker.fused_layers import Weight
+from worker.quantized import QuantizedWeight, concat_rows
+
+CPU = torch.device("cpu")
+ROWS = [*range(1, 71), 128, 333, 512]  # every decode batch, then prefill chunks
+FORMATS = list(itertools.product([4, 8], [16, 32], [True, False]))  # bits, group, offset
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = kernels.load_from(WorkerSettings().kernel_cache_dir)
+    assert built is not None, "the CPU step kernels failed to build (see the log)"
+    return built
+
+
+@pytest.fixture(params=["avx512", "avx2", "portable"])
+def isa(request, ops):
+    if request.param != "portable" and request.param not in ops.isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no {request.param}; its kernels run on: "
+                    f"{', '.join(ops.isas) or 'none'}")
+    return request.param
+
+
+def random_weight(n: int, k: int, bits: int, group: int, offset: bool, gen: torch.Generator) -> QuantizedWeight:
+    """Codes over their whole range (8-bit: -128..127, 4-bit: 0..15), scales of both signs."""
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.randn((n, k // group), generator=gen) * 0.02
+    return QuantizedWeight(q, scale, torch.randn(scale.shape, generator=gen) * 0.1 if offset else None, group, bits)
+
+
+class Reference:
+    """x @ dequantize(w).T + bias in float64, and the tolerance of a result: 2^-18 of each
+    output's sum of absolute terms. fp32 sums in another order stay far inside it; a code, scale
+    or offset off by one step in one group lands far outside."""
+
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None):
+        self.w, self.dq = w, w.dequantize().double()
+        self.bias = None if bias is None else bias.double()
+        terms = w.q.double().abs() * w.scale.double().abs().repeat_interleave(w.group, 1)
+        if w.offset is not None:
+            terms += w.offset.double().abs().repeat_interleave(w.group, 1)
+        self.terms = terms.T.contiguous()
+
+    def check(self, got: torch.Tensor, x: torch.Tensor, what: str) -> None:
+        x = x.double()
+        want = F.linear(x, self.dq, self.bias)
+        size = x.abs() @ self.terms + (0 if self.bias is None else self.bias.abs())
+        error = (got.double() - want).abs() / size
+        assert error.max() <= 2 ** -18, \
+            f"{what}: worst relative error {error.max():.3g} at {divmod(error.argmax().item(), got.shape[1])}"
+
+
+@pytest.mark.parametrize("bits,group,offset", FORMATS)
+def test_quantized_projection_is_the_dequantized_matmul_at_every_row_count(ops, isa, bits, group, offset):
+    gen = torch.Generator().manual_seed(bits * 100 + group + offset)
+    n, k = 70, 96  # a partial last panel of 32 columns; 96 = 6 groups of 16, 3 of 32
+    w, b = random_weight(n, k, bits, group, offset, gen), torch.randn(n, generator=gen)
+    with_bias, without = Weight(w, b, CPU, kernels.with_isa(ops, isa)), Weight(w, None, CPU, kernels.with_isa(ops, isa))
+    assert with_bias.quant.isa == isa
+    biased, plain = Reference(w, b), Reference(w, None)
+    for rows in ROWS:
+        x = torch.randn((rows, k), generator=gen)
+        biased.check(with_bias(x), x, f"{rows} rows, bias")
+        plain.check(without(x), x, f"{rows} rows")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_is_computed_alone_bit_for_bit(ops, isa, bits):
+    if isa == "portable":
+        pytest.skip("the portable path is F.linear's: deterministic mode runs it in fixed tiles instead")
+    gen = torch.Generator().manual_seed(7)
+    w = random_weight(100, 128, bits, 16, True, gen)
+    weight = Weight(w, torch.randn(100, generator=gen), CPU, kernels.with_isa(ops, isa))
+    for rows in (70, 333):
+        x = torch.randn((rows, 128), generator=gen)
+        batch = weight(x)
+        for i in range(rows):
+            assert torch.equal(weight(x[i:i + 1]), batch[i:i + 1]), f"row {i} of {rows}"
+
+
+def test_every_isa_gives_the_same_bits(ops):
+    """The kernels run one sequence of roundings per lane, 8 or 16 lanes wide."""
+    if len(ops.isas) < 2:
+        pytest.skip(f"this CPU runs one ISA only ({', '.join(ops.isas) or 'none'})")
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn((13, 64), generator=gen)
+    for bits, group, offset in FORMATS:
+        w = random_weight(40, 64, bits, group, offset, gen)
+        packed = ops.pack_quantized(w.q, w.scale, w.offset, bits)
+        outs = [ops.quant_linear(x, packed, 40, group, bits, None, isa) for isa in ops.isas]
+        assert all(torch.equal(outs[0], out) for out in outs[1:]), (bits, group, offset)
+    panels = ops.pack_panels(torch.randn((40, 64), generator=gen))
+    outs = [ops.panel_linear(x, panels, 40, None, isa) for isa in ops.isas]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_a_float_projection_on_panels_is_the_matmul_at_every_row_count(ops, isa):
+    gen = torch.Generator().manual_seed(9)
+    w, b = torch.randn((70, 96), generator=gen), torch.randn(70, generator=gen)
+    weight = Weight(w, b, CPU, kernels.with_isa(ops, isa))
+    assert (weight.panels is not None) == weight.row_independent == (isa != "portable")  # portable: oneDNN
+    for rows in ROWS:
+        x = torch.randn((rows, 96), generator=gen)
+        want = F.linear(x.double(), w.double(), b.double())
+        size = x.double().abs() @ w.double().abs().T + b.double().abs()
+        assert ((weight(x).double() - want).abs() / size).max() <= 2 ** -18, f"{rows} rows"
+        if isa != "portable":
+            assert torch.equal(weight(x[-1:]), weight(x)[-1:]), f"the last of {rows} rows alone"
+
+
+def test_bf16_inputs_compute_in_fp32_and_round_once(ops, isa):
+    gen = torch.Generator().manual_seed(10)
+    w = random_weight(40, 64, 4, 32, True, gen)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    weight = Weight(w, bias, CPU, kernels.with_isa(ops, isa))
+    x = torch.randn((5, 64), generator=gen).to(torch.bfloat16)
+    got, full = weight(x), weight(x.float())
+    assert got.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(got, full.to(torch.bfloat16))
+    Reference(w, bias.float()).check(full, x.float(), "bf16 x")
+
+
+@pytest.mark.parametrize("bits,offset", [(4, True), (8, False), (8, True)])
+def test_a_packed_weight_holds_its_codes_at_their_width_and_no_float_copy(ops, isa, bits, offset):
+    n, k, group = 96, 256, 32
+    w = random_weight(n, k, bits, group, offset, torch.Generator().manual_seed(11))
+    weight = Weight(w, None, CPU, kernels.with_isa(ops, isa))
+    assert weight.w is None and weight.packed is None and weight.panels is None
+    held = [t for t in vars(weight.quant).values() if isinstance(t, torch.Tensor)]
+    assert all(t.dtype in (torch.int8, torch.uint8) or t.numel() <= w.scale.numel() for t in held)
+    assert weight.quant.nbytes() == w.nbytes() == sum(t.numel() * t.element_size() for t in held)
+
+
+def test_concatenated_weights_of_different_formats_dequantize_to_the_parts(ops):
+    gen = torch.Generator().manual_seed(13)
+    parts = [random_weight(32, 64, 4, 32, True, gen), random_weight(16, 64, 8, 16, False, gen),
+             random_weight(8, 64, 8, 32, True, gen)]
+    fused = concat_rows(parts)
+    assert (fused.bits, fused.group) == (8, 16)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_an_isa_this_cpu_lacks_is_refused_naming_both(ops):
+    with pytest.raises(RuntimeError, match=r"isa 'avx1024'.*only on: " + (", ".join(ops.isas) or "none")):
+        ops.quant_linear(torch.zeros((1, 32)), torch.zeros((1, 1, 640), dtype=torch.uint8), 8, 32, 4, None, "avx1024")
+    missing = [isa for isa in ("avx512", "avx2") if isa not in ops.isas]
+    if not missing:
+        pytest.skip(f"this CPU runs every ISA ({', '.join(ops.isas)})")
+    with pytest.raises(ValueError, match=f"cpu_isa={missing[0]} .*only on: {', '.join([*ops.isas, 'portable'])}"):
+        kernels.with_isa(ops, missing[0])
+
+
+def test_the_isa_setting_takes_the_four_names_only(monkeypatch):
+    monkeypatch.setenv("STREAMQ_CPU_ISA", "portable")
+    assert WorkerSettings().cpu_isa == "portable"
+    monkeypatch.setenv("STREAMQ_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="cpu_isa"):
+        WorkerSettings()

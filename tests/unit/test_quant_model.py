@@ -1,0 +1,129 @@
+"""Models served with quantized weights: a GGUF file's blocks kept quantized and a float folder
+compressed at load (STREAMQ_QUANTIZATION) decode as their dequantized float twins do, hold no
+float copy of a quantized weight, and keep prefix caching, speculation and deterministic mode."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from tests.tiny_models import write_tiny_gguf
+from tests.unit.test_engine import prompts, run
+from worker import kernels, quant_model
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.model_loader import load_model, load_weights
+from worker.model_runner import PagedRunner
+from worker.speculation import NgramProposer, Speculator
+
+CPU = torch.device("cpu")
+ISAS = ["auto", "portable"]  # the widest kernels this CPU has, and the path any CPU runs
+
+
+def engine_of(model, folder, isa: str = "auto", prefix: bool = True, budget: int = 32) -> Engine:
+    runner = PagedRunner(model, CPU, 256, 4, kernels.with_isa(kernels.load(), isa))
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, prefix), 8, budget))
+
+
+def float_twin(folder, method: str):
+    """The model with every projection (and the head) replaced by its compressed values, in float."""
+    model = load_model(folder, CPU, torch.float32)
+    quant_model.compress(model, method)
+    for module in model.modules():
+        if quant_model.quantized(module) is not None:
+            module.weight = torch.nn.Parameter(module.quantized.dequantize(), requires_grad=False)
+            del module.quantized
+    return model
+
+
+def compressed(folder, method: str, tmp_path):
+    settings = WorkerSettings(_env_file=None, model=str(folder), quantization=method, model_cache_dir=tmp_path)
+    return load_weights(settings, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_compressed_model_decodes_as_its_float_twin(tiny_llama, tmp_path, method, isa):
+    texts = prompts(6, seed=3)
+    want = [s.output_ids for s in run(engine_of(float_twin(tiny_llama, method), tiny_llama, isa), texts)]
+    model = compressed(tiny_llama, method, tmp_path)
+    engine = engine_of(model, tiny_llama, isa)
+    # No float copy of a quantized weight is left: the modules hold empty placeholders.
+    for layer in model.model.layers:
+        for path in quant_model.PROJECTIONS:
+            assert layer.get_submodule(path).weight.numel() == 0, path
+    assert model.lm_head.weight.numel() == 0
+    assert [s.output_ids for s in run(engine, texts)] == want
+
+
+def test_compression_is_refused_where_no_quantized_path_runs(tiny_opt, tmp_path):
+    with pytest.raises(ValueError, match="quantization=int8 needs a llama-family model"):
+        compressed(tiny_opt, "int8", tmp_path)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1"])
+def test_a_gguf_file_served_quantized_decodes_as_transformers_dequantized_load(tiny_llama, tmp_path, qtype):
+    """Every 2-D tensor of the file (projections, embedding, head) in `qtype`: the worker's loader
+    keeps them quantized, and the engine's greedy tokens equal those of the same engine on
+    transformers' own (dequantizing) load of the file."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_gguf(tiny_llama, tmp_path / f"tiny.{qtype}.gguf", qtype=qtype)
+    settings = WorkerSettings(_env_file=None, model=str(path), model_cache_dir=tmp_path / "cache")
+    model = load_weights(settings, CPU, torch.float32)
+    assert quant_model.is_quantized(model) and quant_model.quantized(model.model.embed_tokens) is not None
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    texts = prompts(5, seed=11)
+    want = [s.output_ids for s in run(engine_of(theirs, tiny_llama), texts)]
+    assert [s.output_ids for s in run(engine_of(model, tiny_llama), texts)] == want
+
+
+def test_prefix_caching_and_chunked_prefill_on_quantized_weights(tiny_llama, tmp_path):
+    shared = "the capital of France is Paris and streams batches caches " * 3
+    texts = [shared + tail for tail in ("one", "two", "three", "four")]
+    miss = run(engine_of(compressed(tiny_llama, "int4", tmp_path), tiny_llama, prefix=False, budget=8), texts,
+               arrive_every=6)
+    engine = engine_of(compressed(tiny_llama, "int4", tmp_path), tiny_llama, budget=8)
+    hit = run(engine, texts, arrive_every=6)
+    assert engine.batcher.blocks.prefix_hits > 0
+    assert [s.output_ids for s in hit] == [s.output_ids for s in miss]
+
+
+def test_speculation_on_quantized_weights_changes_no_token(tiny_llama, tmp_path):
+    texts = [t * 3 for t in prompts(3, seed=5)]  # repeating itself, for prompt lookup to propose
+    plain = [s.output_ids for s in run(engine_of(compressed(tiny_llama, "int8", tmp_path), tiny_llama), texts)]
+    engine = engine_of(compressed(tiny_llama, "int8", tmp_path), tiny_llama)
+    engine.speculator = Speculator(NgramProposer(4, 1, 3), 4)
+    assert [s.output_ids for s in run(engine, texts)] == plain
+    assert engine.speculator.stats.proposed > 0
+
+
+def test_deterministic_mode_on_quantized_weights(tiny_llama, tmp_path):
+    """The quantized kernels compute each row alone: a request's tokens are the same alone or in
+    a batch, without fixed tiles."""
+    texts = prompts(8, seed=9)
+
+    def engine():
+        model = compressed(tiny_llama, "int4", tmp_path)
+        runner = PagedRunner(model, CPU, 256, 4, kernels.load(), deterministic=True)
+        return Engine(runner, Tokenizer(tiny_llama), Batcher(BlockManager(256, 4, True), 8, 32))
+    together = engine()
+    assert not together.runner.lm_head.tile  # rows computed alone: no tiles needed
+    batch = [s.output_ids for s in run(together, texts)]
+    assert [run(engine(), [t])[0].output_ids for t in texts[:3]] == batch[:3]
+
+
+def test_structured_outputs_on_quantized_weights(tiny_llama, tmp_path):
+    from tests.unit.test_structured_outputs import SCHEMA, _add, _valid
+
+    engine = engine_of(compressed(tiny_llama, "int4", tmp_path), tiny_llama)
+    seqs = [_add(engine, f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.2, seed=seed,
+                 structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(3)]
+    while engine.has_work():
+        engine.step()
+    for seq in seqs:
+        assert _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))

@@ -1,0 +1,90 @@
+"""A projection over a weight kept quantized (worker/quantized.py): x @ dequantize(w).T (+ bias).
+
+Decoding a few tokens streams every weight once a step, so its time is the weight's bytes: the
+codes stay 4 or 8 bits wide in memory, and nothing holds a float copy of the weight. Where the
+step kernels run on this CPU (AVX2 or AVX-512) the weight is packed once for their quant_linear,
+which widens the codes in registers and computes each row alone (its result does not hang on the
+other rows of the call). Elsewhere, or with the ISA held to "portable", the portable path
+dequantizes a slice of the weight's rows at a time and runs F.linear on it.
+
+torch's own CPU kernels hold other formats: `_weight_int8pack_mm` one scale per output row (no
+groups), `_weight_int4pack_mm_for_cpu` (q - 8) * scale + zero in groups of 32 or more, where our
+offset would become zero = 8 * scale - offset, rounded in fp32 (exact for Q4_0 alone).
+benchmarks/quant_kernels.py measures them beside these kernels.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.quantized import QuantizedWeight
+
+# Bytes of fp32 weight the portable path dequantizes at once: bounded whatever the weight's size.
+PORTABLE_SLICE_BYTES = 16 << 20
+
+
+class QuantLinear:
+    """x [M, K] (fp32 or bf16) @ w.T + bias -> [M, N] in x's dtype, computed in fp32."""
+
+    def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, kernels: ModuleType | Any | None = None):
+        self.n, self.k = w.shape
+        self.group, self.bits, self.bias = w.group, w.bits, bias
+        isa = getattr(kernels, "isa", "auto") if kernels is not None else "portable"
+        self.isa = "portable" if kernels is None or not kernels.isas else isa
+        if self.isa == "portable":
+            self.packed, self.codes = None, _pack_codes(w.q, w.bits)
+            self.scale, self.offset = w.scale, w.offset
+        else:
+            self.packed = kernels.pack_quantized(w.q, w.scale, w.offset, w.bits)
+            self.linear = kernels.quant_linear
+
+    @property
+    def row_independent(self) -> bool:
+        """Whether a row's result is the same whatever other rows share the call."""
+        return self.packed is not None
+
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel()
+        return self.codes.numel() + sum(t.numel() * 4 for t in (self.scale, self.offset) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias, self.isa)
+        return self._portable(x)
+
+    def projection(self, ops: ModuleType) -> Any | None:
+        """This projection for the step kernels' one-token Layers; None on the portable path."""
+        if self.packed is None:
+            return None
+        return ops.Projection.quantized(self.packed, self.n, self.group, self.bits, self.bias, self.isa)
+
+    def _portable(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        step = max(32, PORTABLE_SLICE_BYTES // (4 * self.k))
+        parts = []
+        for start in range(0, self.n, step):
+            rows = slice(start, min(start + step, self.n))
+            w = QuantizedWeight(_unpack_codes(self.codes[rows], self.bits), self.scale[rows],
+                                None if self.offset is None else self.offset[rows], self.group, self.bits)
+            parts.append(F.linear(xf, w.dequantize(), None if bias is None else bias[rows]))
+        return torch.cat(parts, dim=1).to(x.dtype)
+
+
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """4-bit codes two a byte (k even in the low nibble); 8-bit ones as they are."""
+    if bits == 8:
+        return q.contiguous()
+    if q.min() < 0 or q.max() > 15:
+        raise ValueError("4-bit codes must be 0..15")
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).view(torch.uint8)
+
+
+def _unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    return torch.stack((codes & 15, codes >> 4), dim=-1).view(codes.shape[0], -1).view(torch.int8)
