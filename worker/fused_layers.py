@@ -47,6 +47,12 @@ class Weight:
         # picks its blocking by the row count, so a row's result would hang on how many others share the call.
         self.tile = 0
 
+    def nbytes(self) -> int:
+        """Bytes of the weight this projection holds, in every form it keeps (the float weight and
+        its panels or oneDNN's prepacked copy, or the packed quantized codes and scales)."""
+        tensors = [t for t in (self.w, self.panels, self.packed) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors) + (self.quant.nbytes() if self.quant else 0)
+
     @property
     def row_independent(self) -> bool:
         """Whether each row's result is the same whatever other rows share the call, untiled."""

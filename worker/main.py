@@ -13,7 +13,7 @@ from shared.logs import route_transformers
 from shared.model_paths import ModelNotFound, model_dir, prepare_model, served_name, weights_dir
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer
-from worker import kernels
+from worker import kernels, quant_model
 from worker.backend import Backend, Threaded
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
@@ -78,6 +78,7 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
                          kernels=step_kernels(step, device),
                          graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0,
                          deterministic=step.deterministic)
+    quant_model.release_projections(model)  # the runner's Weights hold them packed; a byte a code no more
     log.info("step: %s%s%s", "CPU step kernels" if runner.kernels is not None else
              "fused eager ops" if runner.fused is not None else "the modules' eager ops",
              f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "",

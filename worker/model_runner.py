@@ -125,8 +125,7 @@ class PagedRunner:
         if self.fused is not None:
             head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
             self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), device, panels)
-            quant_model.install_embedding(model, dtype)
-            quant_model.release_projections(model)  # the Weights hold them now, packed
+            quant_model.install_embedding(model, dtype, self.lm_head.quant)
             first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
             self.eps = first.input_layernorm.variance_epsilon
             self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
@@ -150,6 +149,20 @@ class PagedRunner:
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights the step reads from: the fused projections and head in every form they
+        are held, the embedding (its quantized table, or its float rows) and the norms."""
+        if self.fused is None:
+            return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        projections = [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        embed = self.model.model.embed_tokens
+        if isinstance(embed, quant_model.QuantizedEmbedding):
+            table = embed.table.nbytes() if embed.table is not None else 0  # tied: the head's table
+        else:
+            table = embed.weight.numel() * embed.weight.element_size()
+        norms = sum(w.ln1.numel() + w.ln2.numel() for w in self.fused) * self.fused[0].ln1.element_size()
+        return sum(w.nbytes() for w in [*projections, self.lm_head]) + table + norms
 
     def _one_token_layers(self):
         """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)."""

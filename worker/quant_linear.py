@@ -56,6 +56,36 @@ class QuantLinear:
             return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias, self.isa)
         return self._portable(x)
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the weight, dequantized to fp32 [len(index), K]: a tied embedding's
+        lookup reads the head's own packed table, so the model holds the table once."""
+        if self.packed is None:
+            return QuantizedWeight(_unpack_codes(self.codes[index], self.bits), self.scale[index],
+                                   None if self.offset is None else self.offset[index], self.group,
+                                   self.bits).dequantize()
+        # pack_quantized's layout: [panel, group, bytes]; a group's bytes hold its `group` rows of
+        # 32 codes (8-bit: a byte each; 4-bit: column j in byte j % 16, low nibble for j < 16),
+        # then the 32 columns' fp32 scales, then their offsets where there are some.
+        blocks = self.packed[index // 32]  # [T, G, bytes]
+        column = (index % 32).view(-1, 1, 1, 1)
+        t, groups = blocks.shape[:2]
+        width = 32 * self.bits // 8
+        codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
+        if self.bits == 8:
+            q = codes.gather(3, column.expand(t, groups, self.group, 1)).view(torch.int8).to(torch.float32)
+        else:
+            byte = codes.gather(3, (column % 16).expand(t, groups, self.group, 1))
+            q = torch.where(column < 16, byte & 15, byte >> 4).to(torch.float32)
+
+        def per_column(start: int) -> torch.Tensor:  # [T, G, 1]: the index's column of 32 floats
+            floats = blocks[..., start:start + 128].contiguous().view(torch.float32)
+            return floats.gather(2, column.view(-1, 1, 1).expand(t, groups, 1))
+        start = self.group * width
+        value = q.squeeze(-1) * per_column(start)
+        if blocks.shape[2] > start + 128:
+            value = value - per_column(start + 128)
+        return value.reshape(t, -1)
+
     def projection(self, ops: ModuleType) -> Any | None:
         """This projection for the step kernels' one-token Layers; None on the portable path."""
         if self.packed is None:

@@ -56,30 +56,39 @@ def _drop(module: nn.Module) -> None:
 
 
 class QuantizedEmbedding(nn.Module):
-    """The token embedding over a quantized table: each step dequantises only its tokens' rows."""
+    """The token embedding over a quantized table: each step dequantises only its tokens' rows,
+    from the table itself or, for an embedding tied to the head, from the head's packed copy
+    (`head`, a QuantLinear), so the model holds the table once."""
 
-    def __init__(self, table: QuantizedWeight, dtype: torch.dtype, scale: float = 1.0):
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype, scale: float = 1.0, head=None):
         super().__init__()
-        self.table, self.dtype, self.scale = table, dtype, scale
+        self.table = None if head is not None else table  # what this module alone holds
+        self.dtype, self.scale = dtype, scale
+        self._rows = head.rows if head is not None else (lambda ids: table.rows(ids).dequantize())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.rows(ids.reshape(-1)).dequantize(self.dtype)
+        rows = self._rows(ids.reshape(-1)).to(self.dtype)
         if self.scale != 1.0:  # embeddings a model scales (Gemma: by sqrt(hidden))
             rows = rows * self.scale
         return rows.view(*ids.shape, -1)
 
 
-def install_embedding(model: nn.Module, dtype: torch.dtype) -> None:
-    """Swap a quantized embedding's module for one the runner can call like the original."""
+def install_embedding(model: nn.Module, dtype: torch.dtype, head=None) -> None:
+    """Swap a quantized embedding's module for one the runner can call like the original; `head`:
+    the runner's head projection (a QuantLinear), read from where the embedding is tied to it."""
     embed = model.model.embed_tokens
     table = quantized(embed)
-    if table is not None and not isinstance(embed, QuantizedEmbedding):
-        model.model.embed_tokens = QuantizedEmbedding(table, dtype, float(getattr(embed, "embed_scale", 1.0)))
+    if table is None or isinstance(embed, QuantizedEmbedding):
+        return
+    tied = head is not None and quantized(model.lm_head) is table
+    model.model.embed_tokens = QuantizedEmbedding(table, dtype, float(getattr(embed, "embed_scale", 1.0)),
+                                                  head if tied else None)
 
 
 def release_projections(model: nn.Module) -> None:
-    """Drop the modules' references to their quantized weights once the runner's fused Weights
-    hold them packed (unpacked, a 4-bit code takes a byte). A quantized embedding keeps its table."""
+    """Drop the modules' references to their quantized weights once a runner's fused Weights hold
+    them packed (unpacked, a 4-bit code takes a byte); no other runner can be built on the model
+    after. A quantized embedding keeps its table."""
     for module in [*(layer.get_submodule(p) for layer in model.model.layers for p in PROJECTIONS), model.lm_head]:
         if quantized(module) is not None:
             del module.quantized
@@ -97,7 +106,7 @@ def weight_bytes(model: nn.Module) -> int:
     (each counted once, however many modules share it)."""
     seen: dict[int, int] = {}
     for module in model.modules():
-        table = quantized(module) if not isinstance(module, QuantizedEmbedding) else module.table
+        table = module.table if isinstance(module, QuantizedEmbedding) else quantized(module)
         if table is not None:
             seen[id(table)] = table.nbytes()
     floats = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p.numel()}

@@ -127,3 +127,20 @@ def test_structured_outputs_on_quantized_weights(tiny_llama, tmp_path):
         engine.step()
     for seq in seqs:
         assert _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits, offset", [(4, True), (8, False), (8, True)])
+def test_a_tied_embedding_reads_its_rows_from_the_heads_packed_table(isa, bits, offset):
+    from worker.quant_linear import QuantLinear
+    from worker.quantized import QuantizedWeight, quantize
+
+    w = quantize(torch.randn(70, 64, generator=torch.Generator().manual_seed(bits)), bits, 32)
+    if w.offset is None and offset:
+        w = QuantizedWeight(w.q, w.scale, torch.rand_like(w.scale), w.group, w.bits)
+    ops = kernels.with_isa(kernels.load(), isa)
+    head = QuantLinear(w, None, ops if isa != "portable" else None)
+    embedding = quant_model.QuantizedEmbedding(w, torch.float32, head=head)
+    ids = torch.tensor([[0, 5, 31], [32, 69, 5]])  # either side of a panel's edge, N not a multiple of 32
+    assert embedding.table is None  # it holds nothing of its own
+    assert torch.equal(embedding(ids), w.dequantize()[ids])
