@@ -1,0 +1,28 @@
+"""Architectures' variants on the paged engine, token for token against transformers in fp32:
+Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.tiny_models import build_model
+from tests.unit.test_engine import _check, make_engine, prompts, run
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    folder = build_model(tmp_path / "llama3", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {**LLAMA3_ROPE, "rope_theta": config.get("rope_theta", 10000.0)}
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = make_engine(folder, budget=16)
+    rotary = engine.runner.model.model.rotary_emb
+    plain = 1.0 / (10000.0 ** (torch.arange(0, rotary.inv_freq.numel() * 2, 2, dtype=torch.float32)
+                                / (rotary.inv_freq.numel() * 2)))
+    assert not torch.allclose(rotary.inv_freq, plain)  # the scaling is in effect
+    seqs = run(engine, prompts(8, seed=4), arrive_every=2)
+    assert max(len(s.prompt_ids) + len(s.output_ids) for s in seqs) > LLAMA3_ROPE["original_max_position_embeddings"]
+    _check(folder, seqs)
