@@ -50,9 +50,7 @@ class Tokenizer:
         self.chat_template: str | None = (
             template_file.read_text() if template_file.is_file() else config.get("chat_template")
         )
-        self.context_length = int(
-            model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048
-        )
+        self.context_length = served_context(model_config)
         eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
         ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
@@ -104,6 +102,20 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the special tokens itself, as transformers does.
         return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+def served_context(model_config: dict[str, Any]) -> int:
+    """The positions a request may use. A model whose attention slides over a window shorter than
+    its context (Mistral's sliding_window) is served within the window, where every key is in
+    reach, so its output is exact: the paged engine attends to the whole context."""
+    context = int(model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048)
+    window = model_config.get("sliding_window")
+    # Only the model types the paged engine runs; transformers' own forward (the static engine)
+    # applies a window itself, and hybrid models (Gemma 3) window only some layers.
+    paged = model_config.get("model_type") in ("llama", "mistral", "qwen2", "qwen3")
+    if window and paged and model_config.get("use_sliding_window", True) is not False:
+        return min(context, int(window))
+    return context
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -69,10 +69,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
 
 def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, chat_template: str = CHAT_TEMPLATE,
                 ) -> Path:
-    """A tiny 'llama', 'opt' or 'gpt2' model with its tokenizer in `folder`, of `context` positions.
+    """A tiny 'llama', 'mistral', 'opt' or 'gpt2' model with its tokenizer in `folder`, of `context` positions.
     gpt2 has no paged runner: it serves through the static engine."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
 
     vocab = build_tokenizer(folder, context=context, chat_template=chat_template)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -83,6 +83,9 @@ def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, 
     elif kind == "opt":
         config = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                            word_embed_proj_dim=64, init_std=0.2, **common)
+    elif kind == "mistral":  # a sliding window shorter than its context
+        config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, initializer_range=0.2, sliding_window=48, **common)
     elif kind == "gpt2":
         config = GPT2Config(n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=context, initializer_range=0.2,
                             vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2)

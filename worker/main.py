@@ -12,7 +12,7 @@ from shared import tokenizer_files
 from shared.logs import route_transformers
 from shared.model_paths import ModelNotFound, model_dir, prepare_model, served_name, weights_dir
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer, served_context
 from worker import kernels, quant_model
 from worker.backend import Backend, Threaded
 from worker.batcher import Batcher
@@ -34,7 +34,7 @@ def num_kv_blocks(cache: CacheSettings, batching: BatchingSettings, model, dtype
     """From the setting, else as many as kv_cache_gb holds, but no more than a full batch can use."""
     if cache.num_kv_blocks:
         return cache.num_kv_blocks
-    context = int(getattr(model.config, "max_position_embeddings", 2048))
+    context = served_context(model.config.to_dict())
     useful = batching.batch_size * (-(-context // cache.block_size))
     return min(useful, blocks_for_bytes(model, dtype, cache.block_size, int(cache.kv_cache_gb * 2**30)))
 

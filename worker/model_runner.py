@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
+from shared.tokenizer import served_context
 from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
@@ -97,7 +98,7 @@ class PagedRunner:
         self.arch = "opt" if model.config.model_type == "opt" else "llama"
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
-        self.context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.context_length = served_context(model.config.to_dict())  # within a sliding window
         fused = self.arch == "llama" and fusable(model)
         if quant_model.is_quantized(model) and not fused:
             raise ValueError(f"quantized weights run on the fused llama-family layers; "

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
-from shared.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer, served_context
 from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
 from worker.cancels import CancelInbox
 from worker.backend import Counts
@@ -159,7 +159,7 @@ class BatchRunner:
 
     @property
     def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return served_context(self.model.config.to_dict())
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:

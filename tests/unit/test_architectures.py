@@ -1,5 +1,6 @@
 """Architectures' variants on the paged engine, token for token against transformers in fp32:
-Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module)."""
+Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module), and Mistral
+with a sliding window (served within the window, where its attention sees every key)."""
 from __future__ import annotations
 
 import json
@@ -26,3 +27,17 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     seqs = run(engine, prompts(8, seed=4), arrive_every=2)
     assert max(len(s.prompt_ids) + len(s.output_ids) for s in seqs) > LLAMA3_ROPE["original_max_position_embeddings"]
     _check(folder, seqs)
+
+
+def test_mistral_is_served_within_its_sliding_window(tmp_path):
+    from shared.tokenizer import Tokenizer
+
+    folder = build_model(tmp_path / "mistral", "mistral")
+    assert Tokenizer(folder).context_length == 48  # what the api checks prompts against
+    engine = make_engine(folder, budget=16)
+    assert engine.runner.context_length == 48
+    fitting = [t for t in prompts(16, seed=2) if len(engine.tokenizer.encode(t)) < 40][:6]  # as the api admits
+    seqs = run(engine, fitting, arrive_every=2)
+    assert len(seqs) >= 3 and all(len(s.prompt_ids) + len(s.output_ids) <= 48 for s in seqs)
+    assert any(len(s.prompt_ids) + len(s.output_ids) == 48 for s in seqs)  # some ran to the window's end
+    _check(folder, [s for s in seqs if len(s.output_ids) == 16])  # those transformers' generate also ends there
