@@ -146,7 +146,7 @@ print(json.dumps(out))
 
 def side(env: dict[str, str], *calls: str) -> dict:
     """Run model_paths' `calls` in a process of its own with `env`; their results."""
-    done = subprocess.run([sys.executable, "-c", SIDE, *calls], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", SIDE, *calls], env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -247,7 +247,7 @@ def test_a_missing_repo_or_revision_is_named(hub, env, tiny_llama):
     hub.push("org/tiny", folder_files(tiny_llama), "main")
     for extra in ({"STREAMQ_MODEL": "org/absent"}, {"STREAMQ_MODEL": "org/tiny", "STREAMQ_MODEL_REVISION": "v9"}):
         done = subprocess.run([sys.executable, "-c", SIDE, "model_dir"], env=env("a", **extra),
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=400)
         assert done.returncode != 0 and "ModelNotFound" in done.stderr
         assert "has no model" in done.stderr and extra["STREAMQ_MODEL"] in done.stderr
 
