@@ -88,7 +88,9 @@ def install_embedding(model: nn.Module, dtype: torch.dtype, head=None) -> None:
 def release_projections(model: nn.Module) -> None:
     """Drop the modules' references to their quantized weights once a runner's fused Weights hold
     them packed (unpacked, a 4-bit code takes a byte); no other runner can be built on the model
-    after. A quantized embedding keeps its table."""
+    after. A quantized embedding keeps its table. A model with nothing quantized is left as it is."""
+    if not is_quantized(model):
+        return
     for module in [*(layer.get_submodule(p) for layer in model.model.layers for p in PROJECTIONS), model.lm_head]:
         if quantized(module) is not None:
             del module.quantized
