@@ -82,7 +82,8 @@ def load_weights(settings: WorkerSettings, device: torch.device, dtype: torch.dt
 def gguf_config(settings: WorkerSettings, gguf: Path):
     """The GGUF's transformers config, parsed from the file once (slow: every metadata entry) and
     kept beside its other converted files in the model cache."""
-    folder = gguf_cache(settings, gguf).with_name(gguf_cache(settings, gguf).name + "-config")
+    converted = gguf_cache(settings, gguf)  # stats the file: once
+    folder = converted.with_name(converted.name + "-config")
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder)
     from worker.gguf_weights import gguf_config as parse  # noqa: PLC0415
