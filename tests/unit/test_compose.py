@@ -204,3 +204,11 @@ def test_serve_with_replicas_but_no_nginx_says_how_to_install_it(monkeypatch, ca
     monkeypatch.setattr(serve_module, "find_nginx", lambda: None)
     assert serve_module.serve("127.0.0.1", 18000, api_replicas=2) == 1  # before starting anything
     assert "nginx is not installed" in caplog.text and "apt-get install nginx" in caplog.text
+
+
+def test_dockerfile_copies_every_requirements_file_it_installs():
+    text = (ROOT / "Dockerfile").read_text()
+    copied = {name for line in text.splitlines() if line.startswith("COPY ") for name in line.split()[1:-1]}
+    installed = set(re.findall(r"-r (\S+)", text))
+    assert installed and installed <= copied
+    assert all((ROOT / name).is_file() for name in installed)
