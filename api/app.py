@@ -60,8 +60,11 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics(_tenant: TenantDep):
-        """Needs a key when keys are on, as every route but the health checks."""
+    async def prometheus_metrics(request: Request, _tenant: TenantDep):
+        """Needs a key when keys are on, as every route but the health checks. The backlog gauge is
+        read from Redis now; with Redis away the last sample stays (the sampler logs the outage)."""
+        with contextlib.suppress(*REDIS_DOWN):
+            await request.app.state.replica.models.sample_backlogs()
         return metrics.response()
 
     app.include_router(requests.router)

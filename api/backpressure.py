@@ -77,13 +77,18 @@ class Backpressure:
         while self._samples and now - self._samples[0][0] > WINDOW_S:
             self._samples.popleft()
 
+    async def sample(self) -> None:
+        """Read the backlog now: note the drain and hand the backlog to the gauge (also called by
+        /metrics before it renders, so a scrape never shows a backlog up to a second old)."""
+        waiting, taken = await self.backlog()
+        self._note(taken)
+        if self.on_backlog is not None:
+            self.on_backlog(waiting)
+
     async def _sample_forever(self) -> None:
         while True:
             try:
-                waiting, taken = await self.backlog()
-                self._note(taken)
-                if self.on_backlog is not None:
-                    self.on_backlog(waiting)
+                await self.sample()
             except RedisError as exc:
                 log.warning("backpressure sampler: %s", exc)
             await asyncio.sleep(1.0)

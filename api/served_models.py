@@ -56,6 +56,11 @@ class Models:
         self.default = self.default or generation
         return generation
 
+    async def sample_backlogs(self) -> None:
+        """Every served model's backlog read now, into the queued-requests gauge."""
+        for backpressure in self._backpressure:
+            await backpressure.sample()
+
     async def get(self, name: str | None) -> Generation:
         """The model's Generation; 404 naming the served models when nobody serves `name`."""
         if name is None:
