@@ -112,7 +112,7 @@ def served_context(model_config: dict[str, Any]) -> int:
     window = model_config.get("sliding_window")
     # Only the model types the paged engine runs; transformers' own forward (the static engine)
     # applies a window itself, and hybrid models (Gemma 3) window only some layers.
-    paged = model_config.get("model_type") in ("llama", "mistral", "qwen2", "qwen3")
+    paged = model_config.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "phi3")
     if window and paged and model_config.get("use_sliding_window", True) is not False:
         return min(context, int(window))
     return context

@@ -69,10 +69,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
 
 def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, chat_template: str = CHAT_TEMPLATE,
                 ) -> Path:
-    """A tiny 'llama', 'mistral', 'opt' or 'gpt2' model with its tokenizer in `folder`, of `context` positions.
-    gpt2 has no paged runner: it serves through the static engine."""
+    """A tiny 'llama', 'mistral', 'phi3', 'opt' or 'gpt2' model with its tokenizer in `folder`, of
+    `context` positions. gpt2 has no paged runner: it serves through the static engine."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config
 
     vocab = build_tokenizer(folder, context=context, chat_template=chat_template)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -86,6 +86,10 @@ def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, 
     elif kind == "mistral":  # a sliding window shorter than its context
         config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, initializer_range=0.2, sliding_window=48, **common)
+    elif kind == "phi3":  # q, k, v in one qkv_proj, gate and up in one gate_up_proj
+        config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, initializer_range=0.2, original_max_position_embeddings=context,
+                            **common)
     elif kind == "gpt2":
         config = GPT2Config(n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=context, initializer_range=0.2,
                             vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -118,7 +122,7 @@ def first_layers(folder: Path, target: Path, layers: int) -> Path:
 
 
 def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F32") -> Path:
-    """The tiny llama of `model` as a GGUF file: its BPE vocabulary, the chat template, and its
+    """The tiny llama (or phi3) of `model` as a GGUF file: its BPE vocabulary, the chat template, and its
     tensors in F32, or with every 2-D weight (projections, embedding, head) in `qtype` (Q8_0, Q4_0,
     Q5_0, ...: the block types gguf-py quantizes) and the norms in F32."""
     import gguf
@@ -131,7 +135,8 @@ def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F
     special = {t["content"] for t in tokenizer["added_tokens"]}
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(context)
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -140,15 +145,17 @@ def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([token for token, _ in vocab])
     writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     for name, tensor in load_file(model / "model.safetensors").items():
         data, kind = tensor.to(torch.float32).numpy(), gguf.GGMLQuantizationType[qtype]
         if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:

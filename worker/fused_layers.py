@@ -117,11 +117,21 @@ class FusedLayer:
     down: Weight
 
 
+def qkv_modules(attn: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of an attention's q, k and v projections, in that order: one for Phi-3 (qkv_proj)."""
+    return [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+def gate_up_modules(mlp: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of an MLP's gate and up projections, gate first: one for Phi-3 (gate_up_proj)."""
+    return [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+
+
 def fusable(model: torch.nn.Module) -> bool:
     """Llama-family layers with SiLU MLPs, no MLP or output biases and no per-head q/k norms."""
     layer = model.model.layers[0]
     return (getattr(model.config, "hidden_act", None) == "silu" and not hasattr(layer.self_attn, "q_norm")
-            and layer.mlp.gate_proj.bias is None and layer.mlp.down_proj.bias is None
+            and gate_up_modules(layer.mlp)[0].bias is None and layer.mlp.down_proj.bias is None
             and layer.self_attn.o_proj.bias is None)
 
 
@@ -141,11 +151,11 @@ def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | Non
             w = concat_rows(found) if found[0] is not None else _concat(modules, "weight")
             return Weight(w, bias, device, kernels)
 
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        bqkv = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
+        qkv = qkv_modules(attn)
+        bqkv = _concat(qkv, "bias") if qkv[0].bias is not None else None
         layers.append(FusedLayer(
             layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-            weight(qkv, bqkv), weight([attn.o_proj]), weight([mlp.gate_proj, mlp.up_proj]), weight([mlp.down_proj])))
+            weight(qkv, bqkv), weight([attn.o_proj]), weight(gate_up_modules(mlp)), weight([mlp.down_proj])))
     return layers
 
 

@@ -21,7 +21,7 @@ from worker import quant_model
 log = logging.getLogger(__name__)
 
 # The model types whose layers the paged runner fuses (worker/model_runner.py's llama family).
-QUANTIZABLE = {"llama", "mistral", "qwen2", "qwen3"}
+QUANTIZABLE = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
 
 
 def pick_device(choice: str) -> torch.device:

@@ -8,7 +8,7 @@ attention is at most three batched calls per layer: no per-request Python loop i
 
 The KV cache is allocated once, at start, and never grows. The weights are transformers'
 own modules; this file only decides how they are called. Llama-family models (Llama,
-Mistral, Qwen2, SmolLM) and OPT run here; other architectures use worker/static_engine.py.
+Mistral, Qwen2, Qwen3, Phi-3, SmolLM) and OPT run here; other architectures use worker/static_engine.py.
 """
 from __future__ import annotations
 
@@ -24,12 +24,16 @@ from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
 SUPPORTED = LLAMA_FAMILY | {"opt"}
 
 
 def supports(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "model_type", None) in SUPPORTED
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind == "phi3":  # its fused qkv_proj and gate_up_proj run on the fused layers only, rotary on whole heads
+        return fusable(model) and float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) == 1.0
+    return kind in SUPPORTED
 
 
 def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:

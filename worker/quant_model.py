@@ -13,9 +13,10 @@ from torch import nn
 
 from worker.quantized import QuantizedWeight, quantize
 
-# Each decoder layer's projections, by their module paths in transformers' llama-family layers.
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Each decoder layer's projections, by their module paths in transformers' llama-family layers
+# (Phi-3 holds q, k, v in one qkv_proj and gate, up in one gate_up_proj): a layer has some of them.
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.down_proj")
 BITS = {"int8": 8, "int4": 4}
 GROUP = 32  # k per scale: Q8_0's and Q4_0's block
 
@@ -28,13 +29,24 @@ def is_quantized(model: nn.Module) -> bool:
     return any(quantized(module) is not None for module in model.modules())
 
 
+def projections(layer: nn.Module) -> list[nn.Module]:
+    """The decoder layer's projection modules (those of PROJECTIONS it has)."""
+    found = []
+    for path in PROJECTIONS:
+        try:
+            found.append(layer.get_submodule(path))
+        except AttributeError:
+            continue
+    return found
+
+
 def compress(model: nn.Module, method: str) -> None:
     """Weight-only, group-wise compression at load (`method`: int8 or int4) of every projection
     and the head; a head tied to the embedding shares its quantized weight with it."""
     bits = BITS[method]
     for layer in model.model.layers:
-        for path in PROJECTIONS:
-            _quantize_module(layer.get_submodule(path), bits)
+        for module in projections(layer):
+            _quantize_module(module, bits)
     embed, head = model.model.embed_tokens, model.lm_head
     tied = head.weight is embed.weight
     _quantize_module(head, bits)
@@ -91,7 +103,7 @@ def release_projections(model: nn.Module) -> None:
     after. A quantized embedding keeps its table. A model with nothing quantized is left as it is."""
     if not is_quantized(model):
         return
-    for module in [*(layer.get_submodule(p) for layer in model.model.layers for p in PROJECTIONS), model.lm_head]:
+    for module in [*(m for layer in model.model.layers for m in projections(layer)), model.lm_head]:
         if quantized(module) is not None:
             del module.quantized
 

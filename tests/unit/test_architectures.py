@@ -1,6 +1,7 @@
 """Architectures' variants on the paged engine, token for token against transformers in fp32:
-Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module), and Mistral
-with a sliding window (served within the window, where its attention sees every key)."""
+Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module), Mistral
+with a sliding window (served within the window, where its attention sees every key), and
+Phi-3 (fused qkv_proj and gate_up_proj modules; compressed to int8 in test_quant_model.py)."""
 from __future__ import annotations
 
 import json
@@ -41,3 +42,24 @@ def test_mistral_is_served_within_its_sliding_window(tmp_path):
     assert len(seqs) >= 3 and all(len(s.prompt_ids) + len(s.output_ids) <= 48 for s in seqs)
     assert any(len(s.prompt_ids) + len(s.output_ids) == 48 for s in seqs)  # some ran to the window's end
     _check(folder, [s for s in seqs if len(s.output_ids) == 16])  # those transformers' generate also ends there
+
+
+def test_phi3_runs_on_the_fused_layers_and_matches_transformers(tmp_path):
+    folder = build_model(tmp_path / "phi3", "phi3")
+    engine = make_engine(folder, budget=16)
+    assert engine.runner.fused is not None  # the paged engine, not the static one
+    seqs = run(engine, prompts(6, seed=5), arrive_every=2)
+    _check(folder, seqs)
+
+
+
+def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from worker.model_runner import supports
+
+    folder = build_model(tmp_path / "phi3", "phi3")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert supports(model)
+    model.config.partial_rotary_factor = 0.75  # Phi-4-mini's: rotary on 3/4 of each head, which the kernels do not do
+    assert not supports(model)

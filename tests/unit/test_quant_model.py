@@ -10,7 +10,7 @@ import torch
 
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import write_tiny_gguf
+from tests.tiny_models import build_model, write_tiny_gguf
 from tests.unit.test_engine import prompts, run
 from worker import kernels, quant_model
 from worker.batcher import Batcher
@@ -54,10 +54,22 @@ def test_a_compressed_model_decodes_as_its_float_twin(tiny_llama, tmp_path, meth
     engine = engine_of(model, tiny_llama, isa)
     # No float copy of a quantized weight is left: the modules hold empty placeholders.
     for layer in model.model.layers:
-        for path in quant_model.PROJECTIONS:
-            assert layer.get_submodule(path).weight.numel() == 0, path
+        assert len(quant_model.projections(layer)) == 7
+        assert all(module.weight.numel() == 0 for module in quant_model.projections(layer))
     assert model.lm_head.weight.numel() == 0
     assert [s.output_ids for s in run(engine, texts)] == want
+
+
+def test_phi3_compressed_decodes_as_its_float_twin(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj modules are compressed, and run, as one projection each."""
+    folder = build_model(tmp_path / "phi3", "phi3")
+    texts = prompts(6, seed=3)
+    want = [s.output_ids for s in run(engine_of(float_twin(folder, "int8"), folder), texts)]
+    model = compressed(folder, "int8", tmp_path / "cache")
+    for layer in model.model.layers:
+        assert [type(m.quantized).__name__ for m in quant_model.projections(layer)] == ["QuantizedWeight"] * 4
+    assert quant_model.quantized(model.model.layers[0].self_attn.qkv_proj).shape == (4 * 16 + 2 * 2 * 16, 64)
+    assert [s.output_ids for s in run(engine_of(model, folder), texts)] == want
 
 
 def test_compression_is_refused_where_no_quantized_path_runs(tiny_opt, tmp_path):
@@ -80,6 +92,21 @@ def test_a_gguf_file_served_quantized_decodes_as_transformers_dequantized_load(t
     texts = prompts(5, seed=11)
     want = [s.output_ids for s in run(engine_of(theirs, tiny_llama), texts)]
     assert [s.output_ids for s in run(engine_of(model, tiny_llama), texts)] == want
+
+
+def test_a_phi3_gguf_file_served_quantized_decodes_as_transformers_dequantized_load(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = build_model(tmp_path / "phi3", "phi3")
+    path = write_tiny_gguf(folder, tmp_path / "phi3.Q8_0.gguf", qtype="Q8_0")
+    model = load_weights(WorkerSettings(_env_file=None, model=str(path), model_cache_dir=tmp_path / "cache"),
+                         CPU, torch.float32)
+    assert model.config.model_type == "phi3"
+    assert quant_model.quantized(model.model.layers[0].mlp.gate_up_proj).shape == (2 * 128, 64)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    texts = prompts(5, seed=11)
+    want = [s.output_ids for s in run(engine_of(theirs, folder), texts)]
+    assert [s.output_ids for s in run(engine_of(model, folder), texts)] == want
 
 
 def test_prefix_caching_and_chunked_prefill_on_quantized_weights(tiny_llama, tmp_path):
