@@ -40,6 +40,23 @@ def test_bench_poisson_rate_and_seed_stream(stack, tmp_path):
     assert data["summary"]["config"]["request_rate"] == 20
 
 
+def test_bench_bursty_arrivals_and_goodput(stack, tmp_path):
+    data, text = bench(stack, tmp_path, "--num-prompts", "4", "--request-rate", "20", "--burstiness", "0.5",
+                       "--max-tokens", "4", "--ignore-eos", "--goodput", "e2el:3600000", "ttft:3600000")
+    summary = data["summary"]
+    assert summary["config"]["burstiness"] == 0.5
+    # an hour for each target: every completed request meets it
+    assert summary["goodput"]["requests_met"] == summary["completed"] == 4
+    assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
+    assert "goodput" in text and "p90" in text and "HTTP Request" not in text
+
+
+def test_bench_refuses_a_goodput_target_it_does_not_know(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "streamq.cli", "bench", "--url", "http://127.0.0.1:9", "--quiet",
+                           "--goodput", "latency:100"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "ttft, tpot, e2el" in proc.stderr
+
+
 def test_bench_reports_errors_by_kind(stack, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "streamq.cli", "bench", "--url", stack.urls[0], "--quiet",
                            "--endpoint", "openai-chat", "--model", "no-such-model", "--num-prompts", "2"],
