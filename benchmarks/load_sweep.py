@@ -1,0 +1,133 @@
+"""Latency under load: each server swept over request rates, light to past saturation, in one run;
+percentiles and goodput at every rate.
+
+    .venv/bin/python benchmarks/load_sweep.py                      # every pair below
+    .venv/bin/python benchmarks/load_sweep.py --pairs gguf --rates 0.5 1 2 --num-prompts 24
+
+Two pairs, each on the same weights in the same format:
+- `fp32`: streamq with the default model dequantized to fp32 (STREAMQ_GGUF_WEIGHTS=dequantized,
+  STREAMQ_DTYPE=float32) against vLLM's CPU server on that folder in fp32, run as its CPU docs
+  recommend (benchmarks/backends.py: compiled, OpenMP threads bound to every core, tcmalloc and
+  Intel OpenMP preloaded, the same batch and step budget); needs .venv-vllm (make vllm-env);
+- `gguf`: streamq serving the default model's GGUF as stored (quantized) against llama.cpp's
+  `llama-server` on the same file with parallel slots and continuous batching
+  (benchmarks/gguf_peers.py, scripts/llama-cpp.sh).
+
+At each rate, `streamq bench` sends --num-prompts chat prompts (benchmarks/workload_w.json) as a
+Poisson process (--burstiness 1), --max-tokens each, greedy, ignore_eos, on the OpenAI chat
+endpoint, and reports TTFT, TPOT, ITL and E2E at p50/p90/p99, output tok/s and goodput under
+--slo (default TTFT <= 1 s and TPOT <= 150 ms). Servers of a pair run one after the other (each
+started, swept, stopped), so neither takes CPU from the other. Prints a table per pair and
+lscpu's model and flags; --json keeps every report.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.backends import BATCH, BUDGET, KV_CACHE_GB, vllm_serve  # noqa: E402
+from benchmarks.gguf_peers import llama_server  # noqa: E402
+from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
+from shared.model_paths import default_gguf_path, prepare_model, served_name, weights_dir  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+from streamq import bench  # noqa: E402
+
+W = ROOT / "benchmarks" / "workload_w.json"
+LLAMA_SLOT_CONTEXT = 1024  # tokens per llama-server slot: a W prompt and 128 new tokens fit
+
+
+def sweep(url: str, model: str, args) -> list[dict]:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    common = ["--url", url, "--endpoint", "openai-chat", "--model", model, "--prompts", str(W), "--ignore-eos",
+              "--temperature", "0", "--quiet", "--timeout", "1800", "--goodput", *args.slo]
+    asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "2", "--max-tokens", "8"])))  # warm-up
+    reports = []
+    for rate in args.rates:
+        report = asyncio.run(bench.run(parser.parse_args(
+            common + ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
+                      "--request-rate", str(rate), "--burstiness", str(args.burstiness), "--seed", str(args.seed)])))
+        report.pop("config", None)
+        report["rate"] = rate
+        print(f"#   {rate} req/s: {report['output_tokens_per_s']} tok/s, TPOT p50 {report['tpot_ms']['p50']} ms, "
+              f"goodput {report['goodput']['requests_per_s']} req/s", file=sys.stderr)
+        reports.append(report)
+    return reports
+
+
+def servers(pair: str) -> list[tuple[str, Callable[[], AbstractContextManager], str]]:
+    """(system, a context manager yielding its URL, the model name it serves) for each side of `pair`."""
+    settings = WorkerSettings()
+    name = served_name(settings)
+    stack = {"STREAMQ_BATCH_SIZE": str(BATCH), "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(BUDGET),
+             "STREAMQ_DTYPE": "float32", "STREAMQ_KV_CACHE_GB": str(KV_CACHE_GB)}
+    if pair == "fp32":
+        prepare_model(settings)  # the dequantized fp32 folder vLLM loads, and streamq with the setting below
+        fp32 = {**stack, "STREAMQ_GGUF_WEIGHTS": "dequantized"}
+        return [("streamq fp32", lambda: local_stack("sweep-fp32", fp32, timeout_s=900), name),
+                ("vLLM fp32", lambda: vllm_serve(weights_dir(settings), name, "float32", {}), name)]
+    gguf = default_gguf_path()
+
+    @contextmanager
+    def llama() -> Iterator[str]:
+        with llama_server(gguf, BATCH, LLAMA_SLOT_CONTEXT) as (url, _pid):
+            yield url
+    return [("streamq GGUF", lambda: local_stack("sweep-gguf", stack, timeout_s=900), name),
+            ("llama.cpp GGUF", llama, "model")]
+
+
+def table(results: dict[str, list[dict]]) -> None:
+    rows = []
+    for system, reports in results.items():
+        for r in reports:
+            t, p, e = r["ttft_ms"], r["tpot_ms"], r["e2e_ms"]
+            rows.append([r["rate"], system, f"{t['p50']} / {t['p90']} / {t['p99']}",
+                         f"{p['p50']} / {p['p90']} / {p['p99']}", f"{r['itl_ms']['p50']} / {r['itl_ms']['p99']}",
+                         round(e["p50"] / 1000, 1), r["output_tokens_per_s"], r["goodput"]["requests_per_s"],
+                         f"{r['goodput']['requests_met']}/{r['completed'] + r['failed']}"])
+    rows.sort(key=lambda row: row[0])
+    print_table(["rate req/s", "system", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "ITL p50/p99 ms",
+                 "E2E p50 s", "tok/s", "goodput req/s", "met SLO"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", nargs="+", choices=["fp32", "gguf"], default=["fp32", "gguf"])
+    parser.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="the same arrival times for every server")
+    parser.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:150"], help="goodput's targets, NAME:MS")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bench.parse_goodput(args.slo)  # a bad target stops here, not after the first server started
+    everything = {}
+    for pair in args.pairs:
+        results = {}
+        for system, start, model in servers(pair):
+            print(f"# {system}", file=sys.stderr)
+            with start() as url:
+                results[system] = sweep(url, model, args)
+        everything[pair] = results
+        print(f"\n**{pair}**: {args.num_prompts} chat prompts a rate, {args.max_tokens} tokens each, Poisson arrivals "
+              f"(burstiness {args.burstiness}), batch {BATCH}, step budget {BUDGET}; SLO {' '.join(args.slo)}\n")
+        table(results)
+    print(f"\nMachine: {cpu_model()}, {os.cpu_count()} cores (flags: {' '.join(cpu_flags())})")
+    if args.json:
+        args.json.write_text(json.dumps({"results": everything, "cpu": cpu_model(), "flags": cpu_flags(),
+                                         "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
