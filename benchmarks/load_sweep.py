@@ -103,7 +103,7 @@ def table(results: dict[str, list[dict]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", choices=["fp32", "gguf"], default=["fp32", "gguf"])
-    parser.add_argument("--rates", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
+    parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1.0, 2.0, 4.0, 8.0])
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--burstiness", type=float, default=1.0)
