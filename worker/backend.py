@@ -65,6 +65,10 @@ class Backend(Protocol):
     def counts(self) -> Counts:
         """Its running totals, read after each step."""
 
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds its steps spent in each phase, summed so far (worker/engine.py's STEP_PHASES);
+        empty where it does not split them."""
+
 
 class Threaded:
     """A built-in engine (Engine, StaticEngine, NullEngine) as a Backend: its blocking step runs
@@ -125,6 +129,9 @@ class Threaded:
 
     def counts(self) -> Counts:
         return self.engine.counts()
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(getattr(self.engine, "phase_seconds", {}))  # the paged engine's; the others keep none
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False)

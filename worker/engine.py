@@ -13,6 +13,7 @@ engine's state from views the step leaves behind.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -32,6 +33,10 @@ from worker.structured import Compiler, Grammars, follow_grammar
 # still under way: long enough for a burst's usual builds (0.2-0.6 ms each), short against a step.
 BUILD_WAIT_S = 0.005
 IDLE_BUILD_WAIT_S = 0.02
+# Where a step's time goes, summed over the engine's life (Engine.phase_seconds, the worker's
+# streamq:step_phase_seconds): admitting arrivals and cancels; scheduling (batcher, speculation's
+# plan, the sampling batch); the model's forward; sampling, stop checks and detokenizing.
+STEP_PHASES = ("admit", "schedule", "forward", "sample")
 
 
 class Engine:
@@ -49,6 +54,7 @@ class Engine:
         # under a schema ran at 0.89 of free that way, 0.95 with the masks after the forward.
         self.overlap_masks = runner.device.type != "cpu"
         self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
         self._arrivals: list[Sequence] = []  # added since the last step began
         self._arrivals_lock = threading.Lock()
@@ -97,22 +103,32 @@ class Engine:
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
+        clock = time.perf_counter
+        began = clock()
         outputs = self._admit() + self._end_cancelled()
+        admitted = clock()
         scheduled = self.batcher.schedule()
         _stamp_first_step(scheduled)
         if self.speculator:
             self.speculator.plan(scheduled, self.batcher, self.runner.context_length, self._fitting)
+        planned = forwarded = clock()
         if scheduled.chunks:
             batch = self._sampling_batch(scheduled)
+            planned = clock()
             if self.overlap_masks:
                 batch.start_masks(self.runner.vocab_size)  # on llguidance's threads, while the model runs
             try:
                 logits = self.runner.execute(scheduled)
             finally:
                 batch.settle_masks()  # a failed step's fail_all must find the matchers at rest
+            forwarded = clock()
             outputs += self._postprocess(scheduled, logits, batch)
         self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting) + self._compiling
         self.last_step_size = len(scheduled.chunks)
+        ended = clock()
+        for phase, seconds in zip(STEP_PHASES, (admitted - began, planned - admitted, forwarded - planned,
+                                                ended - forwarded)):
+            self.phase_seconds[phase] += seconds
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:

@@ -50,6 +50,9 @@ class WorkerMetrics:
                                     buckets=SIZE_BUCKETS, registry=r)
         self.step_time = Histogram("streamq:step_duration_seconds", "One engine step (schedule, forward, sample).",
                                    buckets=STEP_BUCKETS, registry=r)
+        self.phases = Counter("streamq:step_phase_seconds",
+                              "Seconds of the worker's steps by phase: admit, schedule, forward, sample (the "
+                              "engine's, where it splits them) and publish (tokens to Redis).", ["phase"], registry=r)
         self.prompt_tokens = Counter("streamq:prompt_tokens", "Prompt tokens of requests taken.", registry=r)
         self.generation_tokens = Counter("streamq:generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter("streamq:request_success", "Requests ended, by finish reason.",
@@ -76,6 +79,7 @@ class WorkerMetrics:
                         "preemptions": self.preemptions, "spec_drafts": self.spec_drafts,
                         "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
         self._seen = dict.fromkeys(self._totals, 0)
+        self._phases_seen: dict[str, float] = {}
 
     def serve(self, host: str, port: int, checks: dict[str, Check] | None = None) -> WSGIServer:
         """Start the HTTP server in a thread (its server_port is the port it bound): /metrics, and
@@ -131,6 +135,14 @@ class WorkerMetrics:
             self.kv_usage.set((total - free) / total)
         for name, total in asdict(engine.counts()).items():
             self._advance(name, total)
+        for phase, total in engine.phase_seconds().items():
+            if total > self._phases_seen.get(phase, 0.0):
+                self.phases.labels(phase).inc(total - self._phases_seen.get(phase, 0.0))
+                self._phases_seen[phase] = total
+
+    def published(self, seconds: float) -> None:
+        """A step's publish to Redis took `seconds`."""
+        self.phases.labels("publish").inc(seconds)
 
     def _advance(self, name: str, total: int) -> None:
         """Counters the engine keeps as running totals become Prometheus counters."""

@@ -163,7 +163,9 @@ class WorkerService:
         self.metrics.step(outputs, time.perf_counter() - started, self.backend, self.name)
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
+        published = time.perf_counter()
         await self._retry("publish", lambda: self.publisher.publish(outputs))
+        self.metrics.published(time.perf_counter() - published)
 
     async def _intake(self, block: bool) -> None:
         """Take this worker's share of the queued requests, spread over the lanes; with no free

@@ -205,6 +205,9 @@ class VllmBackend:
     def counts(self) -> Counts:
         return Counts()  # vLLM keeps its own (its prefix cache, preemptions), not read here
 
+    def phase_seconds(self) -> dict[str, float]:
+        return {}  # vLLM's step is one await here: its phases are its own
+
     def kv_blocks(self) -> tuple[int, int] | None:
         return None
 

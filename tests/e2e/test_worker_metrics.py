@@ -46,6 +46,10 @@ def test_worker_metrics_count_what_was_sent(stack):
     assert used + free == worker["kv_blocks_total"]
     assert delta("streamq:prefix_cache_queries_total") >= delta("streamq:prefix_cache_hits_total") >= 0
     assert ("streamq:num_preemptions_total", ()) in after
+    # Where the steps' time went: every phase counted, the forward and the publish took some.
+    phases = {phase: delta("streamq:step_phase_seconds_total", phase=phase)
+              for phase in ("admit", "schedule", "forward", "sample", "publish")}
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["forward"] > 0 and phases["publish"] > 0
 
 
 def test_each_replica_shows_the_models_backlog(stack):
