@@ -108,9 +108,9 @@ template <class S, int Bits>
 void quant_linear_impl(const float* x, const float* xsum, const uint8_t* packed, const float* bias, float* out,
                        int64_t m, int64_t k, int64_t n, int64_t group, bool offset) {
   constexpr bool avx2 = S::kWidth == 8;
-  // AVX-512: 7 rows (14 accumulators). 10 measured 1.2-1.7x slower per call at 32 and 256 rows on an
-  // AMD EPYC with AVX-512 (docs/models.md, "Kernels"); 5 a little slower than 7.
-  constexpr int64_t max_rows = avx2 ? 5 : 7;
+  // AVX-512: 8 rows (16 accumulators). 10 measured 1.2-1.7x slower per call at 32 and 256 rows on an
+  // AMD EPYC with AVX-512 (docs/models.md, "Kernels"), 5 and 7 a little slower than 8.
+  constexpr int64_t max_rows = avx2 ? 5 : 8;
   const int64_t stride = group_bytes(group, Bits, offset), panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = k / group, panel_bytes = groups * stride;
   const int64_t wide = m == 1 ? (avx2 ? 2 : 4) : m == 2 && !avx2 ? 2 : 1;
