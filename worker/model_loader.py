@@ -16,12 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.model_paths import gguf_cache, gguf_file, move_into_place, partial_folder, prepare_model, weights_dir
 from shared.settings import WorkerSettings
+from shared.tokenizer import LLAMA_FAMILY
 from worker import quant_model
 
 log = logging.getLogger(__name__)
 
-# The model types whose layers the paged runner fuses (worker/model_runner.py's llama family).
-QUANTIZABLE = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+# The model types whose layers the paged runner fuses, and so runs quantized.
+QUANTIZABLE = LLAMA_FAMILY
 
 
 def pick_device(choice: str) -> torch.device:

@@ -19,12 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
-from shared.tokenizer import served_context
+from shared.tokenizer import LLAMA_FAMILY, served_context
 from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
 SUPPORTED = LLAMA_FAMILY | {"opt"}
 
 
