@@ -78,8 +78,7 @@ class WorkerMetrics:
         self._totals = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                         "preemptions": self.preemptions, "spec_drafts": self.spec_drafts,
                         "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
-        self._seen = dict.fromkeys(self._totals, 0)
-        self._phases_seen: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # each running total last read, by its key in _advance
 
     def serve(self, host: str, port: int, checks: dict[str, Check] | None = None) -> WSGIServer:
         """Start the HTTP server in a thread (its server_port is the port it bound): /metrics, and
@@ -134,21 +133,21 @@ class WorkerMetrics:
             self.kv_free.set(free)
             self.kv_usage.set((total - free) / total)
         for name, total in asdict(engine.counts()).items():
-            self._advance(name, total)
+            self._advance(self._totals[name], name, total)
         for phase, total in engine.phase_seconds().items():
-            if total > self._phases_seen.get(phase, 0.0):
-                self.phases.labels(phase).inc(total - self._phases_seen.get(phase, 0.0))
-                self._phases_seen[phase] = total
+            self._advance(self.phases.labels(phase), f"phase:{phase}", total)
 
     def published(self, seconds: float) -> None:
         """A step's publish to Redis took `seconds`."""
         self.phases.labels("publish").inc(seconds)
 
-    def _advance(self, name: str, total: int) -> None:
-        """Counters the engine keeps as running totals become Prometheus counters."""
-        if total > self._seen[name]:
-            self._totals[name].inc(total - self._seen[name])
-            self._seen[name] = total
+    def _advance(self, counter, key: str, total: float) -> None:
+        """A running total the engine keeps (its counts, its phase seconds), read under `key`,
+        becomes the Prometheus `counter`: it grows by what the total grew since the last read."""
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[key] = total
 
 
 class _Quiet(WSGIRequestHandler):
