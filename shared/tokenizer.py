@@ -104,23 +104,11 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
-# The llama-family model types the worker's paged runner serves on its fused layers (and keeps
-# quantized): named here, where the api's served_context needs them too, since shared imports no worker code.
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
-
-
 def served_context(model_config: dict[str, Any]) -> int:
-    """The positions a request may use. A model whose attention slides over a window shorter than
-    its context (Mistral's sliding_window) is served within the window, where every key is in
-    reach, so its output is exact: the paged engine attends to the whole context."""
-    context = int(model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048)
-    window = model_config.get("sliding_window")
-    # Only the model types the paged engine runs; transformers' own forward (the static engine)
-    # applies a window itself, and hybrid models (Gemma 3) window only some layers.
-    paged = model_config.get("model_type") in LLAMA_FAMILY
-    if window and paged and model_config.get("use_sliding_window", True) is not False:
-        return min(context, int(window))
-    return context
+    """The positions a request may use: the model's context. Sliding-window layers (Mistral,
+    Phi-3, Qwen2 with use_sliding_window, Gemma 3's local layers) are served with their window
+    applied, on either engine, so a window shorter than the context limits nothing."""
+    return int(model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

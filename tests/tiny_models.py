@@ -69,10 +69,11 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
 
 def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, chat_template: str = CHAT_TEMPLATE,
                 ) -> Path:
-    """A tiny 'llama', 'mistral', 'phi3', 'opt' or 'gpt2' model with its tokenizer in `folder`, of
+    """A tiny 'llama', 'mistral', 'gemma3', 'phi3', 'opt' or 'gpt2' model with its tokenizer in `folder`, of
     `context` positions. gpt2 has no paged runner: it serves through the static engine."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
+                              Phi3Config)
 
     vocab = build_tokenizer(folder, context=context, chat_template=chat_template)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -83,9 +84,14 @@ def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, 
     elif kind == "opt":
         config = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                            word_embed_proj_dim=64, init_std=0.2, **common)
-    elif kind == "mistral":  # a sliding window shorter than its context
+    elif kind == "mistral":  # a sliding window much shorter than its context, and than a prompt
         config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, initializer_range=0.2, sliding_window=48, **common)
+                               num_key_value_heads=2, initializer_range=0.2, sliding_window=13, **common)
+    elif kind == "gemma3":  # local layers (window 13, rotary base 10k) around a global one (1M)
+        config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=13,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  initializer_range=0.2, **common)
     elif kind == "phi3":  # q, k, v in one qkv_proj, gate and up in one gate_up_proj
         config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, initializer_range=0.2, original_max_position_embeddings=context,

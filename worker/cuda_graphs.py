@@ -106,9 +106,12 @@ class DecodeGraphs:
         from worker.model_runner import _Group, _Step
         runner = self.runner
         length = span * runner.block_size
-        mask = torch.arange(length, device=runner.device)[None, :] < self.context[:batch, None]
+        keys, context = torch.arange(length, device=runner.device)[None, :], self.context[:batch, None]
+        mask = keys < context
+        windowed = mask & (keys >= context - runner.window) if runner.window else mask  # sliding-window layers'
         rows = self.rows[:batch]
-        group = _Group(rows, None, None, self.tables[:batch, :span].flatten(), length, mask[:, None, None, :])
+        group = _Group(rows, None, None, self.tables[:batch, :span].flatten(), length, mask[:, None, None, :],
+                       windowed[:, None, None, :])
         step = _Step(self.ids[:batch], self.positions[:batch], self.slots[:batch], [group], rows)
         return runner._llama_fused(step)
 

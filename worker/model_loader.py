@@ -16,13 +16,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.model_paths import gguf_cache, gguf_file, move_into_place, partial_folder, prepare_model, weights_dir
 from shared.settings import WorkerSettings
-from shared.tokenizer import LLAMA_FAMILY
 from worker import quant_model
 
 log = logging.getLogger(__name__)
 
 # The model types whose layers the paged runner fuses, and so runs quantized.
-QUANTIZABLE = LLAMA_FAMILY
+QUANTIZABLE = quant_model.LLAMA_FAMILY
 
 
 def pick_device(choice: str) -> torch.device:

@@ -8,7 +8,8 @@ attention is at most three batched calls per layer: no per-request Python loop i
 
 The KV cache is allocated once, at start, and never grows. The weights are transformers'
 own modules; this file only decides how they are called. Llama-family models (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, SmolLM) and OPT run here; other architectures use worker/static_engine.py.
+Mistral, Qwen2, Qwen3, Phi-3, SmolLM), Gemma 3 and OPT run here, sliding windows applied; other
+architectures use worker/static_engine.py.
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ import torch
 import torch.nn.functional as F
 
 from worker.batcher import SchedulerOutput
-from shared.tokenizer import LLAMA_FAMILY, served_context
+from shared.tokenizer import served_context
 from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 
-SUPPORTED = LLAMA_FAMILY | {"opt"}
+SUPPORTED = quant_model.LLAMA_FAMILY | {"opt", "gemma3_text"}
 
 
 def supports(model: torch.nn.Module) -> bool:
     config = model.config
     kind = getattr(config, "model_type", None)
+    if kind == "gemma3_text":  # softcapped attention scores and bidirectional attention are not done here
+        return config.attn_logit_softcapping is None and not getattr(config, "use_bidirectional_attention", False)
     if kind == "phi3":  # its fused qkv_proj and gate_up_proj run on the fused layers only, rotary on whole heads
         return fusable(model) and float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) == 1.0
     return kind in SUPPORTED
@@ -41,6 +44,20 @@ def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def layer_windows(config) -> list[int]:
+    """Each layer's sliding window (0: it attends to the whole context), as transformers applies it:
+    a query at position p sees keys p-window+1 .. p. The layers `layer_types` names sliding (Qwen2,
+    Qwen3, Gemma 3), or every layer where the config has a window and no layer types (Mistral, Phi-3)."""
+    layers = config.num_hidden_layers
+    window = int(getattr(config, "sliding_window", None) or 0)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return [window if kind == "sliding_attention" else 0 for kind in kinds[:layers]]
+    if getattr(config, "use_sliding_window", True) is False:
+        return [0] * layers
+    return [window] * layers
 
 
 def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
@@ -59,6 +76,7 @@ class _Group:
     blocks: torch.Tensor  # [S * B] cache block of each key block, sequence by sequence (0 for padding)
     span: int  # B * block_size: the key positions each sequence attends over
     mask: torch.Tensor  # [S, 1, Q, B * block_size] True where a query may attend to a key
+    windowed: torch.Tensor | None = None  # the same within the sliding window, for the layers that have one
 
 
 @dataclass
@@ -98,10 +116,14 @@ class PagedRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.arch = "opt" if model.config.model_type == "opt" else "llama"
+        self.arch = {"opt": "opt", "gemma3_text": "gemma3"}.get(model.config.model_type, "llama")
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
-        self.context_length = served_context(model.config.to_dict())  # within a sliding window
+        self.context_length = served_context(model.config.to_dict())
+        # Sliding-window layers attend to the last `window` keys only: the paged kernel skips the
+        # rest, the gathered groups mask them. The cache still holds every position.
+        self.windows = layer_windows(model.config)
+        self.window = max(self.windows)  # one window per model: the config's sliding_window
         fused = self.arch == "llama" and fusable(model)
         if quant_model.is_quantized(model) and not fused:
             raise ValueError(f"quantized weights run on the fused llama-family layers; "
@@ -175,7 +197,8 @@ class PagedRunner:
         if any(p is None for projections in args.values() for p in projections):
             return None
         return ops.Layers([w.ln1 for w in layers], [w.ln2 for w in layers], args["qkv"], args["o"], args["gate_up"],
-                          args["down"], self.model.config.num_attention_heads, self.kv_heads, self.eps, self.scale)
+                          args["down"], self.windows, self.model.config.num_attention_heads, self.kv_heads, self.eps,
+                          self.scale)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -186,6 +209,8 @@ class PagedRunner:
         step = self._prepare(out)
         if self.arch == "opt":
             return self._opt(step)
+        if self.arch == "gemma3":
+            return self._gemma3(step)
         if self.fused is None:
             return self._llama(step)
         if self.kernels is None:
@@ -244,16 +269,22 @@ class PagedRunner:
         q = torch.arange(width)
         real = q[None, :] < length[:, None]  # [S, Q]: a query of the chunk, not padding
         # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk.
-        mask = torch.arange(nblocks * bs)[None, None, :] <= (start[:, None] + q[None, :])[:, :, None]
-        mask &= real[:, :, None]
-        mask[:, :, 0] |= ~real  # padded queries attend somewhere, to stay finite; dropped later
+        keys, position = torch.arange(nblocks * bs)[None, None, :], (start[:, None] + q[None, :])[:, :, None]
+        masks = [keys <= position]
+        if 0 < self.window < nblocks * bs:  # the sliding-window layers' mask: keys position-window+1 .. position
+            masks.append(masks[0] & (keys > position - self.window))
+        for m in masks:
+            m &= real[:, :, None]
+            m[:, :, 0] |= ~real  # padded queries attend somewhere, to stay finite; dropped later
+        masks = [m[:, None].to(dev) for m in masks]
+        mask, windowed = masks[0], masks[-1]
         tokens = (first[:, None] + q[None, :])[real]
         blocks, span = blocks.flatten().to(dev), nblocks * bs
         if width == 1:
-            return _Group(tokens.to(dev), None, None, blocks, span, mask[:, None].to(dev))
+            return _Group(tokens.to(dev), None, None, blocks, span, mask, windowed)
         query_index = torch.where(real, first[:, None] + q[None, :], total)
         unpad = (torch.arange(len(members))[:, None] * width + q[None, :])[real]
-        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks, span, mask[:, None].to(dev))
+        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks, span, mask, windowed)
 
     # -- attention -------------------------------------------------------------------------
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step,
@@ -272,6 +303,7 @@ class PagedRunner:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         q_ext = None
         for g in groups:
+            mask = g.windowed if self.windows[layer] and g.windowed is not None else g.mask
             if g.query_index is None:  # one query per chunk (decodes): no padding to add or drop
                 qg = q[g.tokens][:, :, None]  # [S, H, 1, D]
             else:
@@ -282,9 +314,9 @@ class PagedRunner:
             kg = k_cache.index_select(1, g.blocks).view(self.kv_heads, -1, g.span, self.head_dim).transpose(0, 1)
             vg = v_cache.index_select(1, g.blocks).view(self.kv_heads, -1, g.span, self.head_dim).transpose(0, 1)
             if g.query_index is None:
-                og = _decode_attention(qg, kg, vg, g.mask, scale)
+                og = _decode_attention(qg, kg, vg, mask, scale)
             else:
-                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
                                                     enable_gqa=qg.shape[1] != kg.shape[1])
             og = og.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [S*Q, H, D]
             out[g.tokens] = og if g.unpad is None else og[g.unpad]
@@ -344,13 +376,40 @@ class PagedRunner:
             q = ops.rope_cache(w.qkv(x), cos, sin, step.slots, k_cache.view(self.kv_heads, -1, self.head_dim),
                                v_cache.view(self.kv_heads, -1, self.head_dim), heads, self.kv_heads)
             o = torch.empty_like(q)
-            ops.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables, k_cache, v_cache, scale)
+            ops.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables, k_cache, v_cache, scale,
+                                self.windows[i])
             self._attend_groups(i, q, step.groups, scale, o)
             x = ops.add_rms_norm(h, w.o(o.view(total, -1)), w.ln2, eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             y = w.down(F.silu(gate) * up)
         h = (h + y)[step.logits_index]
         return self.lm_head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon))
+
+    def _gemma3(self, step: _Step) -> torch.Tensor:
+        """Gemma 3: embeddings scaled in their module, q and k normalised per head, a norm after the
+        attention and after the MLP as well as before each, local layers (the sliding window, their
+        own rotary base) between global ones, and optionally softcapped logits."""
+        core, config = self.model.model, self.model.config
+        h = core.embed_tokens(step.input_ids)
+        total = h.shape[0]
+        rotary = {}
+        for kind in set(config.layer_types):
+            cos, sin = core.rotary_emb(h[None], step.positions[None], kind)
+            rotary[kind] = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
+        for i, layer in enumerate(core.layers):
+            attn = layer.self_attn
+            cos, sin = rotary[config.layer_types[i]]
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(total, -1, self.head_dim))
+            k = attn.k_norm(attn.k_proj(x).view(total, -1, self.head_dim))
+            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            o = self._attend(i, q, k, v, step, attn.scaling)
+            h = h + layer.post_attention_layernorm(attn.o_proj(o.reshape(total, -1)))
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        logits = self.model.lm_head(core.norm(h[step.logits_index]))
+        cap = config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _opt(self, step: _Step) -> torch.Tensor:
         dec = self.model.model.decoder

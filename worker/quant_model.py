@@ -13,6 +13,9 @@ from torch import nn
 
 from worker.quantized import QuantizedWeight, quantize
 
+# The llama-family model types the paged runner serves on its fused layers (and keeps quantized).
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+
 # Each decoder layer's projections, by their module paths in transformers' llama-family layers
 # (Phi-3 holds q, k, v in one qkv_proj and gate, up in one gate_up_proj): a layer has some of them.
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj", "self_attn.o_proj",

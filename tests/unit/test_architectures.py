@@ -1,6 +1,6 @@
 """Architectures' variants on the paged engine, token for token against transformers in fp32:
 Llama 3.x rope scaling (the runner takes cos/sin from the model's own rotary module), Mistral
-with a sliding window (served within the window, where its attention sees every key), and
+and Gemma 3 with sliding windows (every layer's, or the local layers' only) served past them, and
 Phi-3 (fused qkv_proj and gate_up_proj modules; compressed to int8 in test_quant_model.py)."""
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ import json
 
 import torch
 
+import pytest
+
+from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model
 from tests.unit.test_engine import _check, make_engine, prompts, run
+from worker import kernels
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.model_loader import load_model
+from worker.model_runner import PagedRunner
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -30,18 +39,45 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     _check(folder, seqs)
 
 
-def test_mistral_is_served_within_its_sliding_window(tmp_path):
-    from shared.tokenizer import Tokenizer
+def _windowed_engine(folder, kernels_on: bool) -> Engine:
+    model = load_model(folder, torch.device("cpu"), torch.float32)
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4, kernels.load() if kernels_on else None)
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 16))
 
-    folder = build_model(tmp_path / "mistral", "mistral")
-    assert Tokenizer(folder).context_length == 48  # what the api checks prompts against
-    engine = make_engine(folder, budget=16)
-    assert engine.runner.context_length == 48
-    fitting = [t for t in prompts(16, seed=2) if len(engine.tokenizer.encode(t)) < 40][:6]  # as the api admits
-    seqs = run(engine, fitting, arrive_every=2)
-    assert len(seqs) >= 3 and all(len(s.prompt_ids) + len(s.output_ids) <= 48 for s in seqs)
-    assert any(len(s.prompt_ids) + len(s.output_ids) == 48 for s in seqs)  # some ran to the window's end
-    _check(folder, [s for s in seqs if len(s.output_ids) == 16])  # those transformers' generate also ends there
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "portable"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_sliding_window_layers_match_transformers_past_the_window(tmp_path, kind, kernels_on):
+    """Mistral windows every layer, Gemma 3 its local layers only (each with its own rotary base);
+    the tiny models' window is 13 positions, so most prompts and every output run past it, in
+    prefill chunks of up to 16 and in decodes, on the step kernels and on the portable path."""
+    folder = build_model(tmp_path / kind, kind)
+    assert Tokenizer(folder).context_length == 256  # the whole context is served, not just the window
+    engine = _windowed_engine(folder, kernels_on)
+    assert engine.runner.windows == ([13, 13] if kind == "mistral" else [13, 0, 13])
+    assert (engine.runner.kernels is not None) == (kernels_on and kind == "mistral")  # Gemma 3: module path
+    texts = prompts(8, seed=2)
+    seqs = run(engine, texts, arrive_every=2)
+    assert sum(len(s.prompt_ids) > 13 for s in seqs) >= 4
+    _check(folder, seqs)
+    unwindowed = _windowed_engine(folder, kernels_on)  # the same engine attending to every key
+    unwindowed.runner.windows = [0] * len(unwindowed.runner.windows)
+    unwindowed.runner.window = 0
+    if unwindowed.runner.one_token is not None:
+        unwindowed.runner.one_token = unwindowed.runner._one_token_layers()
+    assert [s.output_ids for s in run(unwindowed, texts, arrive_every=2)] != [s.output_ids for s in seqs]
+
+
+def test_gemma3_runs_on_the_paged_engine(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from worker.model_runner import supports
+
+    folder = build_model(tmp_path / "gemma3", "gemma3")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert supports(model)
+    model.config.attn_logit_softcapping = 50.0  # Gemma 2's softcapped scores: not done by the paged engine
+    assert not supports(model)
 
 
 def test_phi3_runs_on_the_fused_layers_and_matches_transformers(tmp_path):

@@ -60,8 +60,9 @@ def test_rope_cache_rotates_like_transformers_and_writes_each_slot(ops, dtype):
     assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
 
 
+@pytest.mark.parametrize("window", [0, 6])  # 0: the whole context; 6: the last 6 keys (sliding-window layers)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_reads_each_tokens_own_blocks_up_to_its_position(ops, dtype):
+def test_paged_attention_reads_each_tokens_own_blocks_up_to_its_position(ops, dtype, window):
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, blocks, block = 6, 2, 16, 20, 4
     k_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
@@ -70,10 +71,11 @@ def test_paged_attention_reads_each_tokens_own_blocks_up_to_its_position(ops, dt
     q = _randn(6, heads, dim, dtype=dtype, gen=gen)
     out = torch.zeros_like(q)
     tokens, rows, context = torch.tensor([0, 2, 3, 5]), torch.tensor([0, 1, 1, 0]), torch.tensor([17, 9, 1, 20])
-    ops.paged_attention(q, out, tokens, rows, context, tables, k_cache, v_cache, 0.25)
+    ops.paged_attention(q, out, tokens, rows, context, tables, k_cache, v_cache, 0.25, window)
     for t, r, n in zip(tokens.tolist(), rows.tolist(), context.tolist()):
-        keys = k_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, :n].float()
-        values = v_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, :n].float()
+        first = max(0, n - window) if window else 0
+        keys = k_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, first:n].float()
+        values = v_cache[:, tables[r]].reshape(kv_heads, -1, dim)[:, first:n].float()
         query = q[t].float().view(kv_heads, heads // kv_heads, dim)  # the heads of one kv head are adjacent
         want = (torch.softmax(query @ keys.transpose(-1, -2) * 0.25, -1) @ values).reshape(heads, dim)
         torch.testing.assert_close(out[t].float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2,

@@ -212,7 +212,7 @@ at::Tensor rope_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows,
                           const at::Tensor& context, const at::Tensor& tables, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, double scale) {
+                          const at::Tensor& v_cache, double scale, int64_t window) {
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block = k_cache.size(2);
   const int64_t group = heads / kv_heads, n = tokens.numel(), table_width = tables.size(1);
@@ -229,13 +229,16 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
     std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kv_heads, kvh = item % kv_heads;
-      const int64_t t = tok[i], length = ctx[i];
+      const int64_t t = tok[i];
+      // Keys first .. ctx[i]-1: the whole context, or the last `window` positions of it.
+      const int64_t first = window > 0 && ctx[i] > window ? ctx[i] - window : 0, length = ctx[i] - first;
       const int64_t* table = tab + row[i] * table_width;
       scores.resize(group * length);
       for (int64_t g = 0; g < group; ++g) load_row(qp + (t * heads + kvh * group + g) * dim, qf.data() + g * dim, dim);
       // Scores: each key once, against the query heads that share its kv head.
       for (int64_t j = 0; j < length; ++j) {
-        const T* k = kc + ((kvh * num_blocks + table[j / block]) * block + j % block) * dim;
+        const int64_t p = first + j;
+        const T* k = kc + ((kvh * num_blocks + table[p / block]) * block + p % block) * dim;
         load_row(k, kf.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
@@ -260,7 +263,8 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < length; ++j) {
-        const T* v = vc + ((kvh * num_blocks + table[j / block]) * block + j % block) * dim;
+        const int64_t p = first + j;
+        const T* v = vc + ((kvh * num_blocks + table[p / block]) * block + p % block) * dim;
         load_row(v, kf.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * length + j];
@@ -281,9 +285,10 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
 
 // For each listed query token tokens[i] of q [T, H, D]: attention over keys 0 .. context[i]-1 of
 // the sequence whose block table is tables[rows[i]], read in place from the layer's cache
-// [Hkv, blocks, block_size, D]; the result goes to out[tokens[i]].
+// [Hkv, blocks, block_size, D]; the result goes to out[tokens[i]]. window > 0: over the last
+// `window` of those keys only (a sliding-window layer: a query at position p sees p-window+1 .. p).
 void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
-                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale) {
+                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
               "q and out must be contiguous [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -296,7 +301,7 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
   for (const auto& t : {out, k_cache, v_cache})
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "every tensor must have q's dtype");
   float_or_bfloat16(q.scalar_type(), "paged_attention", [&](auto type) {
-    paged_attention_impl<decltype(type)>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale);
+    paged_attention_impl<decltype(type)>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window);
   });
 }
 
@@ -341,14 +346,17 @@ struct Projection {
 struct Layers {
   std::vector<at::Tensor> ln1, ln2;
   std::vector<Projection> qkv, o, gate_up, down;
+  std::vector<int64_t> windows;  // each layer's sliding window, 0 where it attends to the whole context
   int64_t heads, kv_heads;
   double eps, scale;
 
   Layers(std::vector<at::Tensor> ln1, std::vector<at::Tensor> ln2, std::vector<Projection> qkv,
-         std::vector<Projection> o, std::vector<Projection> gate_up, std::vector<Projection> down, int64_t heads,
-         int64_t kv_heads, double eps, double scale)
+         std::vector<Projection> o, std::vector<Projection> gate_up, std::vector<Projection> down,
+         std::vector<int64_t> windows, int64_t heads, int64_t kv_heads, double eps, double scale)
       : ln1(std::move(ln1)), ln2(std::move(ln2)), qkv(std::move(qkv)), o(std::move(o)), gate_up(std::move(gate_up)),
-        down(std::move(down)), heads(heads), kv_heads(kv_heads), eps(eps), scale(scale) {}
+        down(std::move(down)), windows(std::move(windows)), heads(heads), kv_heads(kv_heads), eps(eps), scale(scale) {
+    TORCH_CHECK(this->windows.size() == this->qkv.size(), "one window a layer");
+  }
 
   // h [T, hidden] (updated in place); returns h after the last layer's residual.
   at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache,
@@ -361,7 +369,7 @@ struct Layers {
       at::Tensor q = rope_cache(qkv[i](x), cos, sin, slots, kc.view({kv_heads, -1, dim}), vc.view({kv_heads, -1, dim}),
                                 heads, kv_heads);
       at::Tensor attended = at::empty_like(q);
-      paged_attention(q, attended, tokens, rows, context, tables, kc, vc, scale);
+      paged_attention(q, attended, tokens, rows, context, tables, kc, vc, scale, windows[i]);
       x = add_rms_norm(h, o[i](attended.view({total, -1})), ln2[i], eps);
       at::Tensor gu = gate_up[i](x);
       const int64_t inter = gu.size(1) / 2;
@@ -377,7 +385,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("add_rms_norm", &add_rms_norm, "out = rms_norm(h + y), h updated to h + y");
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
-  m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place");
+  m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place", py::arg("q"),
+        py::arg("out"), py::arg("tokens"), py::arg("rows"), py::arg("context"), py::arg("tables"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("scale"), py::arg("window") = 0);
   m.def("pack_panels", &pack_panels, "a weight [N, K] in 32-column panels, for panel_linear");
   m.def("panel_linear", &panel_linear, "x @ w.T (+ bias), w as pack_panels(w) and its row count (panel_dtypes)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias"), py::arg("isa") = "auto");
@@ -394,7 +404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Projection::operator());
   py::class_<Layers>(m, "Layers")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Projection>, std::vector<Projection>,
-                    std::vector<Projection>, std::vector<Projection>, int64_t, int64_t, double, double>())
+                    std::vector<Projection>, std::vector<Projection>, std::vector<int64_t>, int64_t, int64_t, double,
+                    double>())
       .def("run", &Layers::run, "the layers of a one-token step");
   // The projection kernels' ISAs on this CPU, widest first ("auto" picks the first), and the
   // dtypes panel_linear computes on the widest: none where the list is empty (the portable path).
