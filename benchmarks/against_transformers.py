@@ -36,7 +36,10 @@ def main() -> int:
     settings = WorkerSettings()
     engine = build_engine(settings)
     runner = getattr(engine, "runner", None)
-    print(f"{settings.model}: {type(engine).__name__}, windows {sorted(set(getattr(runner, 'windows', [])))}")
+    fused = getattr(runner, "fused", None)
+    held = "" if fused is None else (f", weights {runner.weight_bytes() / 2**20:.0f} MiB "
+                                     f"({'quantized' if runner.lm_head.quant is not None else 'float'})")
+    print(f"{settings.model}: {type(engine).__name__}, windows {sorted(set(getattr(runner, 'windows', [])))}{held}")
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     seqs = []
     for i, n in enumerate(args.lengths):

@@ -21,7 +21,7 @@ from worker import quant_model
 log = logging.getLogger(__name__)
 
 # The model types whose layers the paged runner fuses, and so runs quantized.
-QUANTIZABLE = quant_model.LLAMA_FAMILY
+QUANTIZABLE = quant_model.LLAMA_FAMILY | {"gemma3_text"}
 
 
 def pick_device(choice: str) -> torch.device:
@@ -72,7 +72,7 @@ def load_weights(settings: WorkerSettings, device: torch.device, dtype: torch.dt
         model = load_model(weights_dir(settings), device, dtype)
     if step.quantization != "none":
         if model.config.model_type not in QUANTIZABLE or device.type != "cpu":
-            raise ValueError(f"quantization={step.quantization} needs a llama-family model on a CPU "
+            raise ValueError(f"quantization={step.quantization} needs a llama-family or Gemma 3 model on a CPU "
                              f"(this is {model.config.model_type!r} on {device.type})")
         quant_model.compress(model, step.quantization)
     log.info("weights: %.0f MiB (quantized ones counted packed)", quant_model.weight_bytes(model) / 2**20)

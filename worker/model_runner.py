@@ -124,13 +124,16 @@ class PagedRunner:
         # rest, the gathered groups mask them. The cache still holds every position.
         self.windows = layer_windows(model.config)
         self.window = max(self.windows)  # one window per model: the config's sliding_window
-        fused = self.arch == "llama" and fusable(model)
+        # Fused projections (q/k/v and gate/up each one Weight, packed or kept quantized): llama-family
+        # layers, and Gemma 3's, whose norms, q/k norms and GELU still run as its modules' own code.
+        fused = (self.arch == "llama" and fusable(model)) or self.arch == "gemma3"
         if quant_model.is_quantized(model) and not fused:
-            raise ValueError(f"quantized weights run on the fused llama-family layers; "
+            raise ValueError(f"quantized weights run on the fused llama-family or Gemma 3 layers; "
                              f"model_type={model.config.model_type!r} has none")
         # Decode graphs (graph_batch > 0, fused llama layers without the CPU kernels) pad their
         # batch with rows that write to one more cache block, which the block manager never hands out.
-        graphs = graph_batch > 0 and fused and not (kernels is not None and device.type == "cpu")
+        graphs = (graph_batch > 0 and fused and self.arch == "llama"
+                  and not (kernels is not None and device.type == "cpu"))
         # Head-major: one head's keys of a block are contiguous, so a gather of a sequence's blocks
         # gives each (sequence, head) its [context, head_dim] matrix in one piece for the matmuls.
         shape = (layers, self.kv_heads, num_blocks + graphs, block_size, self.head_dim)
@@ -153,10 +156,10 @@ class PagedRunner:
             self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), device, panels)
             quant_model.install_embedding(model, dtype, self.lm_head.quant)
             first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
-            self.eps = first.input_layernorm.variance_epsilon
+            self.eps = getattr(first.input_layernorm, "variance_epsilon", None)
             self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
-        if self.kernels is not None:
+        if self.kernels is not None and self.arch == "llama":
             self.one_token = self._one_token_layers()
         # Deterministic mode: a token's result depends on its own sequence only. Every chunk, long
         # prefills included, attends through the paged kernel (one query row at a time, its keys in
@@ -164,7 +167,7 @@ class PagedRunner:
         # replay), and every projection computes each row alone (panel_linear, or fixed tiles).
         self.deterministic = deterministic
         if deterministic:
-            if self.kernels is None:
+            if self.kernels is None or self.arch != "llama":
                 raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
                                  "a llama-like model); this worker has none")
             weights = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -386,28 +389,34 @@ class PagedRunner:
         return self.lm_head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon))
 
     def _gemma3(self, step: _Step) -> torch.Tensor:
-        """Gemma 3: embeddings scaled in their module, q and k normalised per head, a norm after the
+        """Gemma 3 on the fused projections (float on the kernels' panels, or kept quantized), with
+        its modules' own norms: embeddings scaled, q and k normalised per head, a norm after the
         attention and after the MLP as well as before each, local layers (the sliding window, their
-        own rotary base) between global ones, and optionally softcapped logits."""
-        core, config = self.model.model, self.model.config
+        own rotary base) between global ones, and optionally softcapped logits. With the CPU
+        kernels, decodes and short chunks attend through the paged kernel, as the llama layers'."""
+        core, config, paged = self.model.model, self.model.config, step.paged
         h = core.embed_tokens(step.input_ids)
-        total = h.shape[0]
+        total, heads = h.shape[0], config.num_attention_heads
+        sizes = [heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         rotary = {}
         for kind in set(config.layer_types):
             cos, sin = core.rotary_emb(h[None], step.positions[None], kind)
             rotary[kind] = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
-        for i, layer in enumerate(core.layers):
+        for i, (layer, w) in enumerate(zip(core.layers, self.fused)):
             attn = layer.self_attn
             cos, sin = rotary[config.layer_types[i]]
-            x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).view(total, -1, self.head_dim))
-            k = attn.k_norm(attn.k_proj(x).view(total, -1, self.head_dim))
-            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            q, k, v = w.qkv(layer.input_layernorm(h)).split(sizes, dim=-1)
+            q = attn.q_norm(q.reshape(total, heads, self.head_dim))
+            k = attn.k_norm(k.reshape(total, self.kv_heads, self.head_dim))
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            o = self._attend(i, q, k, v, step, attn.scaling)
-            h = h + layer.post_attention_layernorm(attn.o_proj(o.reshape(total, -1)))
-            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-        logits = self.model.lm_head(core.norm(h[step.logits_index]))
+            o = self._attend(i, q, k, v.reshape(total, self.kv_heads, self.head_dim), step, attn.scaling)
+            if paged is not None:
+                self.kernels.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables,
+                                             self.k_cache[i], self.v_cache[i], attn.scaling, self.windows[i])
+            h = h + layer.post_attention_layernorm(w.o(o.view(total, -1)))
+            gate, up = w.gate_up(layer.pre_feedforward_layernorm(h)).chunk(2, dim=-1)
+            h = h + layer.post_feedforward_layernorm(w.down(layer.mlp.act_fn(gate) * up))
+        logits = self.lm_head(core.norm(h[step.logits_index]))
         cap = config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

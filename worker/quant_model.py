@@ -1,4 +1,4 @@
-"""A llama-family model whose projections, embedding and head stay quantized in memory.
+"""A llama-family or Gemma 3 model whose projections, embedding and head stay quantized in memory.
 
 A module whose weight is quantized carries it as `module.quantized` (a QuantizedWeight) and
 holds an empty placeholder as its `weight`: the GGUF loader (worker/gguf_weights.py) builds

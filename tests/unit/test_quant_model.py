@@ -72,8 +72,23 @@ def test_phi3_compressed_decodes_as_its_float_twin(tmp_path):
     assert [s.output_ids for s in run(engine_of(model, folder), texts)] == want
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemma3_compressed_decodes_as_its_float_twin(tmp_path, isa):
+    """Gemma 3's projections and tied head kept quantized on the fused Weights, its own norms,
+    q/k norms and GELU around them; past its 13-position window, on the kernels and portably."""
+    folder = build_model(tmp_path / "gemma3", "gemma3")
+    texts = prompts(6, seed=3)
+    want = [s.output_ids for s in run(engine_of(float_twin(folder, "int8"), folder, isa), texts)]
+    model = compressed(folder, "int8", tmp_path / "cache")
+    assert quant_model.quantized(model.model.embed_tokens) is quant_model.quantized(model.lm_head) is not None
+    engine = engine_of(model, folder, isa)
+    assert engine.runner.fused is not None and engine.runner.lm_head.quant is not None
+    assert isinstance(model.model.embed_tokens, quant_model.QuantizedEmbedding)  # scaled by sqrt(hidden) there
+    assert [s.output_ids for s in run(engine, texts)] == want
+
+
 def test_compression_is_refused_where_no_quantized_path_runs(tiny_opt, tmp_path):
-    with pytest.raises(ValueError, match="quantization=int8 needs a llama-family model"):
+    with pytest.raises(ValueError, match="quantization=int8 needs a llama-family or Gemma 3 model"):
         compressed(tiny_opt, "int8", tmp_path)
 
 
