@@ -13,3 +13,12 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, w
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+def until_sync(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
+    """`until` for synchronous tests."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_s} s")
+        time.sleep(0.01)

@@ -7,9 +7,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared import redis_keys
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy, submit, token_ids, wait_done
 from tests.stack import stream_events
+from tests.waiting import until_sync
 
 PROMPTS = ["Once", "The capital of France is", "안녕하세요, 반갑습니다. 😀 and then a longer tail of words here",
            "a b c", "Streams, batches and caches", "x", "Paris. The capital of Korea is Seoul. And the", "🚀🚀"]
@@ -112,13 +114,25 @@ def test_chat_messages_use_the_template(stack, client):
 
 
 def test_disconnecting_a_stream_cancels_its_request(stack, client):
+    """The worker is paused from the first token until the api has flagged the cancel, so the tiny
+    model cannot finish its 200 tokens first, however slowly a loaded machine notices the hang-up."""
     api = stack.urls[0]
-    with client.stream("POST", f"{api}/v1/requests",
-                       json={"prompt": "Go on", "max_tokens": 200, "ignore_eos": True, "stream": True}) as reply:
-        rid = reply.headers["X-Request-Id"]
-        for line in reply.iter_lines():
-            if line.startswith("id: "):
-                break  # one token arrived: the request is running; now hang up
+    paused = False
+    try:
+        with client.stream("POST", f"{api}/v1/requests",
+                           json={"prompt": "Go on", "max_tokens": 200, "ignore_eos": True, "stream": True}) as reply:
+            rid = reply.headers["X-Request-Id"]
+            for line in reply.iter_lines():
+                if line.startswith("id: "):
+                    stack.pause_worker()
+                    paused = True
+                    break  # one token arrived: the request is running; now hang up
+        with stack.redis() as r:
+            record = redis_keys.request_record(stack.prefix, rid)
+            until_sync(lambda: r.hget(record, "cancel_requested") == "1", 30, "the api flagged the cancel")
+    finally:
+        if paused:
+            stack.resume_worker()
     state = wait_done(client, api, rid)
     assert state["status"] == "cancelled" and state["finish_reason"] == "cancelled"
     assert state["completion_tokens"] < 200
