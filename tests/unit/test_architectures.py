@@ -99,3 +99,15 @@ def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_p
     assert supports(model)
     model.config.partial_rotary_factor = 0.75  # Phi-4-mini's: rotary on 3/4 of each head, which the kernels do not do
     assert not supports(model)
+
+
+def test_each_layers_window_is_the_one_transformers_applies():
+    from transformers import MistralConfig, Qwen2Config
+
+    from worker.model_runner import layer_windows
+
+    assert layer_windows(Qwen2Config(num_hidden_layers=3)) == [0, 0, 0]  # use_sliding_window off
+    qwen = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert layer_windows(qwen) == [0, 8, 8]  # from max_window_layers on, as its layer_types say
+    assert layer_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [0, 0]
+    assert layer_windows(MistralConfig(num_hidden_layers=2, sliding_window=4096)) == [4096, 4096]
