@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/engine.py                       # dtype: what dtype=auto picks here
     .venv/bin/python benchmarks/engine.py --dtype bfloat16 --modes matmul-ref,streamq,openvino,single
+    .venv/bin/python benchmarks/engine.py --dtype float32 --weights as-served --modes streamq,single,openvino \
+        --openvino-weights int4      # the default GGUF kept quantized against OpenVINO's int4
 
 Workload W (benchmarks/workload_w.json): 32 chat-templated prompts sent at once, 64 new tokens
 each, greedy, ignore_eos, on the default model. Modes:
@@ -54,7 +56,7 @@ from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
-from worker.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 
 SYSTEM = ("You are a careful, friendly assistant for a public library. Answer in plain words, keep answers short, "
           "cite no sources you cannot name, and when a question is about opening hours, membership, borrowing "
@@ -174,13 +176,15 @@ def run_hf_batch(model, prompts, new_tokens) -> dict:
 
 
 def run_openvino(settings, prompts, new_tokens, single_requests, dtype, threads, batch, budget,
-                 kv_like_model=False) -> list[dict]:
+                 kv_like_model=False, weights="fp32") -> list[dict]:
     """W, then one stream, through OpenVINO GenAI's continuous batching (a child process). Its KV
-    cache is u8 by default on CPU; kv_like_model keeps it in the run's dtype, as streamq does."""
+    cache is u8 by default on CPU; kv_like_model keeps it in the run's dtype, as streamq does.
+    `weights`: the IR's weight format (fp32, or NNCF's int8 or int4)."""
     source = weights_dir(settings)
-    ir = openvino_peer.export(source, settings.model_cache_dir / f"{source.name}-openvino-fp32")
-    runs = [{"name": "openvino", "prompts": prompts, "new_tokens": new_tokens, "sequential": False},
-            {"name": "single-openvino", "prompts": prompts[:single_requests], "new_tokens": new_tokens,
+    ir = openvino_peer.export(source, settings.model_cache_dir / f"{source.name}-openvino-{weights}", weights)
+    name = "openvino" if weights == "fp32" else f"openvino-{weights}"
+    runs = [{"name": name, "prompts": prompts, "new_tokens": new_tokens, "sequential": False},
+            {"name": f"single-{name}", "prompts": prompts[:single_requests], "new_tokens": new_tokens,
              "sequential": True}]
     kv = openvino_peer.PRECISION[dtype] if kv_like_model else None
     out = openvino_peer.run(ir, runs, dtype, threads, batch, budget, cache_gb=4,
@@ -200,6 +204,12 @@ def main() -> None:
     parser.add_argument("--single-requests", type=int, default=4, help="requests of the one-stream runs")
     parser.add_argument("--openvino-kv-like-model", action="store_true",
                         help="OpenVINO's KV cache in the run's dtype (like streamq's) instead of its default u8")
+    parser.add_argument("--openvino-weights", default="fp32", choices=sorted(openvino_peer.WEIGHT_FORMATS),
+                        help="the OpenVINO IR's weights: fp32, or compressed by NNCF to int8 or int4 (groups of 32)")
+    parser.add_argument("--weights", default="float", choices=["float", "as-served"],
+                        help="this engine's weights: the model's float folder in --dtype, or as the worker loads "
+                             "them (a GGUF's blocks kept quantized, STREAMQ_QUANTIZATION); with it run only "
+                             "the streamq, single and openvino modes")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -207,7 +217,10 @@ def main() -> None:
     torch.manual_seed(0)
     settings = WorkerSettings()
     tok = Tokenizer(prepare_model(settings))
-    model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, args.dtype))
+    if args.weights == "as-served":
+        model = load_weights(settings, torch.device("cpu"), getattr(torch, args.dtype))
+    else:
+        model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, args.dtype))
     workload = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
     prompts = [tok.encode_chat(m) for m in workload["messages"]]
     new_tokens = workload["max_tokens"]
@@ -233,13 +246,14 @@ def main() -> None:
             results = [run_matmul_ref(model, prompts, new_tokens), gemm_limit(model, prompts, new_tokens)]
         elif mode == "openvino":
             results = run_openvino(settings, prompts, new_tokens, args.single_requests, args.dtype, threads, batch,
-                                   budget, args.openvino_kv_like_model)
+                                   budget, args.openvino_kv_like_model, args.openvino_weights)
         elif mode == "single":  # one stream: this engine with and without its kernels, then transformers generate
             run_streamq(model, tok, prompts[:1], 2, 1, budget)  # warm-up
             results = [run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq", sequential=True),
                        run_streamq(model, tok, one, new_tokens, batch, budget, name="single-streamq-eager",
-                                   sequential=True, use_kernels=False),
-                       run_hf_generate(model, one, new_tokens, name="single-hf-generate")]
+                                   sequential=True, use_kernels=False)]
+            if args.weights == "float":  # transformers' forward has no quantized weights to run on
+                results.append(run_hf_generate(model, one, new_tokens, name="single-hf-generate"))
         elif mode == "prefix":
             shared = [tok.encode_chat([{"role": "system", "content": SYSTEM}] + m) for m in workload["messages"]]
             results = [run_streamq(model, tok, shared, 2, batch, budget, prefix_caching=caching,

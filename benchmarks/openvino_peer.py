@@ -4,8 +4,10 @@ It lives in its own virtualenv (`make openvino-env`: .venv-openvino), so the ben
 runs in .venv, starts this file with that venv's Python: the parent half (`export`, `run`)
 uses only the standard library, and the child half (`main`) imports only openvino.
 
-The model is the converted default model exported once with optimum-cli, fp32 weights, into the
-model cache; the run's dtype becomes OpenVINO's INFERENCE_PRECISION_HINT (bf16 or f32).
+The model is the converted default model exported once with optimum-cli into the model cache, its
+weights in fp32, or compressed by NNCF to int8 or int4 (`--weight-format int8|int4`; int4 in groups
+of 32, every layer, like a Q4 GGUF's blocks); the run's dtype becomes OpenVINO's
+INFERENCE_PRECISION_HINT (bf16 or f32).
 """
 from __future__ import annotations
 
@@ -22,15 +24,22 @@ PRECISION = {"bfloat16": "bf16", "float32": "f32"}
 _request_ids = itertools.count()  # the pipeline's request ids, unique over its life
 
 
-def export(model_dir: Path, out: Path) -> Path:
-    """`out`, exporting the transformers model in `model_dir` to OpenVINO IR there if not done yet."""
+# optimum-cli's arguments for each weight format: int4 in groups of 32 on every layer (its default
+# is groups of 128 and some layers kept in int8), as close as it goes to a GGUF's Q4 blocks.
+WEIGHT_FORMATS = {"fp32": ["--weight-format", "fp32"], "int8": ["--weight-format", "int8"],
+                  "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"]}
+
+
+def export(model_dir: Path, out: Path, weights: str = "fp32") -> Path:
+    """`out`, exporting the transformers model in `model_dir` to OpenVINO IR there if not done yet,
+    its weights in `weights` (WEIGHT_FORMATS)."""
     if (out / "openvino_model.xml").is_file():
         return out
     cli = VENV / "bin" / "optimum-cli"
     if not cli.is_file():
         raise SystemExit(f"{cli} is missing: run `make openvino-env` first")
     print(f"# exporting {model_dir} to {out} (once)", file=sys.stderr)
-    subprocess.run([str(cli), "export", "openvino", "--task", "text-generation-with-past", "--weight-format", "fp32",
+    subprocess.run([str(cli), "export", "openvino", "--task", "text-generation-with-past", *WEIGHT_FORMATS[weights],
                     "-m", str(model_dir), str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
