@@ -9,7 +9,8 @@ tokenizer adds one) cut into chunks of `ctx`; each chunk runs alone from positio
 token replaced by BOS where the model takes one); the negative log-likelihood of each token of a
 chunk's second half, given the tokens before it in the chunk, averaged over every chunk; PPL = e^that.
 Rows: the GGUF kept quantized (its own formats), dequantized to fp32, and the fp32 copy compressed
-at load with STREAMQ_QUANTIZATION=int8 and int4.
+at load with STREAMQ_QUANTIZATION=int8 and int4. Quantized rows run on each kind of activation this
+CPU has: fp32 (the widest of avx512 and avx2) and, with AVX-512 VNNI, int8 (`avx512vnni`).
 """
 from __future__ import annotations
 
@@ -92,6 +93,13 @@ def llama_cpp(gguf: Path, ctx: int) -> float | None:
     return float(match[1])
 
 
+def activation_isas() -> dict[str, str]:
+    """The ISAs to hold quantized rows to: the widest with fp32 activations, and avx512vnni's int8."""
+    runs = kernels.load().isas if kernels.load() is not None else []
+    return {"fp32 activations": kernels.widest_fp32(kernels.load()),
+            **({"int8 activations": "avx512vnni"} if "avx512vnni" in runs else {})}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="STREAMQ_MODEL: a GGUF file (default: the default model's)")
@@ -100,18 +108,22 @@ def main() -> None:
     args = parser.parse_args()
     text = TEXT.read_text()
     gguf = gguf_file(WorkerSettings(_env_file=None, model=args.model))
-    rows = []
+    rows, stored = [], []
     for name in args.formats:
-        ppl, count, mib = ours(args.model, args.ctx, text, **FORMATS[name])
-        rows.append([f"streamq, {name}", f"{ppl:.4f}", count, f"{mib:.0f}"])
-        print(f"# {rows[-1]}", file=sys.stderr)
+        quantized = FORMATS[name] != FORMATS["dequantized, fp32"]
+        for kind, isa in (activation_isas() if quantized else {"": "auto"}).items():
+            ppl, count, mib = ours(args.model, args.ctx, text, cpu_isa=isa, **FORMATS[name])
+            rows.append([f"streamq, {name}" + (f", {kind} ({isa})" if kind else ""), f"{ppl:.4f}", count, f"{mib:.0f}"])
+            print(f"# {rows[-1]}", file=sys.stderr)
+            if name == "GGUF as stored (quantized)":
+                stored.append((rows[-1][0], ppl))
     reference = llama_cpp(gguf, args.ctx) if gguf is not None else None
     if reference is not None:
         rows.append(["llama.cpp llama-perplexity, same GGUF", f"{reference:.4f}", "", ""])
     print(f"\n{gguf.name if gguf else args.model}, {TEXT.name}, ctx {args.ctx}\n")
     print_table(["weights", "PPL", "tokens scored", "weights the steps read, MiB"], rows)
-    if reference is not None:
-        print(f"\nstreamq (GGUF as stored) / llama.cpp: {float(rows[0][1]) / reference:.4f}")
+    for name, ppl in stored if reference is not None else []:
+        print(f"\n{name} / llama.cpp: {ppl / reference:.4f}")
     print(f"\nMachine: {cpu_model()} (flags: {' '.join(cpu_flags())})")
 
 

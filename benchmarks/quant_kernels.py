@@ -6,7 +6,8 @@ For each weight shape (N x K, as x @ w.T) and row count: ms per call (the best o
 of calls, so a busy machine shows its quiet moments) and GB/s of weight streamed (the bytes the
 path holds for the weight, over the call's time: what bounds decoding at small row counts).
 Paths: oneDNN's prepacked fp32 matmul (Weight without panels), panel_linear fp32 and
-quant_linear int8 (group 32) and int4 (group 32, with offsets) on each ISA this CPU runs, and
+quant_linear int8 (group 32) and int4 (group 32, with offsets) on each ISA this CPU runs (on
+avx512vnni: quant_linear_int8, activations rounded to int8), and
 torch's `_weight_int8pack_mm` (one scale per row: not a format of ours, shown for its speed) and
 `_weight_int4pack_mm_for_cpu` (fp32, (q - 8) * scale + zero in groups of 32).
 """
@@ -64,6 +65,12 @@ def paths(ops, w: torch.Tensor) -> dict[str, tuple[int, object]]:
     p8 = ops.pack_quantized(q8.q, q8.scale, q8.offset, 8)
     p4 = ops.pack_quantized(q4.q, q4.scale, q4.offset, 4)
     for isa in ops.isas:
+        if isa == "avx512vnni":  # int8 activations, its own layout; its float panels are avx512's
+            v8 = ops.pack_quantized_int8(q8.q, q8.scale, q8.offset, 8)
+            v4 = ops.pack_quantized_int8(q4.q, q4.scale, q4.offset, 4)
+            out[f"int8 g32 {isa}"] = (v8.numel(), lambda x: ops.quant_linear_int8(x, v8, n, 32, 8, None))
+            out[f"int4 g32 {isa}"] = (v4.numel(), lambda x: ops.quant_linear_int8(x, v4, n, 32, 4, None))
+            continue
         out[f"panel fp32 {isa}"] = (panels.numel() * 4, lambda x, isa=isa: ops.panel_linear(x, panels, n, None, isa))
         out[f"int8 g32 {isa}"] = (p8.numel(), lambda x, isa=isa: ops.quant_linear(x, p8, n, 32, 8, None, isa))
         out[f"int4 g32 {isa}"] = (p4.numel(), lambda x, isa=isa: ops.quant_linear(x, p4, n, 32, 4, None, isa))

@@ -104,7 +104,7 @@ class StepSettings(_Section):
     device: Literal["auto", "cpu", "cuda"]
     cpu_kernels: bool
     kernel_cache_dir: Path
-    cpu_isa: Literal["auto", "avx512", "avx2", "portable"]
+    cpu_isa: Literal["auto", "avx512vnni", "avx512", "avx2", "portable"]
     quantization: Literal["none", "int8", "int4"]
     gguf_weights: Literal["quantized", "dequantized"]
     cuda_graphs: bool
@@ -191,10 +191,11 @@ class WorkerSettings(CommonSettings):
                                                 "off, or where they fail to build, the eager torch ops run.")
     kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
                                    description="Where the CPU step kernels are compiled, once per CPU and source.")
-    cpu_isa: Literal["auto", "avx512", "avx2", "portable"] = Field(
+    cpu_isa: Literal["auto", "avx512vnni", "avx512", "avx2", "portable"] = Field(
         "auto", description="Instruction set of the CPU kernels' projections (panel and quantized matmuls): auto the "
-                            "widest this CPU has; portable none (oneDNN, or dequantize then matmul); one this CPU "
-                            "lacks stops the worker with an error naming both.")
+                            "widest this CPU has; avx512vnni runs quantized weights with int8 activations (rounded "
+                            "per group, as llama.cpp does), avx512 and avx2 with fp32 ones; portable none (oneDNN, "
+                            "or dequantize then matmul); one this CPU lacks stops the worker with an error naming both.")
     quantization: Literal["none", "int8", "int4"] = Field(
         "none", description="Weight-only, group-wise compression of float projections at load (llama-family models "
                             "on the paged engine): int8 (symmetric) or int4 (min-max), 32 weights a scale.")

@@ -7,8 +7,9 @@ the torch version, the compiler flags and the CPU's flags, so a changed source o
 builds anew. When the build fails (no compiler, no ninja) the worker logs why and runs the
 eager path: slower, never broken. `STREAMQ_CPU_KERNELS=false` turns them off.
 
-The projection kernels (panel_linear, quant_linear) run on any ISA the build holds and the CPU
-runs (the module's `isas`, widest first); `STREAMQ_CPU_ISA` holds them to one, or to none
+The projection kernels (panel_linear, quant_linear, quant_linear_int8) run on any ISA the build
+holds and the CPU runs (the module's `isas`, widest first: avx512vnni, whose quantized projections
+round activations to int8, then avx512 and avx2); `STREAMQ_CPU_ISA` holds them to one, or to none
 ("portable": oneDNN for float weights, dequantize-then-matmul in Python for quantized ones).
 """
 from __future__ import annotations
@@ -30,8 +31,9 @@ from shared.settings import StepSettings, WorkerSettings
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "step_kernels.cpp", CSRC / "panel_linear.cpp", CSRC / "quant_linear.cpp"]
-ISAS = ("auto", "avx512", "avx2", "portable")
+SOURCES = [CSRC / "step_kernels.cpp", CSRC / "panel_linear.cpp", CSRC / "quant_linear.cpp",
+           CSRC / "quant_linear_int8.cpp"]
+ISAS = ("auto", "avx512vnni", "avx512", "avx2", "portable")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
@@ -88,6 +90,12 @@ def with_isa(module: ModuleType, isa: str) -> ModuleType | IsaKernels:
         raise ValueError(f"cpu_isa={isa} asked for, but this CPU ({cpu_model()}) runs the projection kernels only on: "
                          f"{', '.join([*module.isas, 'portable'])}")
     return IsaKernels(module, isa)
+
+
+def widest_fp32(module: ModuleType | None) -> str:
+    """The widest ISA of the kernels `module` whose quantized projections keep fp32 activations
+    (all but avx512vnni); "portable" where it runs none."""
+    return next((isa for isa in (module.isas if module is not None else []) if isa != "avx512vnni"), "portable")
 
 
 def cpu_model() -> str:

@@ -34,9 +34,15 @@ class QuantLinear:
         self.group, self.bits, self.bias = w.group, w.bits, bias
         isa = getattr(kernels, "isa", "auto") if kernels is not None else "portable"
         self.isa = "portable" if kernels is None or not kernels.isas else isa
+        # int8 activations on VNNI where "auto" picks it or it is asked for, and the groups are whole quads
+        self.int8 = (self.isa != "portable" and (kernels.isas[0] if isa == "auto" else isa) == "avx512vnni"
+                     and w.group % 4 == 0)
         if self.isa == "portable":
             self.packed, self.codes = None, _pack_codes(w.q, w.bits)
             self.scale, self.offset = w.scale, w.offset
+        elif self.int8:
+            self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, w.bits)
+            self.linear = kernels.quant_linear_int8
         else:
             self.packed = kernels.pack_quantized(w.q, w.scale, w.offset, w.bits)
             self.linear = kernels.quant_linear
@@ -52,6 +58,8 @@ class QuantLinear:
         return self.codes.numel() + sum(t.numel() * 4 for t in (self.scale, self.offset) if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias)
         if self.packed is not None:
             return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias, self.isa)
         return self._portable(x)
@@ -66,14 +74,26 @@ class QuantLinear:
         # pack_quantized's layout: [panel, group, bytes]; a group's bytes hold its `group` rows of
         # 32 codes (8-bit: a byte each; 4-bit: column j in byte j % 16, low nibble for j < 16),
         # then the 32 columns' fp32 scales, then their offsets where there are some.
+        # pack_quantized_int8's: the codes in quads of k, column j's 4 codes in 4 adjacent bytes
+        # (8-bit: bytes 4j.., stored + 128; 4-bit: bytes 4 (j % 16).., low nibble for j < 16).
         blocks = self.packed[index // 32]  # [T, G, bytes]
         column = (index % 32).view(-1, 1, 1, 1)
         t, groups = blocks.shape[:2]
         width = 32 * self.bits // 8
-        codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
-        if self.bits == 8:
+        if self.int8:
+            lanes = 32 if self.bits == 8 else 16
+            codes = blocks[..., :self.group * width].reshape(t, groups * self.group // 4, lanes, 4)
+            lane = (column if self.bits == 8 else column % 16).view(-1, 1, 1, 1)
+            byte = codes.gather(2, lane.expand(t, codes.shape[1], 1, 4)).reshape(t, groups, self.group, 1)
+            if self.bits == 8:
+                q = (byte.to(torch.float32) - 128)
+            else:
+                q = torch.where(column < 16, byte & 15, byte >> 4).to(torch.float32)
+        elif self.bits == 8:
+            codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
             q = codes.gather(3, column.expand(t, groups, self.group, 1)).view(torch.int8).to(torch.float32)
         else:
+            codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
             byte = codes.gather(3, (column % 16).expand(t, groups, self.group, 1))
             q = torch.where(column < 16, byte & 15, byte >> 4).to(torch.float32)
 
@@ -90,6 +110,8 @@ class QuantLinear:
         """This projection for the step kernels' one-token Layers; None on the portable path."""
         if self.packed is None:
             return None
+        if self.int8:
+            return ops.Projection.quantized_int8(self.packed, self.n, self.group, self.bits, self.bias)
         return ops.Projection.quantized(self.packed, self.n, self.group, self.bits, self.bias, self.isa)
 
     def _portable(self, x: torch.Tensor) -> torch.Tensor:

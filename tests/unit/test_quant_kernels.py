@@ -1,5 +1,6 @@
-"""The projection kernels (worker/csrc/quant_linear.cpp, panel_linear.cpp) through Weight, on every
-ISA this CPU runs and on the portable path, against dequantize-then-matmul in float64."""
+"""The projection kernels (worker/csrc/quant_linear.cpp, quant_linear_int8.cpp, panel_linear.cpp)
+through Weight, on every ISA this CPU runs and on the portable path, against dequantize-then-matmul
+in float64 (on avx512vnni, of the activations rounded to int8 as that kernel rounds them)."""
 from __future__ import annotations
 
 import itertools
@@ -25,7 +26,7 @@ def ops():
     return built
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
+@pytest.fixture(params=["avx512vnni", "avx512", "avx2", "portable"])
 def isa(request, ops):
     if request.param != "portable" and request.param not in ops.isas:
         pytest.skip(f"this CPU ({kernels.cpu_model()}) has no {request.param}; its kernels run on: "
@@ -54,13 +55,32 @@ class Reference:
             terms += w.offset.double().abs().repeat_interleave(w.group, 1)
         self.terms = terms.T.contiguous()
 
-    def check(self, got: torch.Tensor, x: torch.Tensor, what: str) -> None:
-        x = x.double()
-        want = F.linear(x, self.dq, self.bias)
+    def check(self, got: torch.Tensor, x: torch.Tensor, what: str, isa: str = "avx512") -> None:
+        if isa == "avx512vnni":  # the codes meet x rounded to int8; the offsets the unrounded x
+            rounded = int8_rounded(x, self.w.group).double()
+            want = rounded @ (self.w.q.double() * self.w.scale.double().repeat_interleave(self.w.group, 1)).T
+            if self.w.offset is not None:
+                want -= x.double() @ self.w.offset.double().repeat_interleave(self.w.group, 1).T
+            if self.bias is not None:
+                want += self.bias
+            x = rounded.abs() + x.double().abs()
+        else:
+            x = x.double()
+            want = F.linear(x, self.dq, self.bias)
         size = x.abs() @ self.terms + (0 if self.bias is None else self.bias.abs())
         error = (got.double() - want).abs() / size
         assert error.max() <= 2 ** -18, \
             f"{what}: worst relative error {error.max():.3g} at {divmod(error.argmax().item(), got.shape[1])}"
+
+
+def int8_rounded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as quant_linear_int8 sees it: per row and group, dx = max|x| / 127 and round(x / dx) * dx,
+    in fp32 with ties to even."""
+    rows, k = x.shape
+    xg = x.float().reshape(rows, k // group, group)
+    dx = xg.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(dx > 0, torch.round(xg / dx), torch.zeros_like(xg))
+    return (codes * dx).reshape(rows, k)
 
 
 @pytest.mark.parametrize("bits,group,offset", FORMATS)
@@ -71,10 +91,25 @@ def test_quantized_projection_is_the_dequantized_matmul_at_every_row_count(ops, 
     with_bias, without = Weight(w, b, CPU, kernels.with_isa(ops, isa)), Weight(w, None, CPU, kernels.with_isa(ops, isa))
     assert with_bias.quant.isa == isa
     biased, plain = Reference(w, b), Reference(w, None)
+    assert with_bias.quant.int8 == (isa == "avx512vnni")
     for rows in ROWS:
         x = torch.randn((rows, k), generator=gen)
-        biased.check(with_bias(x), x, f"{rows} rows, bias")
-        plain.check(without(x), x, f"{rows} rows")
+        x[0, :group] = 0  # a group of zeros rounds to zeros
+        biased.check(with_bias(x), x, f"{rows} rows, bias", isa)
+        plain.check(without(x), x, f"{rows} rows", isa)
+
+
+def test_int8_activations_are_rounded_per_group_to_the_nearest_even_step(ops):
+    """Inputs whose x / dx falls exactly between two integers: the kernel rounds them as
+    int8_rounded does (ties to even), so a reference that rounded away from zero would differ."""
+    if "avx512vnni" not in ops.isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no AVX-512 VNNI; its kernels run on: "
+                    f"{', '.join(ops.isas) or 'none'}")
+    w = QuantizedWeight(torch.eye(32, dtype=torch.int8), torch.ones(32, 1), None, 32, 8)
+    weight = Weight(w, None, CPU, kernels.with_isa(ops, "avx512vnni"))
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.0, 0.0] + [0.0] * 24])  # dx = 1
+    assert weight(x)[0, :8].tolist() == [127.0, 0.0, 2.0, 2.0, 0.0, -2.0, 3.0, 0.0]
+    assert torch.equal(weight(x), int8_rounded(x, 32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -97,10 +132,11 @@ def test_every_isa_gives_the_same_bits(ops):
         pytest.skip(f"this CPU runs one ISA only ({', '.join(ops.isas) or 'none'})")
     gen = torch.Generator().manual_seed(8)
     x = torch.randn((13, 64), generator=gen)
+    fp32 = [isa for isa in ops.isas if isa != "avx512vnni"]  # its activations are int8: its own bits
     for bits, group, offset in FORMATS:
         w = random_weight(40, 64, bits, group, offset, gen)
         packed = ops.pack_quantized(w.q, w.scale, w.offset, bits)
-        outs = [ops.quant_linear(x, packed, 40, group, bits, None, isa) for isa in ops.isas]
+        outs = [ops.quant_linear(x, packed, 40, group, bits, None, isa) for isa in fp32]
         assert all(torch.equal(outs[0], out) for out in outs[1:]), (bits, group, offset)
     panels = ops.pack_panels(torch.randn((40, 64), generator=gen))
     outs = [ops.panel_linear(x, panels, 40, None, isa) for isa in ops.isas]
@@ -130,7 +166,7 @@ def test_bf16_inputs_compute_in_fp32_and_round_once(ops, isa):
     got, full = weight(x), weight(x.float())
     assert got.dtype == torch.bfloat16 and full.dtype == torch.float32
     assert torch.equal(got, full.to(torch.bfloat16))
-    Reference(w, bias.float()).check(full, x.float(), "bf16 x")
+    Reference(w, bias.float()).check(full, x.float(), "bf16 x", isa)
 
 
 @pytest.mark.parametrize("bits,offset", [(4, True), (8, False), (8, True)])
@@ -156,14 +192,14 @@ def test_concatenated_weights_of_different_formats_dequantize_to_the_parts(ops):
 def test_an_isa_this_cpu_lacks_is_refused_naming_both(ops):
     with pytest.raises(RuntimeError, match=r"isa 'avx1024'.*only on: " + (", ".join(ops.isas) or "none")):
         ops.quant_linear(torch.zeros((1, 32)), torch.zeros((1, 1, 640), dtype=torch.uint8), 8, 32, 4, None, "avx1024")
-    missing = [isa for isa in ("avx512", "avx2") if isa not in ops.isas]
+    missing = [isa for isa in ("avx512vnni", "avx512", "avx2") if isa not in ops.isas]
     if not missing:
         pytest.skip(f"this CPU runs every ISA ({', '.join(ops.isas)})")
     with pytest.raises(ValueError, match=f"cpu_isa={missing[0]} .*only on: {', '.join([*ops.isas, 'portable'])}"):
         kernels.with_isa(ops, missing[0])
 
 
-def test_the_isa_setting_takes_the_four_names_only(monkeypatch):
+def test_the_isa_setting_takes_the_five_names_only(monkeypatch):
     monkeypatch.setenv("STREAMQ_CPU_ISA", "portable")
     assert WorkerSettings().cpu_isa == "portable"
     monkeypatch.setenv("STREAMQ_CPU_ISA", "avx3")

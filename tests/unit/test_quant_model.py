@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 
+from shared.messages import RequestPayload
+from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model, write_tiny_gguf
-from tests.unit.test_engine import prompts, run
+from tests.unit.test_engine import NEW_TOKENS, prompts, run
 from worker import kernels, quant_model
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
@@ -21,11 +23,15 @@ from worker.model_runner import PagedRunner
 from worker.speculation import NgramProposer, Speculator
 
 CPU = torch.device("cpu")
-ISAS = ["auto", "portable"]  # the widest kernels this CPU has, and the path any CPU runs
+# The widest kernels this CPU has with fp32 activations, and the path any CPU runs: a float twin
+# decodes alike on both. (AVX-512 VNNI's int8 activations have their own test below.)
+FP32 = "fp32"
+ISAS = [FP32, "portable"]
 
 
 def engine_of(model, folder, isa: str = "auto", prefix: bool = True, budget: int = 32) -> Engine:
-    runner = PagedRunner(model, CPU, 256, 4, kernels.with_isa(kernels.load(), isa))
+    held = kernels.with_isa(kernels.load(), kernels.widest_fp32(kernels.load()) if isa == FP32 else isa)
+    runner = PagedRunner(model, CPU, 256, 4, held)
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, prefix), 8, budget))
 
 
@@ -64,12 +70,12 @@ def test_phi3_compressed_decodes_as_its_float_twin(tmp_path):
     """Phi-3's fused qkv_proj and gate_up_proj modules are compressed, and run, as one projection each."""
     folder = build_model(tmp_path / "phi3", "phi3")
     texts = prompts(6, seed=3)
-    want = [s.output_ids for s in run(engine_of(float_twin(folder, "int8"), folder), texts)]
+    want = [s.output_ids for s in run(engine_of(float_twin(folder, "int8"), folder, FP32), texts)]
     model = compressed(folder, "int8", tmp_path / "cache")
     for layer in model.model.layers:
         assert [type(m.quantized).__name__ for m in quant_model.projections(layer)] == ["QuantizedWeight"] * 4
     assert quant_model.quantized(model.model.layers[0].self_attn.qkv_proj).shape == (4 * 16 + 2 * 2 * 16, 64)
-    assert [s.output_ids for s in run(engine_of(model, folder), texts)] == want
+    assert [s.output_ids for s in run(engine_of(model, folder, FP32), texts)] == want
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -85,6 +91,47 @@ def test_gemma3_compressed_decodes_as_its_float_twin(tmp_path, isa):
     assert engine.runner.fused is not None and engine.runner.lm_head.quant is not None
     assert isinstance(model.model.embed_tokens, quant_model.QuantizedEmbedding)  # scaled by sqrt(hidden) there
     assert [s.output_ids for s in run(engine, texts)] == want
+
+
+def greedy_events(engine: Engine, texts: list[str]) -> dict[str, list]:
+    """Each request's token events, greedy, with the two most likely tokens' logprobs."""
+    events: dict[str, list] = {}
+    for i, text in enumerate(texts):
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
+        engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=engine.tokenizer.encode(text), params=params))
+    while engine.has_work():
+        for out in engine.step():
+            if out.token:
+                events.setdefault(out.seq.payload.id, []).append(out.token)
+    return events
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int8_activations_change_a_greedy_token_only_where_the_float_twin_nearly_ties(tmp_path, kind, method):
+    """AVX-512 VNNI rounds activations to int8 (per row and group), so its tokens are not its float
+    twin's bit for bit. Until a request's first different token, each token's logprob is the twin's
+    within 0.5, and a token differs only where the twin's two best were within 0.5 of each other.
+    A wrong code, scale or offset in the kernel moves logprobs by more, and flips confident tokens."""
+    if "avx512vnni" not in kernels.load().isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no AVX-512 VNNI")
+    folder = build_model(tmp_path / kind, kind)
+    texts = prompts(12, seed=3)
+    want = greedy_events(engine_of(float_twin(folder, method), folder, FP32), texts)
+    engine = engine_of(compressed(folder, method, tmp_path / "cache"), folder, "avx512vnni")
+    assert engine.runner.lm_head.quant.int8
+    got = greedy_events(engine, texts)
+    assert want.keys() == got.keys()
+    compared = 0
+    for rid, theirs in want.items():
+        for i, (a, b) in enumerate(zip(theirs, got[rid])):
+            margin = a.top_logprobs[0][1] - a.top_logprobs[1][1]
+            if a.token_id != b.token_id:
+                assert margin <= 0.5, f"{rid} token {i}: {b.token_id} for {a.token_id}, {margin:.3f} ahead"
+                break
+            assert abs(a.logprob - b.logprob) <= 0.5, f"{rid} token {i}: logprob {b.logprob} for {a.logprob}"
+            compared += 1
+    assert compared >= len(texts) * NEW_TOKENS // 4  # not vacuous: tiny models tie often
 
 
 def test_compression_is_refused_where_no_quantized_path_runs(tiny_opt, tmp_path):
@@ -105,8 +152,8 @@ def test_a_gguf_file_served_quantized_decodes_as_transformers_dequantized_load(t
     assert quant_model.is_quantized(model) and quant_model.quantized(model.model.embed_tokens) is not None
     theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     texts = prompts(5, seed=11)
-    want = [s.output_ids for s in run(engine_of(theirs, tiny_llama), texts)]
-    assert [s.output_ids for s in run(engine_of(model, tiny_llama), texts)] == want
+    want = [s.output_ids for s in run(engine_of(theirs, tiny_llama, FP32), texts)]
+    assert [s.output_ids for s in run(engine_of(model, tiny_llama, FP32), texts)] == want
 
 
 def test_a_phi3_gguf_file_served_quantized_decodes_as_transformers_dequantized_load(tmp_path):
@@ -120,8 +167,8 @@ def test_a_phi3_gguf_file_served_quantized_decodes_as_transformers_dequantized_l
     assert quant_model.quantized(model.model.layers[0].mlp.gate_up_proj).shape == (2 * 128, 64)
     theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     texts = prompts(5, seed=11)
-    want = [s.output_ids for s in run(engine_of(theirs, folder), texts)]
-    assert [s.output_ids for s in run(engine_of(model, folder), texts)] == want
+    want = [s.output_ids for s in run(engine_of(theirs, folder, FP32), texts)]
+    assert [s.output_ids for s in run(engine_of(model, folder, FP32), texts)] == want
 
 
 def test_prefix_caching_and_chunked_prefill_on_quantized_weights(tiny_llama, tmp_path):
@@ -171,11 +218,14 @@ def test_structured_outputs_on_quantized_weights(tiny_llama, tmp_path):
         assert _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2", "portable"])  # each packed layout
 @pytest.mark.parametrize("bits, offset", [(4, True), (8, False), (8, True)])
 def test_a_tied_embedding_reads_its_rows_from_the_heads_packed_table(isa, bits, offset):
     from worker.quant_linear import QuantLinear
     from worker.quantized import QuantizedWeight, quantize
+
+    if isa != "portable" and isa not in kernels.load().isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no {isa}")
 
     w = quantize(torch.randn(70, 64, generator=torch.Generator().manual_seed(bits)), bits, 32)
     if w.offset is None and offset:

@@ -26,4 +26,9 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                         c10::optional<at::Tensor> bias, const std::string& isa);
 
+// quant_linear_int8.cpp: the same weights in VNNI's layout, x rounded to int8 ("avx512vnni").
+at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits);
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
+                             c10::optional<at::Tensor> bias);
+
 }  // namespace streamq

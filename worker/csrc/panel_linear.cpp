@@ -218,7 +218,7 @@ bool panels_for(at::ScalarType dtype, Isa isa) {
 
 std::vector<std::string> panel_dtypes(const std::string& isa) {
   if (runnable_isas().empty()) return {};
-  const Isa chosen = choose_isa(isa);
+  const Isa chosen = float_isa(choose_isa(isa));
   std::vector<std::string> out{"float32"};
   if (panels_for(at::kBFloat16, chosen)) out.push_back("bfloat16");
   return out;
@@ -227,7 +227,7 @@ std::vector<std::string> panel_dtypes(const std::string& isa) {
 // w [N, K] -> its panels (the layout above), the columns past N and a bf16 lone last k zero.
 at::Tensor pack_panels(at::Tensor w) {
   check_rows(w, "w");
-  TORCH_CHECK(!runnable_isas().empty() && panels_for(w.scalar_type(), choose_isa("auto")),
+  TORCH_CHECK(!runnable_isas().empty() && panels_for(w.scalar_type(), float_isa(choose_isa("auto"))),
               "pack_panels: this CPU has no panel_linear for ", w.scalar_type());
   const int64_t n = w.size(0), k = w.size(1), panels = (n + 31) / 32, width = w.scalar_type() == at::kFloat ? 1 : 2;
   const int64_t steps = (k + width - 1) / width;
@@ -252,7 +252,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
   x = x.contiguous();
   check_rows(x, "x");
   const auto dtype = x.scalar_type();
-  const Isa chosen = choose_isa(isa);
+  const Isa chosen = float_isa(choose_isa(isa));
   TORCH_CHECK(panels_for(dtype, chosen) && panels.scalar_type() == dtype, "panel_linear: x and the panels in one "
               "dtype the '", isa, "' kernels compute them in");
   const int64_t m = x.size(0), k = x.size(1), width = dtype == at::kFloat ? 1 : 2;

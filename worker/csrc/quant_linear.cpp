@@ -206,7 +206,7 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                         c10::optional<at::Tensor> bias, const std::string& isa) {
-  const Isa chosen = choose_isa(isa);
+  const Isa chosen = float_isa(choose_isa(isa));
   x = x.contiguous();
   check_rows(x, "x");
   const auto dtype = x.scalar_type();

@@ -332,8 +332,13 @@ struct Projection {
                               std::string isa) {
     return Projection{at::Tensor(), codes, bias, n, group, bits, isa};
   }
+  static Projection quantized_int8(at::Tensor codes, int64_t n, int64_t group, int64_t bits,
+                                   c10::optional<at::Tensor> bias) {
+    return Projection{at::Tensor(), codes, bias, n, group, bits, "avx512vnni"};
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (bits && isa == "avx512vnni") return quant_linear_int8(x, *packed, n, group, bits, bias);
     if (bits) return quant_linear(x, *packed, n, group, bits, bias, isa);
     if (!isa.empty()) return panel_linear(x, *packed, n, bias, isa);
     return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
@@ -394,6 +399,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_dtypes_of", &panel_dtypes, "the dtypes panel_linear computes on an isa", py::arg("isa"));
   m.def("pack_quantized", &pack_quantized, "codes q [N, K] int8, scale and offset [N, K / group] -> quant_linear's "
         "packed weight", py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("bits"));
+  m.def("pack_quantized_int8", &pack_quantized_int8, "pack_quantized's arguments -> quant_linear_int8's VNNI layout",
+        py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("bits"));
+  m.def("quant_linear_int8", &quant_linear_int8, "x @ w.T (+ bias), x rounded to int8 per row and group, w as "
+        "pack_quantized_int8(...) and its row count", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"),
+        py::arg("bits"), py::arg("bias"));
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias), w as pack_quantized(...) and its row count",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"), py::arg("bits"), py::arg("bias"),
         py::arg("isa") = "auto");
@@ -401,6 +411,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("matmul", &Projection::matmul, "a float weight, oneDNN-prepacked or not")
       .def_static("panels", &Projection::panels, "a float weight's panels (pack_panels)")
       .def_static("quantized", &Projection::quantized, "a quantized weight's codes (pack_quantized)")
+      .def_static("quantized_int8", &Projection::quantized_int8, "a quantized weight's codes (pack_quantized_int8)")
       .def("__call__", &Projection::operator());
   py::class_<Layers>(m, "Layers")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Projection>, std::vector<Projection>,
