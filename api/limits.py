@@ -69,11 +69,17 @@ class Limits:
         self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
         self._admit = redis.register_script(_ADMIT)
 
-    async def set(self, tenant: str, rpm: int = 0, tpm: int = 0, concurrent: int = 0, weight: float = 1.0) -> None:
-        if weight <= 0:
+    async def set(self, tenant: str, rpm: int | None = None, tpm: int | None = None, concurrent: int | None = None,
+                  weight: float | None = None) -> None:
+        """Sets the limits given (0: none) and keeps the tenant's others as they were."""
+        if weight is not None and weight <= 0:
             raise ValueError(f"weight must be positive; got {weight}")
-        await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant),
-                              mapping={"rpm": rpm, "tpm": tpm, "concurrent": concurrent, "weight": weight})
+        given = {name: value for name, value in
+                 (("rpm", rpm), ("tpm", tpm), ("concurrent", concurrent), ("weight", weight)) if value is not None}
+        if any(given[name] < 0 for name in ("rpm", "tpm", "concurrent") if name in given):
+            raise ValueError(f"limits are 0 (none) or more; got {given}")
+        if given:
+            await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant), mapping=given)
 
     async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
         """Record the admission of these requests and return the tenant's scheduling weight,

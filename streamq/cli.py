@@ -42,13 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     keys_sub.add_parser("list", help="List the keys: tenant, label, creation time, hint (never the key).")
     revoke = keys_sub.add_parser("revoke", help="Revoke a key, given the key or the hint that `list` shows.")
     revoke.add_argument("key")
-    limits = keys_sub.add_parser("limits", help="Set a tenant's limits (0 = none), shared by all its keys.")
+    limits = keys_sub.add_parser("limits", help="Set a tenant's limits (0 = none), shared by all its keys; "
+                                                "those not given keep their values.")
     limits.add_argument("--tenant", required=True)
-    limits.add_argument("--rpm", type=int, default=0, help="requests per minute")
-    limits.add_argument("--tpm", type=int, default=0, help="tokens per minute (prompt + max_tokens)")
-    limits.add_argument("--concurrent", type=int, default=0, help="unfinished requests at once")
-    limits.add_argument("--weight", type=float, default=1.0,
-                        help="share of the workers' batches relative to other tenants (fair scheduling)")
+    limits.add_argument("--rpm", type=int, help="requests per minute")
+    limits.add_argument("--tpm", type=int, help="tokens per minute (prompt + max_tokens)")
+    limits.add_argument("--concurrent", type=int, help="unfinished requests at once")
+    limits.add_argument("--weight", type=float,
+                        help="share of the workers' batches relative to other tenants (fair scheduling; default 1)")
     from streamq.bench import add_arguments  # noqa: PLC0415 - light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
@@ -102,7 +103,12 @@ def _keys(args: argparse.Namespace) -> int:
             elif args.keys_command == "limits":
                 from api.limits import Limits  # noqa: PLC0415
 
-                await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent, args.weight)
+                try:
+                    await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent,
+                                                                args.weight)
+                except ValueError as exc:
+                    print(exc, file=sys.stderr)
+                    return 2
             elif args.keys_command == "list":
                 for entry in await store.list():
                     created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["created_at"]))

@@ -51,3 +51,17 @@ async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
         await limits.admit("acme", [rid()], 1)
     await redis.hset(redis_keys.request_record(prefix, first), "status", "done")
     await limits.admit("acme", [rid()], 1)  # a finished request frees its slot
+
+
+async def test_setting_one_limit_keeps_the_others(redis, prefix):
+    """`streamq keys limits --weight 2` after `--rpm 60 --tpm 20000 --concurrent 8` keeps those."""
+    limits = Limits(redis, prefix, 600)
+    await limits.set("acme", rpm=60, tpm=20000, concurrent=8)
+    await limits.set("acme", weight=2)
+    assert await redis.hgetall(redis_keys.tenant_limits(prefix, "acme")) == {
+        "rpm": "60", "tpm": "20000", "concurrent": "8", "weight": "2"}
+    assert await limits.admit("acme", [rid()], 1) == 2.0
+    await limits.set("acme", rpm=0)  # 0 lifts one limit
+    assert (await redis.hgetall(redis_keys.tenant_limits(prefix, "acme")))["rpm"] == "0"
+    with pytest.raises(ValueError, match="0 \\(none\\) or more"):
+        await limits.set("acme", tpm=-1)
