@@ -33,6 +33,11 @@ def test_requests_need_a_key(secured):
                            headers=bearer("sq-wrong"))
         assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"
         assert client.get(f"{api}/healthz").status_code == 200  # health needs no key
+        # pages without data are open (docs/security.md): the playground asks for the key
+        for path in ("/", "/docs", "/openapi.json"):
+            assert client.get(f"{api}{path}").status_code == 200, path
+        for path in ("/v1/models", "/v1/cluster"):
+            assert client.get(f"{api}{path}").status_code == 401, path
 
 
 def test_metrics_need_a_key_like_every_route_but_health(secured):
