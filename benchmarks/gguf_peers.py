@@ -120,9 +120,9 @@ def main() -> None:
         rows = []
         for system, runs in rounds.items():
             tps = [r[load_name]["output_tokens_per_s"] for r in runs]
-            rows.append([system, " / ".join(str(t) for t in tps), statistics.median(tps),
-                         statistics.median(r[load_name]["ttft_ms"]["p50"] for r in runs),
-                         statistics.median(r[load_name]["tpot_ms"]["p50"] for r in runs)])
+            rows.append([system, " / ".join(str(t) for t in tps), round(statistics.median(tps), 2),
+                         round(statistics.median(r[load_name]["ttft_ms"]["p50"] for r in runs), 2),
+                         round(statistics.median(r[load_name]["tpot_ms"]["p50"] for r in runs), 2)])
         ratio = rows[0][2] / rows[1][2]
         print(f"**{load_name}** (streamq / llama.cpp, median tok/s: {ratio:.2f}x)\n")
         print_table(["system", "tok/s each round", "median tok/s", "TTFT p50 ms", "TPOT p50 ms"], rows)

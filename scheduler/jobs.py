@@ -22,16 +22,14 @@ async def trim_request_stream(redis: Redis, prefix: str, model: str) -> int:
     An entry is kept while it is unread (after the group's last-delivered id) or pending (read,
     not yet acked: its request may still need reclaiming). Everything older than both goes.
     """
-    return sum([await _trim(redis, stream) for stream in await RequestQueue(redis, prefix, model).streams()])
+    queue = RequestQueue(redis, prefix, model)
+    return sum([await _trim(queue, stream) for stream in await queue.streams()])
 
 
-async def _trim(redis: Redis, stream: str) -> int:
-    try:
-        groups = await redis.xinfo_groups(stream)
-    except ResponseError:  # no such stream yet
-        return 0
-    group = next((g for g in groups if g["name"] == redis_keys.WORKER_GROUP), None)
-    if group is None:
+async def _trim(queue: RequestQueue, stream: str) -> int:
+    redis = queue.redis
+    group = await queue.worker_group(stream)
+    if group is None:  # no such stream or group yet
         return 0
     floor = group["last-delivered-id"]
     pending = await redis.xpending(stream, redis_keys.WORKER_GROUP)
@@ -107,12 +105,9 @@ async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
     """
     store = RequestStore(redis, prefix)
     expired, stamp = 0, now()
-    for stream in await RequestQueue(redis, prefix, model).streams():
-        try:
-            groups = await redis.xinfo_groups(stream)
-        except ResponseError:
-            continue
-        group = next((g for g in groups if g["name"] == redis_keys.WORKER_GROUP), None)
+    queue = RequestQueue(redis, prefix, model)
+    for stream in await queue.streams():
+        group = await queue.worker_group(stream)  # None: nothing read yet (or no stream: no entries)
         start = f"({group['last-delivered-id']}" if group else "-"
         for _entry_id, fields in await redis.xrange(stream, min=start, count=10_000):
             try:

@@ -25,11 +25,12 @@ from redis.asyncio import Redis
 
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, Usage, encode_event, now
+from shared.store import FINISH_LUA
 
 # KEYS: record, token log, channel (one slot: `{id}`).
 # ARGV: entry id, max attempts, encoded "failed" final event, encoded "cancelled" final event, now, ttl.
 # Returns {outcome, 1 if decided now / 0 if decided before for this entry}.
-_DECIDE = """
+_DECIDE = FINISH_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'ended', 1} end  -- expired: nothing to write
 local function order(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -43,24 +44,16 @@ if done then
   if done == ARGV[1] then return {redis.call('HGET', KEYS[1], 'requeue_outcome'), 0} end
 end
 local status = redis.call('HGET', KEYS[1], 'status')
-local function finish(new_status, reason, event, error)
-  redis.call('HSET', KEYS[1], 'status', new_status, 'finish_reason', reason, 'finished_at', ARGV[5])
-  if error then redis.call('HSET', KEYS[1], 'error', error) end
-  redis.call('XADD', KEYS[2], '*', 'e', event)
-  redis.call('SPUBLISH', KEYS[3], event)
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
-end
 local outcome
 if status ~= 'running' and status ~= 'queued' then
   outcome = 'ended'
 elseif redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
-  finish('cancelled', 'cancelled', ARGV[4], false)
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', 'cancelled', ARGV[5], ARGV[4], ARGV[6], false)
   outcome = 'cancelled'
 else
   local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
   if attempts >= tonumber(ARGV[2]) then
-    finish('failed', 'error', ARGV[3],
+    finish(KEYS[1], KEYS[2], KEYS[3], 'failed', 'error', ARGV[5], ARGV[3], ARGV[6],
            'the request took down its worker ' .. attempts .. ' times; it is in the dead-letter stream')
     outcome = 'dead'
   else

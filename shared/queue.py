@@ -21,21 +21,28 @@ from shared.messages import RequestPayload
 
 ANONYMOUS = "-"  # the lane's tenant part when auth is off
 
-# Lua functions for the scripts that need the backlog. lane_backlog: (entries no worker has
+# Lua functions for the scripts that need the backlog. group_info: the fields of `group` on
+# `stream` (a table: name, last-delivered-id, pending, entries-read, lag, ...), nil where the
+# stream or the group does not exist; and whether the stream does. lane_backlog: (entries no worker has
 # taken yet, entries ever taken) of one lane's stream, from its group (its lag and entries-read;
 # where Redis cannot tell the lag, entries-added less entries-read). backlog: the same summed
 # over every lane in the lanes set; it reads the lanes' streams without being given them as
 # KEYS: fine on one Redis, not on a Cluster.
 BACKLOG_LUA = """
-local function lane_backlog(stream, group)
+local function group_info(stream, group)
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if not ok then return 0, 0 end  -- no such stream (yet)
-  local info
+  if not ok then return nil, false end  -- no such stream (yet)
   for _, g in ipairs(groups) do
     local fields = {}
     for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-    if fields['name'] == group then info = fields end
+    if fields['name'] == group then return fields, true end
   end
+  return nil, true
+end
+
+local function lane_backlog(stream, group)
+  local info, exists = group_info(stream, group)
+  if not exists then return 0, 0 end
   if not info then return redis.call('XLEN', stream), 0 end
   local read = tonumber(info['entries-read']) or 0
   local lag = tonumber(info['lag'])
@@ -112,6 +119,15 @@ class RequestQueue:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    async def worker_group(self, stream: str) -> dict | None:
+        """The workers' group on `stream` as XINFO GROUPS gives it (name, last-delivered-id,
+        pending, ...); None where the stream or the group does not exist."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such stream (yet)
+            return None
+        return next((g for g in groups if g["name"] == redis_keys.WORKER_GROUP), None)
 
     async def backlog(self) -> tuple[int, int]:
         """(requests no worker has taken yet, requests ever taken), summed over the lanes."""

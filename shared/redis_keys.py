@@ -27,7 +27,9 @@ def request_stream(prefix: str, model: str, lane: str) -> str:
 
 
 def request_lanes(prefix: str, model: str) -> str:
-    """Set: the lanes that have a request stream for this model (they are never removed)."""
+    """Set: the lanes that have a request stream for this model. A tenant's lane stays; a worker's
+    affinity lane is removed with its stream once it is empty, nothing of it is pending and its
+    worker announces no free slots (worker/intake.py); a request queued there later adds it again."""
     return f"{prefix}:lanes:{{{model}}}"
 
 

@@ -17,6 +17,21 @@ from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
 
+# Ending a request in a script, the one way the scripts here and the scheduler's requeue do it:
+# the record's status, finish reason, end time and error (or none: false), the final event on
+# its token log and channel, and both keys set to expire after `ttl`. (The worker ends the
+# requests it ran in its publish pipeline, worker/publisher.py, with their text and the ack.)
+FINISH_LUA = """
+local function finish(record, log, channel, status, reason, finished_at, event, ttl, error)
+  redis.call('HSET', record, 'status', status, 'finish_reason', reason, 'finished_at', finished_at)
+  if error then redis.call('HSET', record, 'error', error) end
+  redis.call('XADD', log, '*', '%s', event)
+  redis.call('SPUBLISH', channel, event)
+  redis.call('EXPIRE', record, ttl)
+  redis.call('EXPIRE', log, ttl)
+end
+""" % EVENT_FIELD
+
 # KEYS: record. ARGV: worker, started_at. queued → running for this worker; also 1 when the
 # request already runs on this same worker (a retried claim whose first answer was lost).
 _CLAIM = """
@@ -52,15 +67,11 @@ return {1, waiting, taken}
 # KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl.
 # Returns the status the request had: a queued one is cancelled here and now; a running one
 # is flagged and left to its worker; a finished one is left alone.
-_CANCEL = """
+_CANCEL = FINISH_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'queued' then
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
-  redis.call('SPUBLISH', KEYS[3], ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', 'cancelled', ARGV[2], ARGV[1], ARGV[3], false)
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
 end
@@ -70,13 +81,9 @@ return status
 
 # KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error, status,
 # finish reason. Ends a request that is still queued (expired, or failed); returns 1 if it did.
-_END_QUEUED = """
+_END_QUEUED = FINISH_LUA + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[2], 'error', ARGV[4])
-redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
-redis.call('SPUBLISH', KEYS[3], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+finish(KEYS[1], KEYS[2], KEYS[3], ARGV[5], ARGV[6], ARGV[2], ARGV[1], ARGV[3], ARGV[4])
 return 1
 """
 

@@ -111,6 +111,18 @@ class Stack:
     def resume_worker(self, i: int = 0) -> None:
         os.killpg(dict(self.processes)[f"worker{i}"].pid, signal.SIGCONT)
 
+    def pause_workers(self) -> None:
+        """SIGSTOP every worker: whatever each runs stays where it is (see pause_worker)."""
+        for i in range(self.n_workers):
+            self.pause_worker(i)
+
+    def kill_paused_worker(self, name: str) -> None:
+        """After pause_workers: SIGKILL the worker `name`, mid-request for certain, and resume the others."""
+        self.kill_worker(name)
+        for i in range(self.n_workers):
+            if self.worker_name(i) != name:
+                self.resume_worker(i)
+
     def kill_replica(self, i: int) -> None:
         """SIGKILL api replica i, as a crash would."""
         proc = dict(self.processes)[f"api{i}"]
@@ -156,6 +168,7 @@ class Stack:
         for _name, proc in self.processes:
             if proc.poll() is None:
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a paused worker (a test that failed mid-pause) hears it
         for _name, proc in self.processes:
             try:
                 proc.wait(15)

@@ -59,15 +59,9 @@ end
 -- Entries of another worker's affinity lane that have waited the bound (at most `cap`), and the
 -- ms when its next entry will have.
 local function due_entries(stream, cap)
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if not ok then return 0, nil end
-  local last, pending
-  for _, g in ipairs(groups) do
-    local fields = {}
-    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-    if fields['name'] == group then last, pending = fields['last-delivered-id'], fields['pending'] end
-  end
-  if not last then return 0, nil end
+  local info = group_info(stream, group)
+  if not info then return 0, nil end
+  local last, pending = info['last-delivered-id'], info['pending']
   local due = redis.call('XRANGE', stream, '(' .. last, now - bound, 'COUNT', cap)
   local after = due[#due] and due[#due][1] or last
   local next_entry = redis.call('XRANGE', stream, '(' .. after, '+', 'COUNT', 1)[1]

@@ -274,24 +274,28 @@ class WorkerService:
                     await close_pubsub(self.redis, pubsub)
 
     async def _heartbeat(self) -> None:
-        """Announce this worker while its loop goes round; stop (and raise) if a step is stuck,
-        so readiness and the scheduler see it gone and its requests are taken over."""
-        key = redis_keys.worker_heartbeat(self.settings.prefix, self.name)
-        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        """Announce this worker every heartbeat interval while its loop goes round (beat)."""
         while True:
-            if (stalled := self.stalled()) is not None:
-                log.error("%s: withdrawing this worker", stalled)
-                raise EngineStalled(stalled)
-            beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
-                    "capacity": self.backend.batch_size, "running": len(self.backend.running),
-                    "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
-                    "deterministic": self.settings.step.deterministic, **self._kv_blocks()}
-            try:
-                await self.redis.set(key, json.dumps(beat), px=ttl_ms)
-                self._beat_at = time.monotonic()
-            except REDIS_DOWN as exc:
-                log.warning("heartbeat not written (%s)", exc)
+            await self.beat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def beat(self) -> None:
+        """Write one heartbeat (logged, not raised, where Redis is down); raise EngineStalled
+        instead if a step is stuck, so readiness and the scheduler see this worker gone and its
+        requests are taken over."""
+        if (stalled := self.stalled()) is not None:
+            log.error("%s: withdrawing this worker", stalled)
+            raise EngineStalled(stalled)
+        beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
+                "capacity": self.backend.batch_size, "running": len(self.backend.running),
+                "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
+                "deterministic": self.settings.step.deterministic, **self._kv_blocks()}
+        try:
+            await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name), json.dumps(beat),
+                                 px=int(self.settings.heartbeat_ttl_s * 1000))
+            self._beat_at = time.monotonic()
+        except REDIS_DOWN as exc:
+            log.warning("heartbeat not written (%s)", exc)
 
     def _kv_blocks(self) -> dict[str, int]:
         blocks = self.backend.kv_blocks()

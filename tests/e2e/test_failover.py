@@ -32,18 +32,21 @@ def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path, s
 
         def watch(request_id: str) -> None:
             if not started.is_set():
+                stack.pause_workers()  # at its first token: no worker can finish it before the kill
                 first_id.append(request_id)
                 started.set()
 
         def run(prompt: str) -> list[dict]:
             body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-            return stream_posted(client, f"{api}/v1/requests", body, 5, watch)
+            return stream_posted(client, f"{api}/v1/requests", body, 1, watch)
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(run, p) for p in PROMPTS]
             assert started.wait(60)
-            victim = client.get(f"{api}/v1/requests/{first_id[0]}").json()["worker"]
-            stack.kill_worker(victim)
+            running = client.get(f"{api}/v1/requests/{first_id[0]}").json()
+            assert running["status"] == "running", running
+            victim = running["worker"]
+            stack.kill_paused_worker(victim)
             results = [f.result() for f in futures]
 
         for prompt, events in zip(PROMPTS, results):

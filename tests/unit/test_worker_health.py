@@ -2,7 +2,7 @@
 and the HTTP answers, with a fake Redis and a moved clock."""
 from __future__ import annotations
 
-import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -10,12 +10,13 @@ import fakeredis
 import httpx
 import pytest
 
+from shared import redis_keys
 from shared.settings import WorkerSettings
 from worker import service as service_module
 from worker.backend import Threaded
 from worker.metrics import WorkerMetrics
 from worker.null_engine import NullEngine
-from worker.service import WorkerService
+from worker.service import EngineStalled, WorkerService
 
 
 @pytest.fixture
@@ -34,16 +35,9 @@ def service(clock):
                          Threaded(NullEngine(batch_size=2, tokens_per_s=10), "null"), settings, "m")
 
 
-async def _one_heartbeat(service: WorkerService) -> None:
-    beating = asyncio.create_task(service._heartbeat())
-    await asyncio.sleep(0.05)  # the first beat is written before its sleep
-    beating.cancel()
-    await asyncio.gather(beating, return_exceptions=True)
-
-
 async def test_ready_once_a_heartbeat_reached_redis_and_until_it_would_have_expired(service, clock):
     assert service.unready() == "no heartbeat written yet"
-    await _one_heartbeat(service)
+    await service.beat()
     assert service.unready() is None
     clock[0] += 6
     assert service.unready() is None
@@ -52,9 +46,21 @@ async def test_ready_once_a_heartbeat_reached_redis_and_until_it_would_have_expi
 
 
 async def test_a_stopping_worker_is_not_ready(service):
-    await _one_heartbeat(service)
+    await service.beat()
     service.stop()
     assert service.unready() == "stopping: it takes no new requests"
+
+
+async def test_a_heartbeat_is_in_redis_with_the_ttl_and_a_stalled_worker_writes_none(service, clock):
+    await service.beat()
+    key = redis_keys.worker_heartbeat(service.settings.prefix, service.name)
+    assert json.loads(await service.redis.get(key))["capacity"] == 2
+    assert 5000 < await service.redis.pttl(key) <= 6000
+    await service.redis.delete(key)
+    clock[0] += 121  # the engine loop has not gone round for engine_stall_s
+    with pytest.raises(EngineStalled):
+        await service.beat()
+    assert await service.redis.get(key) is None
 
 
 def test_alive_until_the_loop_stops_going_round_for_engine_stall_s(service, clock):
