@@ -18,7 +18,7 @@ from api.deps import Replica
 from api.limits import Limits
 from api.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.served_models import Models
-from api.generation import ApiError
+from api.errors import ApiError
 from api.hub import PubSubHub
 from api.relay import Relay
 from api.routes import batches, health, openai, playground, requests, seed
@@ -31,6 +31,27 @@ from shared.tokenizer import Tokenizer
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
+    metrics = ApiMetrics()
+    app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics))
+    app.add_middleware(CountRequests, metrics=metrics)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request, _tenant: TenantDep):
+        """Needs a key when keys are on, as every route but the health checks. The backlog gauge is
+        read from Redis now; with Redis away the last sample stays (the sampler logs the outage)."""
+        with contextlib.suppress(*REDIS_DOWN):
+            await request.app.state.replica.models.sample_backlogs()
+        return metrics.response()
+
+    for router in (requests.router, openai.router, seed.router, batches.router, health.router, playground.router):
+        app.include_router(router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
+    _handle_errors(app)
+    return app
+
+
+def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMetrics):
+    """The replica's connections and state (app.state.replica), from start to shutdown."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = connect(settings.redis_url)
@@ -54,47 +75,31 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await models.close()
             await hub.close()
             await redis.aclose()
+    return lifespan
 
-    app = FastAPI(title="streamq", version="0.1.0", lifespan=lifespan)
-    metrics = ApiMetrics()
-    app.add_middleware(CountRequests, metrics=metrics)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics(request: Request, _tenant: TenantDep):
-        """Needs a key when keys are on, as every route but the health checks. The backlog gauge is
-        read from Redis now; with Redis away the last sample stays (the sampler logs the outage)."""
-        with contextlib.suppress(*REDIS_DOWN):
-            await request.app.state.replica.models.sample_backlogs()
-        return metrics.response()
+def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the path's family's body: OpenAI's on the OpenAI paths, {"detail"} elsewhere."""
+    if path.startswith(openai.OPENAI_PATHS):
+        return JSONResponse(status_code=status, headers=headers,
+                            content=openai.openai_error(status, message, param, code))
+    return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
 
-    app.include_router(requests.router)
-    app.include_router(openai.router)
-    app.include_router(seed.router)
-    app.include_router(batches.router)
-    app.include_router(health.router)
-    app.include_router(playground.router)
 
-    def error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
-              headers: dict[str, str] | None = None) -> JSONResponse:
-        """An error in the path's family's body: OpenAI's on the OpenAI paths, {"detail"} elsewhere."""
-        if path.startswith(openai.OPENAI_PATHS):
-            return JSONResponse(status_code=status, headers=headers,
-                                content=openai.openai_error(status, message, param, code))
-        return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
-
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=error)
-
+def _handle_errors(app: FastAPI) -> None:
+    """ApiError, Redis away (503) and invalid bodies, each in its path's family's body."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         openai_path = request.url.path.startswith(openai.OPENAI_PATHS)
         status = 400 if exc.status == 422 and openai_path else exc.status  # OpenAI answers every invalid request 400
-        return error(request.url.path, status, exc.message, exc.param, exc.code, exc.headers)
+        return _error(request.url.path, status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         message = f"the queue (Redis) is unavailable ({exc}); retry shortly"
-        return error(request.url.path, 503, message, headers={"Retry-After": "1"})
+        return _error(request.url.path, 503, message, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -103,10 +108,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             loc = _field(errors[0]) if errors else []
             message = "; ".join(_openai_message(e) for e in errors)
             param = loc[0] if loc and errors[0].get("type") != "json_invalid" else None  # not a byte offset
-            return error(request.url.path, 400, message, param)
+            return _error(request.url.path, 400, message, param)
         return await request_validation_exception_handler(request, exc)
-
-    return app
 
 
 def _field(e: dict) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.deps import ReplicaDep
-from api.generation import ApiError
+from api.errors import ApiError
 
 
 def auth_enabled(mode: str, host: str) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from api.generation import ApiError
+from api.errors import ApiError
 from shared.messages import RequestPayload
 from shared.queue import RequestQueue
 from shared.store import RequestStore

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 
+from api.backpressure import Backpressure
+from api.errors import ApiError
+from api.limits import Limits
 from api.relay import Event, Relay
 from shared.messages import FinalEvent, RequestPayload, now
 from shared.prefix_affinity import PrefixAffinity
@@ -18,22 +21,8 @@ from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
 from shared.workers import live_workers
 
-if TYPE_CHECKING:  # they raise this module's ApiError
-    from api.backpressure import Backpressure
-    from api.limits import Limits
-
 
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """A client error with its HTTP status; each endpoint family renders it its own way."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers
 
 
 class Generation:

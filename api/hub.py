@@ -69,15 +69,19 @@ class PubSubHub:
             self._shards["redis"] = _Shard("redis", pubsub_on(redis, "redis"))
 
     @property
-    def _pubsub(self) -> ShardPubSub:
-        """The connection on one Redis (tests reach into it)."""
+    def pubsub(self) -> ShardPubSub:
+        """The hub's pub/sub connection on a single Redis (on a cluster it holds one a shard, made
+        as channels need them): what it reads every channel through, and where a fault can be
+        injected to test the recovery."""
+        if self._cluster:
+            raise AttributeError("a hub on a Redis Cluster holds one pub/sub connection a shard")
         return self._shards["redis"].pubsub
 
     async def start(self) -> None:
         if self._cluster:
             await self._redis.initialize()  # the map of the slots, to route channels by
         else:
-            await self._pubsub.subscribe(self._home)
+            await self.pubsub.subscribe(self._home)
             self._run_reader(self._shards["redis"])
         self._run("ticker", self._tick)
 
@@ -256,20 +260,25 @@ class PubSubHub:
                 delay = 0.0
                 log.info("pub/sub reconnected; its streams catch up from their logs")
                 await self._resync(shard)
-            channel = message["channel"]
-            if message["type"] == SUBSCRIBED:
-                future = self._confirmed.get(channel)
-                if future is not None and not future.done():
-                    future.set_result(None)
-            elif message["type"] == MESSAGE:
-                for queue in self._queues.get(channel, ()):
-                    queue.put_nowait(message["data"])
-            elif message["type"] == UNSUBSCRIBED and self._shard_of.get(channel) is shard:
-                # Not ours (we forget a channel before we unsubscribe it): its slot moved away.
-                shard.pubsub.channels.pop(channel, None)
-                del self._shard_of[channel]
-                self._run(f"move {channel}", lambda c=channel: self._move([c]))
+            self._dispatch(shard, message)
             shard.crashes = 0
+
+    def _dispatch(self, shard: _Shard, message: dict) -> None:
+        """One message of `shard`'s connection: a subscription confirmed, a message for the
+        channel's queues, or a channel unsubscribed by Redis (its slot moved away)."""
+        channel = message["channel"]
+        if message["type"] == SUBSCRIBED:
+            future = self._confirmed.get(channel)
+            if future is not None and not future.done():
+                future.set_result(None)
+        elif message["type"] == MESSAGE:
+            for queue in self._queues.get(channel, ()):
+                queue.put_nowait(message["data"])
+        elif message["type"] == UNSUBSCRIBED and self._shard_of.get(channel) is shard:
+            # Not ours (we forget a channel before we unsubscribe it): its slot moved away.
+            shard.pubsub.channels.pop(channel, None)
+            del self._shard_of[channel]
+            self._run(f"move {channel}", lambda c=channel: self._move([c]))
 
     async def _disconnect(self, shard: _Shard) -> None:
         if shard.pubsub.connection is not None:

@@ -15,7 +15,7 @@ import math
 
 from redis.asyncio import Redis
 
-from api.generation import ApiError
+from api.errors import ApiError
 from shared import redis_keys
 from shared.messages import now
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from api.backpressure import Backpressure
-from api.generation import ApiError, Generation
+from api.errors import ApiError
+from api.generation import Generation
 from api.limits import Limits
 from api.metrics import ApiMetrics
 from api.relay import Relay

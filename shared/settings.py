@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import ClassVar, Generic, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "default"
@@ -111,22 +111,32 @@ class StepSettings(_Section):
     deterministic: bool
 
 
+# A section's field named after its setting less the section's word (settings.speculative.method
+# is STREAMQ_SPECULATIVE_METHOD): the setting's name is the field's alias.
 class SpeculativeSettings(_Section):
-    speculative_method: Literal["off", "ngram", "draft"]
-    num_speculative_tokens: int
+    method: Literal["off", "ngram", "draft"] = Field(alias="speculative_method")
+    num_tokens: int = Field(alias="num_speculative_tokens")
     ngram_min: int
     ngram_max: int
-    speculative_disable_by_batch_size: int
-    speculative_model: str | None
+    disable_by_batch_size: int = Field(alias="speculative_disable_by_batch_size")
+    model: str | None = Field(alias="speculative_model")
 
 
 class VllmSettings(_Section):
-    vllm_gpu_memory_utilization: float
-    vllm_max_model_len: int | None
-    vllm_enforce_eager: bool
-    vllm_tensor_parallel_size: int
-    vllm_quantization: str | None
-    vllm_speculative_config: dict | None
+    gpu_memory_utilization: float = Field(alias="vllm_gpu_memory_utilization")
+    max_model_len: int | None = Field(alias="vllm_max_model_len")
+    enforce_eager: bool = Field(alias="vllm_enforce_eager")
+    tensor_parallel_size: int = Field(alias="vllm_tensor_parallel_size")
+    quantization: str | None = Field(alias="vllm_quantization")
+    speculative_config: dict | None = Field(alias="vllm_speculative_config")
+
+
+def check_budget(max_num_batched_tokens: int, batch_size: int) -> None:
+    """A step's token budget holds a token for every running request (the settings check it at
+    start, the batcher for the batch it is given)."""
+    if max_num_batched_tokens < batch_size:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least "
+                         f"batch_size={batch_size}, or running decodes could starve")
 
 
 class _SectionOf(Generic[S]):
@@ -136,9 +146,17 @@ class _SectionOf(Generic[S]):
         self.section = section
 
     def __get__(self, settings: BaseSettings | None, owner: type) -> S:
+        """The section, made once per settings object and again only when one of its fields changed."""
         if settings is None:
             raise AttributeError(f"a section of the settings ({self.section.__name__}) needs an instance")
-        return self.section(**{name: getattr(settings, name) for name in self.section.model_fields})
+        names = [field.alias or name for name, field in self.section.model_fields.items()]  # the settings' names
+        values = tuple(getattr(settings, name) for name in names)
+        key = self.section, id(settings)  # a model_copy shares the dict: each copy keeps its own
+        made = settings._sections.get(key)
+        if made is None or made[0] != values:
+            made = values, self.section(**dict(zip(names, values)))
+            settings._sections[key] = made
+        return made[1]
 
 
 class WorkerSettings(CommonSettings):
@@ -233,6 +251,7 @@ class WorkerSettings(CommonSettings):
         None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4}.')
 
+    _sections: dict = PrivateAttr(default_factory=dict)  # _SectionOf's: (section, id) -> (its values, it)
     batching: ClassVar[_SectionOf[BatchingSettings]] = _SectionOf(BatchingSettings)
     cache: ClassVar[_SectionOf[CacheSettings]] = _SectionOf(CacheSettings)
     step: ClassVar[_SectionOf[StepSettings]] = _SectionOf(StepSettings)
@@ -241,9 +260,7 @@ class WorkerSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":
-        if self.max_num_batched_tokens < self.batch_size:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
-                             f"batch_size={self.batch_size}, or running decodes could starve")
+        check_budget(self.max_num_batched_tokens, self.batch_size)
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.settings import check_budget
 from worker.block_manager import BlockManager
 from worker.fair_queue import FairQueue
 from worker.sequence import Sequence, Status
@@ -56,9 +57,7 @@ class SchedulerOutput:
 
 class Batcher:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least "
-                             f"max_num_seqs={max_num_seqs}, or running decodes could starve")
+        check_budget(max_num_batched_tokens, max_num_seqs)
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -103,17 +103,17 @@ class DecodeGraphs:
 
     def _step(self, batch: int, span: int) -> torch.Tensor:
         """The runner's fused-layer step over the static buffers: logits [batch, vocab]."""
-        from worker.model_runner import _Group, _Step
+        from worker.model_runner import AttentionGroup, StepInputs
         runner = self.runner
         length = span * runner.block_size
         keys, context = torch.arange(length, device=runner.device)[None, :], self.context[:batch, None]
         mask = keys < context
         windowed = mask & (keys >= context - runner.window) if runner.window else mask  # sliding-window layers'
         rows = self.rows[:batch]
-        group = _Group(rows, None, None, self.tables[:batch, :span].flatten(), length, mask[:, None, None, :],
+        group = AttentionGroup(rows, None, None, self.tables[:batch, :span].flatten(), length, mask[:, None, None, :],
                        windowed[:, None, None, :])
-        step = _Step(self.ids[:batch], self.positions[:batch], self.slots[:batch], [group], rows)
-        return runner._llama_fused(step)
+        step = StepInputs(self.ids[:batch], self.positions[:batch], self.slots[:batch], [group], rows)
+        return runner.fused_forward(step)
 
     def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream()

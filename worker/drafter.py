@@ -17,7 +17,8 @@ import torch
 from worker.batcher import Chunk, SchedulerOutput
 from worker.block_manager import BlockManager, NoFreeBlocks
 from worker.model_runner import PagedRunner
-from worker.sampler import SamplingBatch, SamplingRow, make_generator, propose_from
+from worker.random_streams import draw, make_generator
+from worker.sampler import SamplingBatch, SamplingRow, scores
 from worker.sequence import Sequence
 
 
@@ -99,3 +100,15 @@ class DraftProposer:
             return make_generator(params, self.runner.device)
         # Its own stream, so the target's draws stay where plain sampling would have them.
         return make_generator(params.model_copy(update={"seed": (params.seed + 1) % 2**63}), self.runner.device)
+
+
+def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft model's next token for each row: its argmax for greedy requests, else a draw
+    from its distribution q under the request's parameters (q is returned, `vocab` wide, for
+    the acceptance rule)."""
+    _, tokens, probs = scores(logits[:, :vocab], batch.rows, batch.constraints())
+    q: list[torch.Tensor | None] = [None] * len(batch)
+    for i, p in probs.items():
+        q[i] = torch.nn.functional.pad(p, (0, vocab - p.shape[-1]))
+        tokens[i] = draw(q[i], batch.rows[i].generator)
+    return tokens, q

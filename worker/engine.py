@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,12 +22,13 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
-from worker.cancels import CancelInbox
 from worker.model_runner import PagedRunner
-from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, replay_draws, sample_each
-from worker.sequence import Sequence, StepOutput, new_sequence, token_event
+from worker.engine_base import BaseEngine
+from worker.random_streams import make_generator, replay_draws
+from worker.sampler import SamplingBatch, SamplingRow, sample_each
+from worker.sequence import Sequence, StepOutput, new_sequence
 from worker.speculation import SpecStats, Speculator
-from worker.structured import Compiler, Grammars, follow_grammar
+from worker.structured import Compiler, Grammars
 
 
 # How long a step waits for the grammar builds of new requests before it runs without those
@@ -39,21 +41,20 @@ IDLE_BUILD_WAIT_S = 0.02
 STEP_PHASES = ("admit", "schedule", "forward", "sample")
 
 
-class Engine:
+class Engine(BaseEngine):
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
                  speculator: Speculator | None = None):
+        super().__init__(batcher.max_num_seqs)
         self.runner = runner
         self.speculator = speculator
         self.tokenizer = tokenizer
         self.batcher = batcher
-        self.batch_size = batcher.max_num_seqs
-        self.cancels = CancelInbox()
         self.compiler = Compiler(Grammars(tokenizer, runner.vocab_size))
         # The grammar's masks are computed while the model runs where it runs on an accelerator.
         # On the CPU they would compete with the model's own threads: measured on 2 cores, W all
         # under a schema ran at 0.89 of free that way, 0.95 with the masks after the forward.
         self.overlap_masks = runner.device.type != "cpu"
-        self.last_step_size = 0  # requests in the last step (prefill chunks and decodes), for metrics
+        self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="masks")  # its thread starts at the first mask
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
         self._arrivals: list[Sequence] = []  # added since the last step began
@@ -70,9 +71,6 @@ class Engine:
             self._arrivals.append(seq)
         return seq
 
-    def cancel(self, request_id: str) -> None:
-        self.cancels.add(request_id)
-
     @property
     def running(self) -> list[Sequence]:
         return list(self._running)
@@ -87,9 +85,6 @@ class Engine:
         """Requests to take from the queue now: just enough to fill the batch. The rest stay
         queued in Redis (truthfully 'queued', and free for another worker to take)."""
         return max(0, self.batch_size - len(self._running) - len(self.waiting))
-
-    def has_work(self) -> bool:
-        return bool(self._running or self.waiting)
 
     def kv_blocks(self) -> tuple[int, int]:
         """(free, total) KV-cache blocks."""
@@ -116,7 +111,7 @@ class Engine:
             batch = self._sampling_batch(scheduled)
             planned = clock()
             if self.overlap_masks:
-                batch.start_masks(self.runner.vocab_size)  # on llguidance's threads, while the model runs
+                batch.start_masks(self.runner.vocab_size, self.mask_pool)  # while the model runs
             try:
                 logits = self.runner.execute(scheduled)
             finally:
@@ -131,16 +126,15 @@ class Engine:
             self.phase_seconds[phase] += seconds
         return outputs
 
-    def fail_all(self, error: str) -> list[StepOutput]:
-        """End every admitted request with an error (the step itself failed; no step runs now)."""
-        outputs = []
-        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._compiling + self._take_arrivals():
-            seq.finish(FinishReason.ERROR, error)
-            self._remove(seq)
-            outputs.append(StepOutput(seq, None, True))
+    def _admitted(self) -> list[Sequence]:
+        return list(self.batcher.running) + list(self.batcher.waiting) + self._compiling
+
+    def _held(self) -> list[Sequence]:
+        return self._admitted() + self._take_arrivals()
+
+    def _reset(self) -> None:
         self._running, self._waiting, self._compiling = [], [], []
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
-        return outputs
 
     def _admit(self) -> list[StepOutput]:
         """Requests added since the last step join the batcher's queue, a constrained one once
@@ -181,21 +175,12 @@ class Engine:
             arrivals, self._arrivals = self._arrivals, []
         return arrivals
 
-    def _end_cancelled(self) -> list[StepOutput]:
-        cancelled = self.cancels.take()
-        outputs = []
-        for seq in list(self.batcher.running) + list(self.batcher.waiting) + self._compiling:
-            if seq.id in cancelled:
-                seq.finish(FinishReason.CANCELLED)
-                self._remove(seq)
-                outputs.append(StepOutput(seq, None, True))
-        self._compiling = [seq for seq in self._compiling if not seq.finished]
-        return outputs
-
-    def _remove(self, seq: Sequence) -> None:
+    def _forget(self, seq: Sequence) -> None:
         self.compiler.discard(seq)
         self.batcher.remove(seq)
         self._sampling.pop(seq.id, None)
+        if seq in self._compiling:
+            self._compiling.remove(seq)
         if self.speculator:
             self.speculator.forget(seq.id)
 
@@ -210,28 +195,20 @@ class Engine:
         sampling = [c for c in scheduled.chunks if c.samples]
         picked = dict(zip(map(id, sampling), sample_each(logits, batch)))
         outputs = []
-        eos, context = self.tokenizer.eos_token_ids, self.runner.context_length
         for chunk in scheduled.chunks:
             seq, result = chunk.seq, picked.get(id(chunk), ([], []))
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
                 self.batcher.computed(chunk)
-                fail_sampling(seq, result)
-                self._remove(seq)
-                outputs.append(StepOutput(seq, None, True))
+                outputs.append(self._sampling_failed(seq, result))
                 continue
             tokens, logprobs = result
             kept = max(0, len(tokens) - 1) if chunk.draft else 0  # every emitted token but the last was proposed
             self.batcher.computed(chunk, kept)
             if chunk.draft:
                 self.speculator.settle(chunk, kept)
-            matcher = self._sampling[seq.id].matcher
             for token, lp in zip(tokens, logprobs):
-                text = seq.accept(token, eos, context)
-                if matcher is not None:
-                    follow_grammar(seq, matcher, token)
-                outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
+                outputs.append(self._emit(seq, token, lp))
                 if seq.finished:
-                    self._remove(seq)
                     break
         return outputs
 

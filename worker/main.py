@@ -65,7 +65,7 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
             raise ValueError(f"deterministic mode needs the paged engine, which has no runner for "
                              f"model_type={model.config.model_type!r}")
         log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
-        if settings.speculative.speculative_method != "off":
+        if settings.speculative.method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
         pad = next(iter(tokenizer.eos_token_ids), 0)
         return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, batching.batch_size)
@@ -97,26 +97,26 @@ def step_kernels(step: StepSettings, device):
 
 def build_speculator(settings: WorkerSettings, target: PagedRunner, tokenizer: Tokenizer) -> Speculator | None:
     spec = settings.speculative
-    k = spec.num_speculative_tokens
-    if spec.speculative_method == "off":
+    k = spec.num_tokens
+    if spec.method == "off":
         return None
-    if spec.speculative_method == "ngram":
+    if spec.method == "ngram":
         log.info("speculative decoding: prompt lookup, up to %d tokens, n-grams %d..%d",
                  k, spec.ngram_min, spec.ngram_max)
-        return Speculator(NgramProposer(k, spec.ngram_min, spec.ngram_max), k, spec.speculative_disable_by_batch_size)
-    draft_settings = settings.model_copy(update={"model": spec.speculative_model})
+        return Speculator(NgramProposer(k, spec.ngram_min, spec.ngram_max), k, spec.disable_by_batch_size)
+    draft_settings = settings.model_copy(update={"model": spec.model})
     draft_tokenizer = Tokenizer(prepare_model(draft_settings))
     if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
-        raise ValueError(f"the draft model {spec.speculative_model!r} has another tokenizer than "
+        raise ValueError(f"the draft model {spec.model!r} has another tokenizer than "
                          f"{settings.model!r}; speculative decoding needs the same one")
     model = load_model(weights_dir(draft_settings), target.device, next(target.model.parameters()).dtype)
     if not supports(model):
         raise ValueError(f"no paged runner for the draft model's model_type={model.config.model_type!r}")
-    log.info("speculative decoding: draft model %s (%s), up to %d tokens", spec.speculative_model,
+    log.info("speculative decoding: draft model %s (%s), up to %d tokens", spec.model,
              model.config.model_type, k)
     # In deterministic mode a sampled request takes no draft proposals: the draft's acceptance
     # rule draws from the request's random stream in another order than plain sampling does.
-    return Speculator(DraftProposer.beside(target, model), k, spec.speculative_disable_by_batch_size,
+    return Speculator(DraftProposer.beside(target, model), k, spec.disable_by_batch_size,
                       draft_sampled=not settings.step.deterministic)
 
 

@@ -67,7 +67,7 @@ def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int
 
 
 @dataclass
-class _Group:
+class AttentionGroup:
     """Index tensors of one attention group (chunks of like length), built once per step."""
 
     tokens: torch.Tensor  # [n] flat indices of the group's tokens
@@ -91,11 +91,14 @@ class _Paged:
 
 
 @dataclass
-class _Step:
+class StepInputs:
+    """A step's inputs as the forward reads them (built by PagedRunner, or over static buffers
+    by worker/cuda_graphs.py)."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    groups: list[_Group]  # with the kernels: only the long prefill chunks
+    groups: list[AttentionGroup]  # with the kernels: only the long prefill chunks
     logits_index: torch.Tensor  # flat index of each token whose logits the step needs, chunk by chunk
     paged: _Paged | None = None
 
@@ -147,37 +150,45 @@ class PagedRunner:
         # for the dtype (Weight decides). AVX-512 (bf16: AVX512-BF16): 1.2-1.9x oneDNN's prepacked
         # matmul per step at 1 to 64 rows, on par at prefill sizes (docs/engine.md); AVX2, fp32 only:
         # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
-        panels = self.kernels
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        self.fused = fuse(model, device, panels) if fused else None
-        if self.fused is not None:
-            head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
-            self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), device, panels)
-            quant_model.install_embedding(model, dtype, self.lm_head.quant)
-            first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
-            self.eps = getattr(first.input_layernorm, "variance_epsilon", None)
-            self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
+        self.fused = self._fuse(dtype) if fused else None
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None and self.arch == "llama":
             self.one_token = self._one_token_layers()
-        # Deterministic mode: a token's result depends on its own sequence only. Every chunk, long
-        # prefills included, attends through the paged kernel (one query row at a time, its keys in
-        # order: the same for a decode, a chunk of any length, a cached prefix or a failover's
-        # replay), and every projection computes each row alone (panel_linear, or fixed tiles).
         self.deterministic = deterministic
         if deterministic:
-            if self.kernels is None or self.arch != "llama":
-                raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
-                                 "a llama-like model); this worker has none")
-            weights = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            for w in [*weights, self.lm_head]:
-                w.compute_rows_alone(DETERMINISTIC_TILE)
-            if not all(w.row_independent for w in [*weights, self.lm_head]):
-                self.one_token = None  # it calls the library's matmul on one row
+            self._compute_rows_alone()
         # On CUDA, decode steps replay CUDA graphs (worker/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
+
+    def _fuse(self, dtype: torch.dtype) -> list:
+        """The fused layers' weights, and the head's (the panels or packed codes of the kernels
+        where they run); a quantized tied embedding reads the head's table."""
+        model = self.model
+        fused = fuse(model, self.device, self.kernels)
+        head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
+        self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), self.device, self.kernels)
+        quant_model.install_embedding(model, dtype, self.lm_head.quant)
+        first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
+        self.eps = getattr(first.input_layernorm, "variance_epsilon", None)
+        self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
+        return fused
+
+    def _compute_rows_alone(self) -> None:
+        """Deterministic mode: a token's result depends on its own sequence only. Every chunk, long
+        prefills included, attends through the paged kernel (one query row at a time, its keys in
+        order: the same for a decode, a chunk of any length, a cached prefix or a failover's
+        replay), and every projection computes each row alone (panel_linear, or fixed tiles)."""
+        if self.kernels is None or self.arch != "llama":
+            raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
+                             "a llama-like model); this worker has none")
+        weights = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for w in [*weights, self.lm_head]:
+            w.compute_rows_alone(DETERMINISTIC_TILE)
+        if not all(w.row_independent for w in [*weights, self.lm_head]):
+            self.one_token = None  # it calls the library's matmul on one row
 
     def weight_bytes(self) -> int:
         """Bytes of weights the step reads from: the fused projections and head in every form they
@@ -217,11 +228,11 @@ class PagedRunner:
         if self.fused is None:
             return self._llama(step)
         if self.kernels is None:
-            return self._llama_fused(step)
+            return self.fused_forward(step)
         return self._llama_kernels(step)
 
     # -- inputs ----------------------------------------------------------------------------
-    def _prepare(self, out: SchedulerOutput) -> _Step:
+    def _prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
         ids, positions, slots, logits_index = [], [], [], []
         groups: dict[int, list] = {}
@@ -240,7 +251,7 @@ class PagedRunner:
         if self.kernels is not None and self.fused is not None:  # the path execute() takes
             sizes = list(groups) if self.deterministic else [0, 1]
             paged = self._paged([m for size in sorted(sizes) for m in groups.pop(size, [])], out.chunks)
-        return _Step(tensor(ids), tensor(positions), tensor(slots),
+        return StepInputs(tensor(ids), tensor(positions), tensor(slots),
                      [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index), paged)
 
     def _paged(self, members: list, chunks: list) -> _Paged:
@@ -258,7 +269,7 @@ class PagedRunner:
             return torch.tensor(values, dtype=torch.long)
         return _Paged(tensor(tokens), tensor(rows), tensor(context), tensor(tables))
 
-    def _group(self, members: list, total: int) -> _Group:
+    def _group(self, members: list, total: int) -> AttentionGroup:
         dev, bs = self.device, self.block_size
         width = max(c.length for _, c in members)
         nblocks = max(-(-(c.start + c.length) // bs) for _, c in members)
@@ -284,13 +295,13 @@ class PagedRunner:
         tokens = (first[:, None] + q[None, :])[real]
         blocks, span = blocks.flatten().to(dev), nblocks * bs
         if width == 1:
-            return _Group(tokens.to(dev), None, None, blocks, span, mask, windowed)
+            return AttentionGroup(tokens.to(dev), None, None, blocks, span, mask, windowed)
         query_index = torch.where(real, first[:, None] + q[None, :], total)
         unpad = (torch.arange(len(members))[:, None] * width + q[None, :])[real]
-        return _Group(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks, span, mask, windowed)
+        return AttentionGroup(tokens.to(dev), query_index.to(dev), unpad.to(dev), blocks, span, mask, windowed)
 
     # -- attention -------------------------------------------------------------------------
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step,
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInputs,
                 scale: float) -> torch.Tensor:
         """Write this step's k, v to the cache, then attend each group. q: [T, H, D]."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
@@ -300,7 +311,7 @@ class PagedRunner:
         self._attend_groups(layer, q, step.groups, scale, out)
         return out
 
-    def _attend_groups(self, layer: int, q: torch.Tensor, groups: list[_Group], scale: float,
+    def _attend_groups(self, layer: int, q: torch.Tensor, groups: list[AttentionGroup], scale: float,
                        out: torch.Tensor) -> None:
         """Attend each group of chunks over keys gathered from the cache; results into out."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
@@ -325,7 +336,7 @@ class PagedRunner:
             out[g.tokens] = og if g.unpad is None else og[g.unpad]
 
     # -- architectures ---------------------------------------------------------------------
-    def _llama(self, step: _Step) -> torch.Tensor:
+    def _llama(self, step: StepInputs) -> torch.Tensor:
         core = self.model.model
         h = core.embed_tokens(step.input_ids)
         cos, sin = core.rotary_emb(h[None], step.positions[None])
@@ -346,7 +357,8 @@ class PagedRunner:
         h = core.norm(h[step.logits_index])
         return self.model.lm_head(h)
 
-    def _llama_fused(self, step: _Step) -> torch.Tensor:
+    def fused_forward(self, step: StepInputs) -> torch.Tensor:
+        """A llama-family step on the fused projections (what worker/cuda_graphs.py captures)."""
         core = self.model.model
         h = core.embed_tokens(step.input_ids)
         cos, sin = core.rotary_emb(h[None], step.positions[None])
@@ -359,7 +371,7 @@ class PagedRunner:
             h = after_attention(h, o, w, eps)
         return self.lm_head(core.norm(h[step.logits_index]))
 
-    def _llama_kernels(self, step: _Step) -> torch.Tensor:
+    def _llama_kernels(self, step: StepInputs) -> torch.Tensor:
         """The fused layers with the CPU step kernels: per layer four matmuls and five calls."""
         core, ops, paged = self.model.model, self.kernels, step.paged
         h = core.embed_tokens(step.input_ids)
@@ -388,7 +400,7 @@ class PagedRunner:
         h = (h + y)[step.logits_index]
         return self.lm_head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon))
 
-    def _gemma3(self, step: _Step) -> torch.Tensor:
+    def _gemma3(self, step: StepInputs) -> torch.Tensor:
         """Gemma 3 on the fused projections (float on the kernels' panels, or kept quantized), with
         its modules' own norms: embeddings scaled, q and k normalised per head, a norm after the
         attention and after the MLP as well as before each, local layers (the sliding window, their
@@ -420,7 +432,7 @@ class PagedRunner:
         cap = config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _opt(self, step: _Step) -> torch.Tensor:
+    def _opt(self, step: StepInputs) -> torch.Tensor:
         dec = self.model.model.decoder
         h = dec.embed_tokens(step.input_ids)
         if getattr(dec, "project_in", None) is not None:

@@ -1,4 +1,6 @@
-"""Pick the next token of every sampling request of a step, each with its own parameters.
+"""Pick the next token of every sampling request of a step, each with its own parameters (the
+speculative acceptance rules are worker/acceptance.py's, the random streams
+worker/random_streams.py's, a draft model's proposals worker/drafter.py's).
 
 Order, as in vLLM: the structured-outputs mask, logit bias and logits processors, penalties,
 temperature, then min_p, top_k and top_p, then one draw from each request's own random stream
@@ -8,21 +10,16 @@ distribution.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence as Tokens
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
 
-from shared.messages import FinishReason
 from shared.sampling import SamplingParams
+from worker.acceptance import accept_greedy, sample_draft, sample_lookup
 from worker.sequence import Logprobs, Sequence
 from worker.structured import allowed
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,11 +53,11 @@ class SamplingBatch:
         self.drafts = self.drafts or [[] for _ in self.rows]
         self.draft_probs = self.draft_probs or [None] * len(self.rows)
 
-    def start_masks(self, vocab: int) -> None:
-        """Compute the grammar's masks while the model runs: they depend only on the tokens
-        already chosen (and those proposed), never on this step's logits."""
+    def start_masks(self, vocab: int, pool: Executor) -> None:
+        """Compute the grammar's masks on `pool` while the model runs: they depend only on the
+        tokens already chosen (and those proposed), never on this step's logits."""
         if constraints := self.constraints():
-            self.masks = _masker().submit(allowed, [(m, draft) for _, m, draft in constraints], vocab)
+            self.masks = pool.submit(allowed, [(m, draft) for _, m, draft in constraints], vocab)
 
     def settle_masks(self) -> None:
         """Wait for the masks under way (their matchers are not to be touched meanwhile)."""
@@ -87,26 +84,6 @@ class SamplingBatch:
         return [r for r, d in zip(self.rows, self.drafts) for _ in range(1 + len(d))]
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A per-request random stream: the same seed gives the same sample whatever the batch."""
-    if params.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is not None:
-        generator.manual_seed(params.seed)
-    else:
-        generator.seed()
-    return generator
-
-
-def replay_draws(generator: torch.Generator | None, vocab: int, n: int) -> None:
-    """Move a request's random stream past the `n` tokens it drew before (a continuation after a
-    failover), so its next draw is the one the undisturbed run made. torch's multinomial takes the
-    same share of the stream for any distribution of one width: uniform ones stand in."""
-    if generator is not None and n > 0:
-        torch.multinomial(torch.full((n, vocab), 1.0 / vocab, device=generator.device), 1, generator=generator)
-
-
 def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list[int], list[Logprobs | None]]]:
     """The tokens each request emits this step, with their log-probabilities.
 
@@ -121,15 +98,15 @@ def sample_verify(logits: torch.Tensor, batch: SamplingBatch) -> list[tuple[list
     max(0, p - q), renormalised. Either way the output is distributed as the model's.
     """
     row_of = batch.logits_rows()
-    raw, choices, probs = _scores(logits, row_of, batch.constraints(), batch.masks)
+    raw, choices, probs = scores(logits, row_of, batch.constraints(), batch.masks)
     emitted, rows, row = [], [], 0
     for req, draft, q in zip(batch.rows, batch.drafts, batch.draft_probs):
         if req.params.greedy:
             tokens = accept_greedy(draft, choices[row:row + len(draft) + 1])
         elif q is None:
-            tokens = _sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], req.generator)
+            tokens = sample_lookup(draft, [probs[r] for r in range(row, row + len(draft) + 1)], req.generator)
         else:
-            tokens = _sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, req.generator)
+            tokens = sample_draft(draft, [probs[r] for r in range(row, row + len(draft) + 1)], q, req.generator)
         emitted.append(tokens)
         rows += range(row, row + len(tokens))  # emitted token j was chosen from row + j
         row += len(draft) + 1
@@ -166,41 +143,8 @@ def sample_each(logits: torch.Tensor,
     return out
 
 
-def accept_greedy(proposed: Tokens[int], choices: Tokens[int]) -> list[int]:
-    """The tokens a greedy step emits: `choices[i]` is the model's argmax after the prefix plus
-    proposed[:i] (len(proposed) + 1 of them); the agreeing prefix, then the model's own token.
-    Exactly what plain greedy decoding would emit, several steps' worth."""
-    if len(choices) != len(proposed) + 1:
-        raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} choices, got {len(choices)}")
-    out = []
-    for token, choice in zip(proposed, choices):
-        if token != choice:
-            break
-        out.append(token)
-    out.append(choices[len(out)])
-    return out
-
-
-def fail_sampling(seq: Sequence, exc: Exception) -> None:
-    """End a request whose own parameters broke its sampling (sample_each gave its exception)."""
-    log.warning("request %s failed in sampling: %r", seq.id, exc)
-    seq.finish(FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}")
-
-
-def propose_from(logits: torch.Tensor, batch: SamplingBatch, vocab: int) -> tuple[list[int], list[torch.Tensor | None]]:
-    """A draft model's next token for each row: its argmax for greedy requests, else a draw
-    from its distribution q under the request's parameters (q is returned, `vocab` wide, for
-    the acceptance rule)."""
-    _, tokens, probs = _scores(logits[:, :vocab], batch.rows, batch.constraints())
-    q: list[torch.Tensor | None] = [None] * len(batch)
-    for i, p in probs.items():
-        q[i] = torch.nn.functional.pad(p, (0, vocab - p.shape[-1]))
-        tokens[i] = _draw(q[i], batch.rows[i].generator)
-    return tokens, q
-
-
-def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[tuple[int, Any, list[int]]],
-            masks: Future | None = None) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+def scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[tuple[int, Any, list[int]]],
+           masks: Future | None = None) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
     """Per row (of the request `row_of[row]`): the raw logits as float, the argmax after the
     grammar's mask, bias, processors and penalties, and for sampled requests' rows the filtered
     distribution. `constraints`: (first row, matcher, proposed tokens) of each constrained request;
@@ -233,40 +177,6 @@ def _scores(logits: torch.Tensor, row_of: list[SamplingRow], constraints: list[t
         return raw, choices, {}
     filtered = _filtered_probs(x[torch.tensor(sampled, device=x.device)], [params[row] for row in sampled])
     return raw, choices, {row: filtered[j] for j, row in enumerate(sampled)}
-
-
-@cache
-def _masker() -> ThreadPoolExecutor:
-    """The thread that asks llguidance for a step's masks while the model runs."""
-    return ThreadPoolExecutor(1, thread_name_prefix="masks")
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=gen)[0])
-
-
-def _sample_lookup(draft: list[int], p: list[torch.Tensor], gen: torch.Generator | None) -> list[int]:
-    out = []
-    for i, token in enumerate(draft):
-        out.append(_draw(p[i], gen))
-        if out[-1] != token:
-            return out
-    out.append(_draw(p[len(draft)], gen))
-    return out
-
-
-def _sample_draft(draft: list[int], p: list[torch.Tensor], q: torch.Tensor, gen: torch.Generator | None) -> list[int]:
-    out = []
-    for i, token in enumerate(draft):
-        u = float(torch.rand((), generator=gen, device=q.device))
-        if u * float(q[i, token]) < float(p[i][token]):
-            out.append(token)
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)
-        out.append(_draw(residual if float(residual.sum()) > 0 else p[i], gen))
-        return out
-    out.append(_draw(p[len(draft)], gen))
-    return out
 
 
 def _adjust(row: torch.Tensor, req: SamplingRow) -> None:

@@ -30,7 +30,7 @@ from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.backend import Backend
-from worker.intake import Intake
+from worker.intake import Intake, Taken
 from worker.metrics import Check, WorkerMetrics
 from worker.publisher import Publisher
 
@@ -171,15 +171,8 @@ class WorkerService:
         """Take this worker's share of the queued requests, spread over the lanes; with no free
         slot, the head of each lane that has none waiting here (so the batcher can choose fairly
         between tenants when a slot frees), unless another worker has room. Wait for some if `block`."""
-        lanes = await self._retry("lanes", self._lane_streams)
         free = self.backend.free_slots
-        if free:
-            wanted = lanes
-        elif len(lanes) > 1:
-            here = {self.queue.stream_of(seq.payload) for seq in self.backend.waiting}
-            wanted = [lane for lane in lanes if lane not in here]
-        else:
-            wanted = []
+        wanted = self._lanes_to_read(await self._retry("lanes", self._lane_streams), free)
         if not wanted and not block and free == self._announced:
             return
         try:
@@ -191,6 +184,21 @@ class WorkerService:
             await self._retry("groups", self.queue.ensure_groups)
             return
         self._announced = max(0, free - len(taken.entries))
+        await self._admit_taken(taken)
+        if block and not taken.entries:
+            await self._wait_for_entries(taken)
+
+    def _lanes_to_read(self, lanes: list[str], free: int) -> list[str]:
+        """Every lane where a slot is free; with none, the lanes of which no request waits here."""
+        if free:
+            return lanes
+        if len(lanes) > 1:
+            here = {self.queue.stream_of(seq.payload) for seq in self.backend.waiting}
+            return [lane for lane in lanes if lane not in here]
+        return []
+
+    async def _admit_taken(self, taken: Taken) -> None:
+        """Hand the entries taken to the engine, and announce their prefixes where affinity is on."""
         admitted = []
         for stream, entry_id, fields in taken.entries:
             # Every Redis call of _admit can be repeated; the engine gets the request last.
@@ -200,13 +208,15 @@ class WorkerService:
         if admitted and self.affinity is not None:
             ttl_ms = int(self.settings.prefix_affinity_ttl_s * 1000)
             await self._retry("announce", lambda: self.affinity.announce(self.name, admitted, ttl_ms))
-        if block and not taken.entries:
-            block_ms = self.settings.intake_block_ms
-            if taken.due_in_ms is not None:  # another worker's request may be taken here then
-                block_ms = max(1, min(block_ms, taken.due_in_ms))
-            added = await self._retry("wait", lambda: self.intake.wait(taken.last_ids, self._doorbell_id, block_ms))
-            if added:  # a new lane: read it from the next intake on
-                self._lanes_read_at = -math.inf
+
+    async def _wait_for_entries(self, taken: Taken) -> None:
+        """Nothing taken, nothing running: wait on the lanes (and the new-lane doorbell) for an entry."""
+        block_ms = self.settings.intake_block_ms
+        if taken.due_in_ms is not None:  # another worker's request may be taken here then
+            block_ms = max(1, min(block_ms, taken.due_in_ms))
+        added = await self._retry("wait", lambda: self.intake.wait(taken.last_ids, self._doorbell_id, block_ms))
+        if added:  # a new lane: read it from the next intake on
+            self._lanes_read_at = -math.inf
 
     async def _lane_streams(self) -> list[str]:
         if time.monotonic() - self._lanes_read_at > LANES_REFRESH_S:

@@ -15,34 +15,29 @@ from transformers import DynamicCache
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer, served_context
-from worker.sampler import SamplingBatch, SamplingRow, fail_sampling, make_generator, sample_each
-from worker.cancels import CancelInbox
-from worker.backend import Counts
-from worker.sequence import Sequence, StepOutput, new_sequence, token_event
-from worker.structured import GrammarError, Grammars, follow_grammar
+from worker.engine_base import BaseEngine
+from worker.random_streams import make_generator
+from worker.sampler import SamplingBatch, SamplingRow, sample_each
+from worker.sequence import Sequence, StepOutput, new_sequence
+from worker.structured import GrammarError, Grammars
 
 
-class StaticEngine:
+class StaticEngine(BaseEngine):
     def __init__(self, runner: BatchRunner, tokenizer: Tokenizer, batch_size: int):
+        super().__init__(batch_size)
         self.runner = runner
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # the current batch, finished rows included
         self._sampling: dict[str, SamplingRow] = {}
-        self.cancels = CancelInbox()
         self.grammars = Grammars(tokenizer, runner.vocab_size)
         self._refused: list[StepOutput] = []  # ended at scheduling (a constraint that does not compile)
-        self.last_step_size = 0  # rows the last step ran, for metrics (the Engine protocol's field)
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         self.waiting.append(seq)
         return seq
-
-    def cancel(self, request_id: str) -> None:
-        self.cancels.add(request_id)
 
     @property
     def free_slots(self) -> int:
@@ -53,18 +48,9 @@ class StaticEngine:
     def running(self) -> list[Sequence]:
         return [s for s in self.rows if not s.finished]
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def kv_blocks(self) -> None:
-        return None  # no paged cache
-
-    def counts(self) -> Counts:
-        return Counts()
-
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs = self._apply_cancels()
+        outputs = self._end_cancelled()
         started = self._schedule()
         outputs, self._refused = outputs + self._refused, []
         self.last_step_size = len(self.running)
@@ -76,25 +62,17 @@ class StaticEngine:
             self.runner.release()
         return outputs
 
-    def fail_all(self, error: str) -> list[StepOutput]:
-        """End every admitted request with an error (the step itself failed)."""
-        outputs = []
-        for seq in self.running + list(self.waiting):
-            seq.finish(FinishReason.ERROR, error)
-            outputs.append(StepOutput(seq, None, True))
+    def _admitted(self) -> list[Sequence]:
+        return self.running + list(self.waiting)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._sampling.pop(seq.id, None)  # a finished row keeps its slot until the batch drains
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _reset(self) -> None:
         self.rows, self.waiting = [], deque()
         self.runner.release()
-        return outputs
-
-    def _apply_cancels(self) -> list[StepOutput]:
-        cancelled = self.cancels.take()
-        outputs = []
-        for seq in self.running + list(self.waiting):
-            if seq.id in cancelled:
-                seq.finish(FinishReason.CANCELLED)
-                outputs.append(StepOutput(seq, None, True))
-        self.waiting = deque(s for s in self.waiting if not s.finished)
-        return outputs
 
     def _schedule(self) -> bool:
         """Start a new batch if the last one drained; True if one started."""
@@ -127,18 +105,10 @@ class StaticEngine:
         outputs = []
         for seq, result in zip(seqs, picked):
             if isinstance(result, Exception):  # its own parameters broke its sampling: it alone fails
-                fail_sampling(seq, result)
-                self._sampling.pop(seq.id, None)
-                outputs.append(StepOutput(seq, None, True))
+                outputs.append(self._sampling_failed(seq, result))
                 continue
             ([token], [lp]) = result
-            text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
-            matcher = self._sampling[seq.id].matcher
-            if matcher is not None:
-                follow_grammar(seq, matcher, token)
-            if seq.finished:
-                self._sampling.pop(seq.id, None)
-            outputs.append(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
+            outputs.append(self._emit(seq, token, lp))
         return outputs
 
 

@@ -83,17 +83,17 @@ def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
         "tokenizer": model_dir,
         "dtype": settings.step.dtype,
         "max_num_seqs": batching.batch_size,
-        "max_num_batched_tokens": max(batching.max_num_batched_tokens, vllm.vllm_max_model_len or 0) or None,
-        "max_model_len": vllm.vllm_max_model_len,
-        "gpu_memory_utilization": vllm.vllm_gpu_memory_utilization,
-        "enforce_eager": vllm.vllm_enforce_eager,
-        "tensor_parallel_size": vllm.vllm_tensor_parallel_size,
-        "quantization": vllm.vllm_quantization,
+        "max_num_batched_tokens": max(batching.max_num_batched_tokens, vllm.max_model_len or 0) or None,
+        "max_model_len": vllm.max_model_len,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "enforce_eager": vllm.enforce_eager,
+        "tensor_parallel_size": vllm.tensor_parallel_size,
+        "quantization": vllm.quantization,
         "enable_prefix_caching": settings.cache.prefix_caching,
         "disable_log_stats": True,
     }
-    if vllm.vllm_speculative_config:
-        kwargs["speculative_config"] = vllm.vllm_speculative_config
+    if vllm.speculative_config:
+        kwargs["speculative_config"] = vllm.speculative_config
     return {k: v for k, v in kwargs.items() if v is not None}
 
 

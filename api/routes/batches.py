@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from api.auth import TenantDep
 from api.deps import ArqDep, GenerationDep, StoreDep
-from api.generation import ApiError
+from api.errors import ApiError
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.openai import plan_chat, plan_completion

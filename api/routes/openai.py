@@ -16,7 +16,8 @@ from fastapi import APIRouter
 from api import hermes
 from api.auth import TenantDep
 from api.deps import ModelsDep
-from api.generation import ApiError, Generation
+from api.errors import ApiError
+from api.generation import Generation
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
@@ -256,48 +257,62 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if usage_on else {}
+
+    def frame(i: int, delta: dict, lp: Any = None, reason: str | None = None) -> str:
+        return json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                           **extra})
+
     for i in range(len(payloads)):
-        yield json_frame({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}], **extra})
-    completion_tokens = 0
-    # With tools, a reply is parsed whole: its tokens are held to the end. In the Hermes format a
-    # reply that does not open with "<" is a plain answer (the grammar allows no call after it),
-    # so it streams from there on. Its first character decides, once: None until then.
-    held: list[list[TokenEvent]] = [[] for _ in payloads]
-    answering: list[bool | None] = [None if body.hermes else False for _ in payloads]
+        yield frame(i, {"role": "assistant", "content": ""})
+    completion_tokens, held = 0, _HeldReplies(body, len(payloads))
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
-            continue
-        if isinstance(event, TokenEvent):
+        elif isinstance(event, TokenEvent):
             completion_tokens += 1
-            events = [event]
-            if body.calls_tools and not answering[i]:
-                held[i].append(event)
-                if answering[i] is None and event.text:
-                    answering[i] = not "".join(e.text for e in held[i]).startswith("<")
-                if not answering[i]:
-                    continue
-                events, held[i] = held[i], []
+            events = held.release(i, event)
             text = "".join(e.text for e in events)
-            if not text and logprobs is None:
-                continue
-            lp = _chat_logprobs(tokenizer, events) if logprobs is not None else None
-            choice = {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            if text or (events and logprobs is not None):
+                yield frame(i, {"content": text}, _chat_logprobs(tokenizer, events) if logprobs is not None else None)
         elif isinstance(event, FinalEvent):
             reason = _stream_reason(event)
-            if body.calls_tools and not answering[i]:
-                message, reason = _chat_message(body, "".join(e.text for e in held[i]), reason)
+            if held.holding(i):
+                message, reason = _chat_message(body, held.text(i), reason)
                 for delta in _tool_deltas(message):
-                    yield json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                                           "finish_reason": None}], **extra})
-            choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
-        else:
-            continue
-        yield json_frame({**base, "choices": [choice], **extra})
+                    yield frame(i, delta)
+            yield frame(i, {}, None, reason)
     if usage_on:
         yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
     yield DONE
+
+
+class _HeldReplies:
+    """With tools, a reply is parsed whole: its tokens are held to the end. In the Hermes format a
+    reply that does not open with "<" is a plain answer (the grammar allows no call after it), so
+    it streams from there on. Its first character decides, once: None until then."""
+
+    def __init__(self, body: ChatCompletionRequest, n: int):
+        self.tools = body.calls_tools
+        self.held: list[list[TokenEvent]] = [[] for _ in range(n)]
+        self.answering: list[bool | None] = [None if body.hermes else False for _ in range(n)]
+
+    def release(self, i: int, event: TokenEvent) -> list[TokenEvent]:
+        """The events of reply i to stream now that `event` came (none while it is held)."""
+        if not self.holding(i):
+            return [event]
+        self.held[i].append(event)
+        if self.answering[i] is None and event.text:
+            self.answering[i] = not self.text(i).startswith("<")
+        if not self.answering[i]:
+            return []
+        events, self.held[i] = self.held[i], []
+        return events
+
+    def holding(self, i: int) -> bool:
+        return self.tools and not self.answering[i]
+
+    def text(self, i: int) -> str:
+        return "".join(e.text for e in self.held[i])
 
 
 def _tool_deltas(message: dict) -> list[dict]:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 
 from api.auth import TenantDep
 from api.deps import GenerationDep
-from api.generation import ApiError, Generation
+from api.errors import ApiError
+from api.generation import Generation
 from api.json_body import StrictJSONRoute
 from api.sse import KEEPALIVE, EventStreamResponse, frame
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent

@@ -6,7 +6,8 @@ import uuid
 from redis.asyncio import Redis
 
 from api.backpressure import Backpressure
-from api.generation import ApiError, Generation
+from api.errors import ApiError
+from api.generation import Generation
 from api.limits import Limits
 from api.metrics import ApiMetrics
 from scheduler.jobs import reclaim_dead_workers

@@ -34,8 +34,8 @@ class CrashOnce:
 @pytest.fixture
 async def hub(redis, prefix):
     hub = PubSubHub(redis, redis_keys.replica_channel(prefix, "test"), tick_s=30)
-    hub.crash = CrashOnce(hub._pubsub)
-    hub._pubsub.get_message = hub.crash  # before start(): the reader's first read goes through it
+    hub.crash = CrashOnce(hub.pubsub)
+    hub.pubsub.get_message = hub.crash  # before start(): the reader's first read goes through it
     await hub.start()
     yield hub
     await hub.close()

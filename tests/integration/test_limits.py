@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from api.generation import ApiError
+from api.errors import ApiError
 from api.limits import Limits
 from shared import redis_keys
 

@@ -38,7 +38,7 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
     import pytest
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
-    from api.generation import ApiError
+    from api.errors import ApiError
     from api.limits import Limits
     from shared import redis_keys
 

@@ -159,7 +159,7 @@ async def test_a_reconnection_whose_resubscription_failed_is_made_again(server, 
     task, received = await _follow(server, relay)
     fail_once = _FailOnce()
     fail_once.method = fail_once.__call__  # a bound method, kept alive: redis-py holds it weakly
-    relay.hub._pubsub.connection._connect_callbacks.insert(0, weakref.WeakMethod(fail_once.method))
+    relay.hub.pubsub.connection._connect_callbacks.insert(0, weakref.WeakMethod(fail_once.method))
     for i in (1, 2):
         await _emit(server, _token(i), publish=False)
     await _emit(server, _final(3), publish=False)

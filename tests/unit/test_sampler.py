@@ -6,7 +6,8 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from worker.detokenizer import Detokenizer
-from worker.sampler import SamplingBatch, SamplingRow, make_generator, sample_verify
+from worker.random_streams import make_generator
+from worker.sampler import SamplingBatch, SamplingRow, sample_verify
 from worker.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])

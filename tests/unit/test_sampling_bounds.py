@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from api.generation import ApiError, Generation
+from api.errors import ApiError
+from api.generation import Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.seed import QueryRequest
 from shared.sampling import MAX_SEED, SamplingParams

@@ -63,3 +63,14 @@ def test_sampling_params_reject_bad_values(params):
 def test_single_stop_string_becomes_a_list():
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(stop=None).stop == []
+
+
+def test_a_section_is_made_once_and_again_when_a_field_changed():
+    settings = WorkerSettings(_env_file=None)
+    section = settings.speculative
+    assert settings.speculative is section  # not a new object on every access
+    copy = settings.model_copy(update={"num_speculative_tokens": 7})
+    assert copy.speculative.num_tokens == 7
+    assert settings.speculative is section and section.num_tokens != 7
+    settings.num_speculative_tokens = 3
+    assert settings.speculative.num_tokens == 3

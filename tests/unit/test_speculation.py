@@ -10,7 +10,7 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.detokenizer import Detokenizer
 from worker.sequence import Sequence
-from worker.sampler import accept_greedy
+from worker.acceptance import accept_greedy
 from worker.speculation import NgramProposer, Speculator, propose_ngram
 
 _ids = itertools.count()

@@ -20,9 +20,12 @@ def test_the_settings_sections_hold_every_worker_field_under_its_flat_environmen
     monkeypatch.setenv("STREAMQ_VLLM_ENFORCE_EAGER", "true")
     settings = WorkerSettings()
     assert settings.cache.block_size == 32 and settings.batching.batch_size == 12
-    assert settings.speculative.ngram_max == 7 and settings.vllm.vllm_enforce_eager
+    assert settings.speculative.ngram_max == 7 and settings.vllm.enforce_eager
+    assert settings.speculative.method == settings.speculative_method  # the section's word left out
     sections = [settings.batching, settings.cache, settings.step, settings.speculative, settings.vllm]
-    grouped = [name for section in sections for name in type(section).model_fields]
-    assert len(grouped) == len(set(grouped))  # each field in one section at most
+    # each section field is a setting (by its alias where the section drops its word), in one section at most
+    grouped = [field.alias or name for section in sections for name, field in type(section).model_fields.items()]
+    assert len(grouped) == len(set(grouped)) and set(grouped) <= set(WorkerSettings.model_fields)
     for section in sections:
-        assert all(getattr(section, name) == getattr(settings, name) for name in type(section).model_fields)
+        assert all(getattr(section, name) == getattr(settings, field.alias or name)
+                   for name, field in type(section).model_fields.items())
