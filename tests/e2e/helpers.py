@@ -56,3 +56,13 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, ignor
         model.generation_config.eos_token_id = None
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
+
+
+def fp32_activations_env() -> dict[str, str]:
+    """The worker setting that holds its quantized projections to fp32 activations (the widest
+    such kernels this CPU has). A test that compares a quantized model with a float reference (vLLM
+    or transformers on the dequantized weights) needs it: on AVX-512 VNNI, `auto` rounds
+    activations to int8 (docs/models.md), which is not the float computation bit for bit."""
+    from worker import kernels
+
+    return {"STREAMQ_CPU_ISA": kernels.widest_fp32(kernels.load())}

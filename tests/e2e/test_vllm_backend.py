@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import events_of, submit, token_ids, wait_done
+from tests.e2e.helpers import events_of, fp32_activations_env, submit, token_ids, wait_done
 from tests.stack import ROOT, Stack, stream_events
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -31,8 +31,9 @@ def stack(redis_url, tmp_path_factory):
         pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` creates it (`make test` runs it)")
     env = {"STREAMQ_MODEL_CACHE_DIR": "", "STREAMQ_HEARTBEAT_TTL_S": "4", "STREAMQ_HEARTBEAT_INTERVAL_S": "1",
            "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+    # the built-in engine is vLLM's reference here: the same float computation (fp32 activations)
     with Stack(redis_url, None, tmp_path_factory.mktemp("vllm"), workers=2, scheduler=True, env=env,
-               worker_envs=[VLLM_ENV, {}], worker_python=[str(VLLM_PYTHON), None]) as running:
+               worker_envs=[VLLM_ENV, fp32_activations_env()], worker_python=[str(VLLM_PYTHON), None]) as running:
         wait_for_backend(running, "vllm")
         yield running
 
