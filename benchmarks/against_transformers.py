@@ -40,7 +40,7 @@ def main() -> int:
     held = "" if fused is None else (f", weights {runner.weight_bytes() / 2**20:.0f} MiB "
                                      f"({'quantized' if runner.lm_head.quant is not None else 'float'})")
     print(f"{settings.model}: {type(engine).__name__}, windows {sorted(set(getattr(runner, 'windows', [])))}{held}")
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent / "data" / "declaration.txt").read_text()  # a fixed public-domain text
     seqs = []
     for i, n in enumerate(args.lengths):
         ids = engine.tokenizer.encode(text[i * 500:])[:n]
