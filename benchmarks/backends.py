@@ -103,7 +103,9 @@ def streamq(backend: str, dtype: str, timing: dict) -> Iterator[str]:
     settings = {"STREAMQ_BATCH_SIZE": str(BATCH), "STREAMQ_DTYPE": dtype,
                 "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(BUDGET), "STREAMQ_NUM_KV_BLOCKS": "4096",
                 "STREAMQ_BACKEND": backend, "STREAMQ_KV_CACHE_GB": str(KV_CACHE_GB),
-                "STREAMQ_VLLM_ENFORCE_EAGER": "false", "STREAMQ_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+                "STREAMQ_VLLM_ENFORCE_EAGER": "false", "STREAMQ_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+                # the weights vLLM serves: the default model's GGUF dequantized, in `dtype` (not kept quantized)
+                "STREAMQ_GGUF_WEIGHTS": "dequantized"}
     if backend == "vllm":
         settings.update(vllm_env())
     python = str(VLLM_PYTHON) if backend == "vllm" else None
