@@ -106,7 +106,7 @@ def run_streamq(model, tok, prompts, new_tokens, batch, budget, blocks=4096, blo
             now = time.perf_counter()
             for out in outputs:
                 if out.token is not None:
-                    times[out.seq.id].append(now)
+                    times[out.request_id].append(now)
     hits = engine.batcher.blocks.prefix_hits
     return summarise(name, starts, list(times.values()), {"prefix_hit_blocks": hits})
 

@@ -65,7 +65,7 @@ def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], spec
     while engine.has_work():
         for out in engine.step():
             if out.token is not None:
-                events[out.seq.id].append(out.token)
+                events[out.request_id].append(out.token)
     return [s.output_ids for s in seqs], [events[s.id] for s in seqs]
 
 

@@ -99,7 +99,10 @@ class RequestQueue:
         self._backlog = redis.register_script(BACKLOG_LUA + "return {backlog(KEYS[1], ARGV[1], ARGV[2])}")
 
     def stream_of(self, payload: RequestPayload) -> str:
-        return redis_keys.request_stream(self.prefix, self.model, lane_of(payload))
+        return self.lane_stream(lane_of(payload))
+
+    def lane_stream(self, lane: str) -> str:
+        return redis_keys.request_stream(self.prefix, self.model, lane)
 
     async def streams(self, backend: str | None = None) -> list[str]:
         """Every lane's stream (only those a worker of `backend` reads, when given), in a stable order."""

@@ -95,7 +95,7 @@ class DraftProposer:
         self.blocks.free(seq_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
-        params = seq.payload.params
+        params = seq.params
         if params.seed is None:
             return make_generator(params, self.runner.device)
         # Its own stream, so the target's draws stay where plain sampling would have them.

@@ -26,7 +26,7 @@ from worker.model_runner import PagedRunner
 from worker.engine_base import BaseEngine
 from worker.random_streams import make_generator, replay_draws
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
-from worker.sequence import Sequence, StepOutput, new_sequence
+from worker.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.speculation import SpecStats, Speculator
 from worker.structured import Compiler, Grammars
 
@@ -149,7 +149,7 @@ class Engine(BaseEngine):
             if not self.compiler.ready(seq):
                 self._compiling.append(seq)
                 continue
-            params = seq.payload.params
+            params = seq.params
             need = len(seq.prompt_ids) + (params.max_tokens or 0)
             try:
                 matcher = self.compiler.matcher(seq)
@@ -157,7 +157,7 @@ class Engine(BaseEngine):
                     raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
             except ValueError as exc:  # GrammarError included
                 seq.finish(FinishReason.ERROR, str(exc))
-                refused.append(StepOutput(seq, None, True))
+                refused.append(step_output(seq, None, True))
                 continue
             generator = make_generator(params, self.runner.device)
             replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover

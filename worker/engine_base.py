@@ -13,7 +13,7 @@ import logging
 from shared.messages import FinishReason
 from worker.backend import Counts
 from worker.cancels import CancelInbox
-from worker.sequence import Sequence, StepOutput, token_event
+from worker.sequence import Sequence, StepOutput, step_output, token_event
 from worker.structured import follow_grammar
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class BaseEngine:
         for seq in seqs:
             seq.finish(reason, error)
             self._forget(seq)
-            outputs.append(StepOutput(seq, None, True))
+            outputs.append(step_output(seq, None, True))
         return outputs
 
     def _sampling_failed(self, seq: Sequence, exc: Exception) -> StepOutput:
@@ -64,7 +64,7 @@ class BaseEngine:
         log.warning("request %s failed in sampling: %r", seq.id, exc)
         seq.finish(FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}")
         self._forget(seq)
-        return StepOutput(seq, None, True)
+        return step_output(seq, None, True)
 
     def _emit(self, seq: Sequence, token: int, logprobs) -> StepOutput:
         """The request takes `token` (stop checks, detokenizing, its grammar); its event, and
@@ -75,7 +75,7 @@ class BaseEngine:
             follow_grammar(seq, matcher, token)
         if seq.finished:
             self._forget(seq)
-        return StepOutput(seq, token_event(seq, token, text, logprobs), seq.finished)
+        return step_output(seq, token_event(seq, token, text, logprobs), seq.finished)
 
     # -- what a subclass says --------------------------------------------------------------
     def _admitted(self) -> list[Sequence]:

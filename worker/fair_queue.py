@@ -26,13 +26,13 @@ class FairQueue:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; a preempted one keeps its place of first arrival."""
-        tenant = seq.payload.owner
+        tenant = seq.owner
         heap = self._heaps.setdefault(tenant, [])
         if not heap:
             self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), self._clock)
         if seq.arrival < 0:
             seq.arrival = next(self._arrivals)
-        heapq.heappush(heap, (seq.payload.priority, seq.arrival, seq))
+        heapq.heappush(heap, (seq.priority, seq.arrival, seq))
         self._len += 1
 
     def peek(self) -> Sequence | None:
@@ -50,7 +50,7 @@ class FairQueue:
         return heapq.heappop(self._heaps[tenant])[2]
 
     def remove(self, seq: Sequence) -> None:
-        heap = self._heaps.get(seq.payload.owner, [])
+        heap = self._heaps.get(seq.owner, [])
         for i, (_, _, queued) in enumerate(heap):
             if queued is seq:
                 heap[i] = heap[-1]
@@ -62,8 +62,8 @@ class FairQueue:
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         """`tokens` of this request's tenant were scheduled in a step."""
-        tenant = seq.payload.owner
-        self._vtime[tenant] = self._vtime.get(tenant, self._clock) + tokens / seq.payload.weight
+        tenant = seq.owner
+        self._vtime[tenant] = self._vtime.get(tenant, self._clock) + tokens / seq.weight
 
     def virtual_time(self, tenant: str) -> float:
         return self._vtime.get(tenant, 0.0)

@@ -100,11 +100,11 @@ class WorkerMetrics:
         if scheduled := engine.last_step_size:
             self.batch_size.observe(scheduled)
         for out in outputs:
-            rid = out.seq.id
+            rid = out.request_id
             if out.token is not None:
                 self.generation_tokens.inc()
                 if out.token.index == 0:
-                    self.ttft.observe(max(0.0, stamp - out.seq.payload.created_at))
+                    self.ttft.observe(max(0.0, stamp - out.created_at))
                     self._first_token[rid] = stamp
                 elif rid in self._last_token:
                     self.itl.observe(stamp - self._last_token[rid])
@@ -112,15 +112,15 @@ class WorkerMetrics:
             if out.finished:
                 self._last_token.pop(rid, None)
                 first = self._first_token.pop(rid, None)
-                created = out.seq.payload.created_at
+                created, end = out.created_at, out.end
                 self.e2e.observe(max(0.0, stamp - created))
-                self.finished.labels(out.seq.finish_reason.value).inc()
-                log.info("request %s finished (%s, %d tokens)", rid, out.seq.finish_reason.value,
-                         len(out.seq.output_ids), extra={
-                             "request_id": rid, "worker": worker, "finish_reason": out.seq.finish_reason.value,
-                             "prompt_tokens": len(out.seq.prompt_ids), "completion_tokens": len(out.seq.output_ids),
+                self.finished.labels(end.finish_reason.value).inc()
+                log.info("request %s finished (%s, %d tokens)", rid, end.finish_reason.value,
+                         end.completion_tokens, extra={
+                             "request_id": rid, "worker": worker, "finish_reason": end.finish_reason.value,
+                             "prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
                              "ttft_s": round(first - created, 4) if first else None,
-                             "e2e_s": round(stamp - created, 4), "error": out.seq.error})
+                             "e2e_s": round(stamp - created, 4), "error": end.error})
         self.gauges(engine)
 
     def gauges(self, engine: Backend) -> None:

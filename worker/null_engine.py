@@ -13,7 +13,7 @@ import time
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from worker.fair_queue import FairQueue
 from worker.engine_base import BaseEngine
-from worker.sequence import Sequence, StepOutput, new_sequence
+from worker.sequence import Sequence, StepOutput, new_sequence, step_output
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
 
@@ -60,17 +60,17 @@ class NullEngine(BaseEngine):
         stamp = f"{time.time():.6f} "
         still = []
         for seq in self._running:
-            if seq.payload.params.structured_outputs is not None:  # its tokens are not text: nothing to constrain
+            if seq.params.structured_outputs is not None:  # its tokens are not text: nothing to constrain
                 seq.finish(FinishReason.ERROR, "the null backend cannot follow structured_outputs")
-                outputs.append(StepOutput(seq, None, True))
+                outputs.append(step_output(seq, None, True))
                 continue
             seq.append(NULL_TOKEN)
             self._waiting.charge(seq, 1)
             seq.detokenizer.text += stamp
-            if len(seq.output_ids) >= (seq.payload.params.max_tokens or 1):
+            if len(seq.output_ids) >= (seq.params.max_tokens or 1):
                 seq.finish(FinishReason.LENGTH)
             event = TokenEvent(index=len(seq.output_ids) - 1, token_id=NULL_TOKEN, text=stamp)
-            outputs.append(StepOutput(seq, event, seq.finished))
+            outputs.append(step_output(seq, event, seq.finished))
             if not seq.finished:
                 still.append(seq)
         self._running = still

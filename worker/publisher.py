@@ -28,7 +28,7 @@ class Publisher:
         stamp = now()
         async with self.redis.pipeline(transaction=False) as pipe:
             for out in outputs:
-                rid = out.seq.id
+                rid = out.request_id
                 log, channel = redis_keys.token_log(self.prefix, rid), redis_keys.request_channel(self.prefix, rid)
                 if out.token is not None:
                     data = encode_event(out.token)
@@ -36,30 +36,29 @@ class Publisher:
                     pipe.execute_command("SPUBLISH", channel, data)
                     if out.token.index == 0:
                         first = {"first_token_at": stamp}
-                        if out.seq.scheduled_at:  # when its first step began (a backend may not say)
-                            first["scheduled_at"] = out.seq.scheduled_at
+                        if out.scheduled_at:  # when its first step began (a backend may not say)
+                            first["scheduled_at"] = out.scheduled_at
                         pipe.hset(redis_keys.request_record(self.prefix, rid), mapping=first)
                 if out.finished:
                     self._finish(pipe, out, log, channel, stamp)
             await pipe.execute()
         for out in outputs:  # only once published: a retried publish acks them again
             if out.finished:
-                self.entries.pop(out.seq.id, None)
+                self.entries.pop(out.request_id, None)
 
     def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
-        seq = out.seq
-        record = redis_keys.request_record(self.prefix, seq.id)
-        usage = Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids))
-        status = STATUS_OF_FINISH[seq.finish_reason]
-        final = encode_event(FinalEvent(status=status, finish_reason=seq.finish_reason, usage=usage, error=seq.error))
-        fields = {"status": status.value, "finish_reason": seq.finish_reason.value,
-                  "completion_tokens": usage.completion_tokens, "finished_at": stamp,
-                  "text": seq.detokenizer.text}
-        if seq.error:
-            fields["error"] = seq.error
+        end = out.end
+        record = redis_keys.request_record(self.prefix, out.request_id)
+        usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens)
+        status = STATUS_OF_FINISH[end.finish_reason]
+        final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error))
+        fields = {"status": status.value, "finish_reason": end.finish_reason.value,
+                  "completion_tokens": usage.completion_tokens, "finished_at": stamp, "text": end.text}
+        if end.error:
+            fields["error"] = end.error
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
         pipe.execute_command("SPUBLISH", channel, final)
-        pipe.xack(self.queue.stream_of(seq.payload), redis_keys.WORKER_GROUP, self.entries[seq.id])
+        pipe.xack(self.queue.lane_stream(out.lane), redis_keys.WORKER_GROUP, self.entries[out.request_id])
         pipe.expire(record, redis_keys.RESULT_TTL_S)
         pipe.expire(log, redis_keys.RESULT_TTL_S)

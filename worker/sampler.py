@@ -35,7 +35,7 @@ class SamplingRow:
 
     @classmethod
     def of(cls, seq: Sequence, generator: torch.Generator | None, matcher: Any = None) -> "SamplingRow":
-        return cls(seq.payload.params, generator, seq.token_ids, seq.output_ids, matcher)
+        return cls(seq.params, generator, seq.token_ids, seq.output_ids, matcher)
 
 
 @dataclass

@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.queue import lane_of
+from shared.sampling import SamplingParams
 from worker.detokenizer import Detokenizer
 
 
@@ -19,8 +21,18 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    payload: RequestPayload
+    """The engine's own request: what it needs of the wire payload (RequestPayload), taken once
+    (Sequence.of), and the state it keeps while the request runs."""
+
+    id: str
+    params: SamplingParams
+    prompt_ids: list[int]
     detokenizer: Detokenizer
+    owner: str = ""  # its tenant, for fair scheduling
+    priority: int = 0
+    weight: float = 1.0  # its tenant's share of the batch
+    created_at: float = 0.0  # when the api accepted it (wall clock)
+    lane: str = ""  # the queue lane it came from (shared/queue.py), where its entry is acked
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt then output: what the model has seen or will
     num_computed: int = 0  # leading token_ids whose keys and values are in the KV cache
@@ -32,11 +44,12 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if not self.token_ids:
-            self.token_ids = list(self.payload.prompt_token_ids) + list(self.output_ids)
+            self.token_ids = list(self.prompt_ids) + list(self.output_ids)
 
-    @property
-    def id(self) -> str:
-        return self.payload.id
+    @classmethod
+    def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> "Sequence":
+        return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.owner,
+                   payload.priority, payload.weight, payload.created_at, lane_of(payload))
 
     @property
     def finished(self) -> bool:
@@ -44,10 +57,6 @@ class Sequence:
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.payload.prompt_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +68,7 @@ class Sequence:
 
     def accept(self, token_id: int, eos_ids: frozenset[int], context_length: int) -> str:
         """Record a generated token, decide whether the request ends; return its text delta."""
-        params = self.payload.params
+        params = self.params
         self.append(token_id)
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
             self.finish(FinishReason.STOP)
@@ -80,7 +89,7 @@ def new_sequence(payload: RequestPayload, decode, resumed: list[TokenEvent] | tu
     """A request as the engine takes it: fresh, or continuing after the tokens another worker
     already delivered (they are prefilled with the prompt, and indices carry on after them).
     `decode_stream` is `Tokenizer.decode_stream` where the tokenizer has one."""
-    seq = Sequence(payload, Detokenizer(decode, payload.params.stop, decode_stream))
+    seq = Sequence.of(payload, Detokenizer(decode, payload.params.stop, decode_stream))
     if resumed:
         for event in resumed:
             seq.append(event.token_id)
@@ -100,11 +109,35 @@ def token_event(seq: Sequence, token: int, text: str, lp: Logprobs | None) -> To
                       logprob=lp.logprob if lp else None, top_logprobs=lp.top if lp else None)
 
 
-@dataclass
-class StepOutput:
-    """One new token of a request, or none, and maybe its end. A step may emit several tokens
-    of one request (speculative decoding): one StepOutput each, in order."""
+@dataclass(frozen=True)
+class RequestEnd:
+    """How a request ended, as the publisher and the metrics record it."""
 
-    seq: Sequence
+    finish_reason: FinishReason
+    error: str | None
+    text: str  # the whole output text
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One new token of a request, or none, and maybe its end: a plain record, taken from the
+    request when the step emitted it (step_output). A step may emit several tokens of one request
+    (speculative decoding): one StepOutput each, in order."""
+
+    request_id: str
     token: TokenEvent | None
     finished: bool
+    created_at: float = 0.0  # when the api accepted the request
+    scheduled_at: float | None = None  # when its first step here began (None: the backend does not say)
+    lane: str = ""  # its queue lane, where the worker acks its entry
+    end: RequestEnd | None = None  # where finished
+
+
+def step_output(seq: Sequence, token: TokenEvent | None, finished: bool) -> StepOutput:
+    """The record of `seq`'s new token (or none), and of its end where `finished`."""
+    end = None
+    if finished:
+        end = RequestEnd(seq.finish_reason, seq.error, seq.detokenizer.text, len(seq.prompt_ids), len(seq.output_ids))
+    return StepOutput(seq.id, token, finished, seq.created_at, seq.scheduled_at, seq.lane, end)

@@ -193,7 +193,7 @@ class WorkerService:
         if free:
             return lanes
         if len(lanes) > 1:
-            here = {self.queue.stream_of(seq.payload) for seq in self.backend.waiting}
+            here = {self.queue.lane_stream(seq.lane) for seq in self.backend.waiting}
             return [lane for lane in lanes if lane not in here]
         return []
 

@@ -115,7 +115,7 @@ class Speculator:
         chunks = {c.seq.id: c for c in out.chunks if self._eligible(c)}
         wanted = [(c.seq, k) for c in chunks.values() if (k := self._room(c.seq, context_length)) > 0]
         for seq_id, (tokens, q) in self.proposer.propose(wanted).items() if wanted else ():
-            if q is not None and not self.draft_sampled and not chunks[seq_id].seq.payload.params.greedy:
+            if q is not None and not self.draft_sampled and not chunks[seq_id].seq.params.greedy:
                 self.proposer.verified(chunks[seq_id].seq)
                 continue
             if fitting is not None and (n := fitting(chunks[seq_id].seq, tokens)) < len(tokens):
@@ -145,11 +145,11 @@ class Speculator:
     def _eligible(chunk: Chunk) -> bool:
         # A decode (one new token to score), of a request that wants speculation, whose sampling
         # does not depend on its history (penalties would differ at each position).
-        p = chunk.seq.payload.params
+        p = chunk.seq.params
         return chunk.samples and chunk.length == 1 and p.speculative and not p.needs_history
 
     def _room(self, seq: Sequence, context_length: int) -> int:
         """Tokens worth proposing: no more than the request may still emit, less its own token."""
-        p = seq.payload.params
+        p = seq.params
         left = min((p.max_tokens or context_length) - len(seq.output_ids), context_length - seq.num_tokens)
         return min(self._k.get(seq.id, self.max_k), left - 1)

@@ -18,7 +18,7 @@ from shared.tokenizer import Tokenizer, served_context
 from worker.engine_base import BaseEngine
 from worker.random_streams import make_generator
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
-from worker.sequence import Sequence, StepOutput, new_sequence
+from worker.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.structured import GrammarError, Grammars
 
 
@@ -82,12 +82,12 @@ class StaticEngine(BaseEngine):
             seq = self.waiting.popleft()
             seq.scheduled_at = now()
             try:
-                matcher = self.grammars.matcher(seq.payload.params, seq.output_ids)
+                matcher = self.grammars.matcher(seq.params, seq.output_ids)
             except GrammarError as exc:
                 seq.finish(FinishReason.ERROR, str(exc))
-                self._refused.append(StepOutput(seq, None, True))
+                self._refused.append(step_output(seq, None, True))
                 continue
-            generator = make_generator(seq.payload.params, self.runner.device)
+            generator = make_generator(seq.params, self.runner.device)
             self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
             self.rows.append(seq)
         return bool(self.rows)

@@ -83,7 +83,7 @@ class Compiler:
 
     def start(self, seq: Sequence) -> None:
         """Begin the request's build (any thread; before the model thread can see the request)."""
-        params = seq.payload.params
+        params = seq.params
         if params.structured_outputs is not None:
             build = self._pool.submit(self.grammars.matcher, params, list(seq.output_ids))
             self._jobs[seq.id] = (build, time.monotonic() + self.timeout_s)

@@ -22,7 +22,7 @@ from shared.settings import WorkerSettings
 from shared.structured import JSON_LAYOUT
 from shared.tokenizer import Tokenizer
 from worker.backend import Counts
-from worker.sequence import Logprobs, Sequence, StepOutput, new_sequence, token_event
+from worker.sequence import Logprobs, Sequence, StepOutput, new_sequence, step_output, token_event
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class VllmBackend:
             return []
         while not self._events.empty():
             outputs.append(self._events.get_nowait())
-        self.last_step_size = len({out.seq.id for out in outputs})
+        self.last_step_size = len({out.request_id for out in outputs})
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
@@ -198,7 +198,7 @@ class VllmBackend:
         for seq, task in list(self._active.values()):
             seq.finish(FinishReason.ERROR, error)
             task.cancel()
-            outputs.append(StepOutput(seq, None, True))
+            outputs.append(step_output(seq, None, True))
         self._active.clear()
         return outputs
 
@@ -218,7 +218,7 @@ class VllmBackend:
 
     # -- one request -----------------------------------------------------------------------------
     async def _run(self, seq: Sequence, max_tokens: int) -> None:
-        kwargs = sampling_kwargs(seq.payload.params, max_tokens)
+        kwargs = sampling_kwargs(seq.params, max_tokens)
         eos, context = self.tokenizer.eos_token_ids, self.context_length
         try:
             if kwargs["structured_outputs"] is not None:
@@ -231,26 +231,26 @@ class VllmBackend:
                 completion = out.outputs[0]
                 for i, token in enumerate(completion.token_ids):
                     text = seq.accept(token, eos, context)
-                    lp = (_logprobs(completion.logprobs[i], token, seq.payload.params.logprobs or 0)
+                    lp = (_logprobs(completion.logprobs[i], token, seq.params.logprobs or 0)
                           if completion.logprobs else None)
-                    self._events.put_nowait(StepOutput(seq, token_event(seq, token, text, lp), seq.finished))
+                    self._events.put_nowait(step_output(seq, token_event(seq, token, text, lp), seq.finished))
                     if seq.finished:  # a stop string, or our limit: vLLM need not go on
                         await self.engine.abort(seq.id)
                         return
                 if out.finished:  # vLLM ended it first (its eos, or a limit of its own)
                     seq.finish(FinishReason.STOP if completion.finish_reason == "stop" else FinishReason.LENGTH)
                     seq.detokenizer.flush()
-                    self._events.put_nowait(StepOutput(seq, None, True))
+                    self._events.put_nowait(step_output(seq, None, True))
                     return
         except asyncio.CancelledError:
             await asyncio.shield(self.engine.abort(seq.id))
             if seq.finish_reason is FinishReason.CANCELLED:
-                self._events.put_nowait(StepOutput(seq, None, True))
+                self._events.put_nowait(step_output(seq, None, True))
             raise
         except Exception as exc:  # noqa: BLE001 - one request's failure ends that request only
             log.exception("vLLM failed request %s", seq.id)
             seq.finish(FinishReason.ERROR, f"vLLM: {type(exc).__name__}: {exc}")
-            self._events.put_nowait(StepOutput(seq, None, True))
+            self._events.put_nowait(step_output(seq, None, True))
         finally:
             self._active.pop(seq.id, None)
 

@@ -17,7 +17,7 @@ def seq(prompt_len: int, first: int = 1000) -> Sequence:
     n = next(_ids)
     payload = RequestPayload(id=f"r{n}", model="m", prompt_token_ids=list(range(first + n * 1000, first + n * 1000 + prompt_len)),
                              params=SamplingParams(max_tokens=8))
-    return Sequence(payload, Detokenizer(lambda ids: ""))
+    return Sequence.of(payload, Detokenizer(lambda ids: ""))
 
 
 def step(batcher: Batcher, new_token: int = 7):

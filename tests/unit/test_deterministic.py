@@ -78,7 +78,7 @@ def run(engine: Engine, prompt_ids: list[list[int]], sampling: dict, every: int 
                 break
         for step in engine.step():
             if step.token is not None:
-                out[step.seq.id].append((step.token.token_id, step.token.logprob))
+                out[step.request_id].append((step.token.token_id, step.token.logprob))
         steps += 1
     return [out[f"r{i}"] for i in range(len(prompt_ids))]
 

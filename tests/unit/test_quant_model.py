@@ -102,7 +102,7 @@ def greedy_events(engine: Engine, texts: list[str]) -> dict[str, list]:
     while engine.has_work():
         for out in engine.step():
             if out.token:
-                events.setdefault(out.seq.payload.id, []).append(out.token)
+                events.setdefault(out.request_id, []).append(out.token)
     return events
 
 

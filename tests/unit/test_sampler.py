@@ -27,21 +27,21 @@ def sample_batch(logits, seqs, generators):
 
 
 def seq(outputs=(), prompt=(0,), **params) -> Sequence:
-    s = Sequence(RequestPayload(id="r", model="m", prompt_token_ids=list(prompt), params=SamplingParams(**params)),
-                 Detokenizer(lambda ids: ""))
+    s = Sequence.of(RequestPayload(id="r", model="m", prompt_token_ids=list(prompt), params=SamplingParams(**params)),
+                    Detokenizer(lambda ids: ""))
     for t in outputs:
         s.append(t)
     return s
 
 
 def draw(s: Sequence, n: int = 50, logits=LOGITS) -> list[int]:
-    gen = make_generator(s.payload.params, CPU)
+    gen = make_generator(s.params, CPU)
     return [sample_batch(logits[None], [s], [gen])[0][0] for _ in range(n)]
 
 
 def test_greedy_takes_the_argmax():
     s = seq(temperature=0)
-    assert make_generator(s.payload.params, CPU) is None
+    assert make_generator(s.params, CPU) is None
     assert draw(s, 3) == [1, 1, 1]
 
 
@@ -66,7 +66,7 @@ def test_same_seed_same_samples_alone_or_in_a_batch():
     alone = draw(seq(temperature=1.0, seed=1234), 40)
     assert len(set(alone)) > 1  # it does sample, not argmax
     rows = [seq(temperature=1.0, seed=1234), seq(temperature=0.7), seq(temperature=0)]
-    gens = [make_generator(r.payload.params, CPU) for r in rows]
+    gens = [make_generator(r.params, CPU) for r in rows]
     batch = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
     together = [sample_batch(batch, rows, gens)[0][0] for _ in range(40)]
     assert together == alone
@@ -105,7 +105,7 @@ def test_logprobs_are_the_raw_distribution():
 
 def test_a_broken_row_cannot_fail_the_batch():
     rows = [seq(temperature=1.0, seed=1), seq(temperature=1.0, seed=2)]
-    gens = [make_generator(r.payload.params, CPU) for r in rows]
+    gens = [make_generator(r.params, CPU) for r in rows]
     logits = torch.stack([torch.tensor([float("nan")] * 5), LOGITS])
     tokens, _ = sample_batch(logits, rows, gens)
     assert len(tokens) == 2 and 0 <= tokens[0] < 5
@@ -113,7 +113,7 @@ def test_a_broken_row_cannot_fail_the_batch():
 
 def test_a_tiny_temperature_is_greedy():
     s = seq(temperature=1e-300)
-    assert s.payload.params.greedy and draw(s, 2) == [1, 1]
+    assert s.params.greedy and draw(s, 2) == [1, 1]
 
 
 # -- verifying proposed tokens (speculative decoding) ----------------------------------------
@@ -145,7 +145,7 @@ def test_sampled_verification_keeps_the_models_distribution(with_draft):
     a lookup proposed token 2 for certain or a draft model drew its proposal from its own q."""
     q = torch.tensor([0.1, 0.1, 0.8])
     s = seq(temperature=1.0, seed=20261130)
-    gen = make_generator(s.payload.params, CPU)
+    gen = make_generator(s.params, CPU)
     proposals = torch.multinomial(q, TRIALS, replacement=True, generator=torch.Generator().manual_seed(7)).tolist()
     logits = torch.log(torch.stack([P, UNIFORM]))
     counts = [0, 0, 0]
@@ -166,9 +166,9 @@ def test_lookup_verification_emits_what_plain_seeded_sampling_would():
     proposals change how many tokens a step emits, never which."""
     s = seq(temperature=1.0, seed=5)
     rows = torch.log(torch.tensor([[0.4, 0.3, 0.3], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4], [0.6, 0.2, 0.2]]))
-    plain_gen = make_generator(s.payload.params, CPU)
+    plain_gen = make_generator(s.params, CPU)
     plain = [sample_batch(rows[i][None], [s], [plain_gen])[0][0] for i in range(4)]
-    gen = make_generator(s.payload.params, CPU)
+    gen = make_generator(s.params, CPU)
     [(tokens, _)] = verify(rows, [s], [plain[:3]], [gen], [None])  # a lookup that guessed right
     assert tokens == plain
 

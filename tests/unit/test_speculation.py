@@ -42,7 +42,7 @@ def seq(tokens: list[int], **params) -> Sequence:
     """A request whose prompt is tokens[:-1]; its prefill will emit tokens[-1]."""
     payload = RequestPayload(id=f"s{next(_ids)}", model="m", prompt_token_ids=tokens[:-1],
                              params=SamplingParams(**{"max_tokens": 100, "temperature": 0, **params}))
-    s = Sequence(payload, Detokenizer(lambda ids: ""))
+    s = Sequence.of(payload, Detokenizer(lambda ids: ""))
     FIRST[s.id] = tokens[-1]
     return s
 
