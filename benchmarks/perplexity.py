@@ -95,8 +95,9 @@ def llama_cpp(gguf: Path, ctx: int) -> float | None:
 
 def activation_isas() -> dict[str, str]:
     """The ISAs to hold quantized rows to: the widest with fp32 activations, and avx512vnni's int8."""
-    runs = kernels.load().isas if kernels.load() is not None else []
-    return {"fp32 activations": kernels.widest_fp32(kernels.load()),
+    built = kernels.load()
+    runs = built.isas if built is not None else []
+    return {"fp32 activations": kernels.widest_fp32(built),
             **({"int8 activations": "avx512vnni"} if "avx512vnni" in runs else {})}
 
 

@@ -26,6 +26,21 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                         c10::optional<at::Tensor> bias, const std::string& isa);
 
+// What both quantized kernels share (quant_linear.cpp). The bytes of one panel's group: its codes,
+// then 32 scales, then 32 offsets where the weight has them.
+inline int64_t group_bytes(int64_t group, int64_t bits, bool offset) {
+  return group * 32 * bits / 8 + 32 * 4 * (offset ? 2 : 1);
+}
+// Where a packing puts the `group` codes of panel column j (0..31) in its group's bytes.
+using PlaceCode = void (*)(uint8_t* block, int64_t j, const int8_t* codes, int64_t group, int64_t bits);
+// The checked arguments of a pack_quantized*: codes q [N, K], scale and offset [N, K / group], each
+// group's codes placed by `place` and followed by its scales and offsets.
+at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits, PlaceCode place);
+// The checks of a quant_linear* call (`name`, of the weight packed by `packer`): x float32 or
+// bfloat16, packed in groups of `group` of a weight [n, K], the bias; whether the weight has offsets.
+bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
+                      const c10::optional<at::Tensor>& bias, const char* name, const char* packer);
+
 // quant_linear_int8.cpp: the same weights in VNNI's layout, x rounded to int8 ("avx512vnni").
 at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits);
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,

@@ -8,7 +8,7 @@
 // so a code costs one conversion and one FMA per row. Every row's sum runs in the same order
 // whatever the other rows of the call: a row's result is its own (as panel_linear's).
 //
-// Packed: [ceil(N / 32), K / group, group_bytes], per panel of 32 columns and group of k the
+// Packed (pack_groups): [ceil(N / 32), K / group, group_bytes], per panel of 32 columns and group of k the
 // group's codes (group rows of 32 codes, simd.h's layout), then 32 scales, then 32 offsets where
 // the weight has them; columns past N are zero.
 #include "kernels.h"
@@ -23,10 +23,6 @@
 
 namespace streamq {
 namespace {
-
-int64_t group_bytes(int64_t group, int64_t bits, bool offset) {
-  return group * kPanel * bits / 8 + kPanel * 4 * (offset ? 2 : 1);
-}
 
 // Where a block reads and writes: R rows of x from `x`, P adjacent panels from `panel`, total [R][P * 32].
 struct Block {
@@ -163,7 +159,8 @@ void dispatch_bits(int64_t bits, const float* x, const float* xsum, const uint8_
 
 }  // namespace
 
-at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits) {
+at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
+                       PlaceCode place) {
   check_rows(q, "q");
   check_rows(scale, "scale");
   TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "q: int8, scale: float32");
@@ -188,14 +185,7 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
       float* scales = reinterpret_cast<float*>(block + group * kPanel * bits / 8);
       for (int64_t j = 0; j < columns; ++j) {
         const int64_t row = p * 32 + j;
-        const int8_t* codes = qp + row * k + g * group;
-        for (int64_t i = 0; i < group; ++i) {
-          const auto code = static_cast<uint8_t>(codes[i]);
-          if (bits == 8)
-            block[i * 32 + j] = code;
-          else
-            block[i * 16 + j % 16] |= j < 16 ? code : uint8_t(code << 4);
-        }
+        place(block, j, qp + row * k + g * group, group, bits);
         std::memcpy(scales + j, sp + row * groups + g, sizeof(float));
         if (op) std::memcpy(scales + 32 + j, op + row * groups + g, sizeof(float));
       }
@@ -204,23 +194,44 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
   return packed;
 }
 
+// This kernel's layout (above): a group's k-th row of 32 codes, 8-bit a byte each, 4-bit column j in
+// byte j % 16 (the low nibble for j < 16).
+at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits) {
+  return pack_groups(q, scale, offset, bits, [](uint8_t* block, int64_t j, const int8_t* codes, int64_t group,
+                                                int64_t bits) {
+    for (int64_t i = 0; i < group; ++i) {
+      const auto code = static_cast<uint8_t>(codes[i]);
+      if (bits == 8)
+        block[i * 32 + j] = code;
+      else
+        block[i * 16 + j % 16] |= j < 16 ? code : uint8_t(code << 4);
+    }
+  });
+}
+
+bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
+                      const c10::optional<at::Tensor>& bias, const char* name, const char* packer) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x float32 or bfloat16");
+  TORCH_CHECK((bits == 4 || bits == 8) && group > 0, name, ": bits 4 or 8 (not ", bits, "), group > 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (n + 31) / 32 && packed.size(1) * group == x.size(1),
+              name, ": packed must be ", packer, " of a weight [n, K] in groups of ", group);
+  const int64_t stride = packed.size(2);
+  const bool offset = stride == group_bytes(group, bits, true);
+  TORCH_CHECK(offset || stride == group_bytes(group, bits, false), name, ": packed is not ", bits,
+              "-bit in groups of ", group);
+  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bad bias");
+  return offset;
+}
+
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                         c10::optional<at::Tensor> bias, const std::string& isa) {
   const Isa chosen = float_isa(choose_isa(isa));
   x = x.contiguous();
-  check_rows(x, "x");
+  const bool offset = check_quant_call(x, packed, n, group, bits, bias, "quant_linear", "pack_quantized");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_linear: x float32 or bfloat16");
-  TORCH_CHECK((bits == 4 || bits == 8) && group > 0, "quant_linear: bits 4 or 8 (not ", bits, "), group > 0");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == (n + 31) / 32 && packed.size(1) * group == k,
-              "quant_linear: packed must be pack_quantized of a weight [n, K] in groups of ", group);
-  const int64_t stride = packed.size(2);
-  const bool offset = stride == group_bytes(group, bits, true);
-  TORCH_CHECK(offset || stride == group_bytes(group, bits, false), "quant_linear: packed is not ", bits,
-              "-bit in groups of ", group);
-  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bad bias");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, n}, xf.options());

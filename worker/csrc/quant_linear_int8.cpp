@@ -30,10 +30,6 @@
 namespace streamq {
 namespace {
 
-int64_t group_bytes(int64_t group, int64_t bits, bool offset) {
-  return group * kPanel * bits / 8 + kPanel * 4 * (offset ? 2 : 1);
-}
-
 #if defined(STREAMQ_VNNI)
 // The rows' activations as the kernel reads them: codes [m, k], and per row and group the step dx,
 // the codes' sum (for the 8-bit codes' +128) and the unrounded sum (for the offsets).
@@ -198,67 +194,30 @@ void check_vnni(const char* name) {
 
 at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits) {
   check_vnni("pack_quantized_int8");
-  check_rows(q, "q");
-  check_rows(scale, "scale");
-  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "q: int8, scale: float32");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8, not ", bits);
-  const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
-  TORCH_CHECK(scale.size(0) == n && groups > 0 && k % groups == 0, "scale must be [N, K / group]");
-  const int64_t group = k / groups;
+  const int64_t group = q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 ? q.size(1) / scale.size(1) : 0;
   TORCH_CHECK(group % 4 == 0, "pack_quantized_int8: a group of ", group, " is not whole quads of k");
-  if (offset) {
-    check_rows(*offset, "offset");
-    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat, "offset must match scale");
-  }
-  if (bits == 4) TORCH_CHECK(q.min().item<int>() >= 0 && q.max().item<int>() <= 15, "4-bit codes must be 0..15");
-  const int64_t stride = group_bytes(group, bits, offset.has_value()), panels = (n + 31) / 32;
-  const int64_t quad_bytes = kPanel * 4 * bits / 8;
-  at::Tensor packed = at::zeros({panels, groups, stride}, q.options().dtype(at::kByte));
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset ? offset->data_ptr<float>() : nullptr;
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels * groups, panel_grain(1, group), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / groups, g = item % groups, columns = std::min<int64_t>(32, n - p * 32);
-      uint8_t* block = dst + item * stride;
-      float* scales = reinterpret_cast<float*>(block + group * kPanel * bits / 8);
-      for (int64_t j = 0; j < columns; ++j) {
-        const int64_t row = p * 32 + j;
-        const int8_t* codes = qp + row * k + g * group;
-        for (int64_t i = 0; i < group; ++i) {
-          uint8_t* quad = block + (i / 4) * quad_bytes;
-          const auto code = static_cast<uint8_t>(codes[i]);
-          if (bits == 8)
-            quad[4 * j + i % 4] = code ^ 0x80;  // c + 128
-          else
-            quad[4 * (j % 16) + i % 4] |= j < 16 ? code : uint8_t(code << 4);
-        }
-        std::memcpy(scales + j, sp + row * groups + g, sizeof(float));
-        if (op) std::memcpy(scales + 32 + j, op + row * groups + g, sizeof(float));
-      }
+  // VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes.
+  return pack_groups(q, scale, offset, bits, [](uint8_t* block, int64_t j, const int8_t* codes, int64_t group,
+                                                int64_t bits) {
+    for (int64_t i = 0; i < group; ++i) {
+      uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
+      const auto code = static_cast<uint8_t>(codes[i]);
+      if (bits == 8)
+        quad[4 * j + i % 4] = code ^ 0x80;  // c + 128
+      else
+        quad[4 * (j % 16) + i % 4] |= j < 16 ? code : uint8_t(code << 4);
     }
   });
-  return packed;
 }
 
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                              c10::optional<at::Tensor> bias) {
   check_vnni("quant_linear_int8");
   x = x.contiguous();
-  check_rows(x, "x");
+  TORCH_CHECK(group % 4 == 0, "quant_linear_int8: a group of ", group, " is not whole quads of k");
+  const bool offset = check_quant_call(x, packed, n, group, bits, bias, "quant_linear_int8", "pack_quantized_int8");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_linear_int8: x float32 or bfloat16");
-  TORCH_CHECK((bits == 4 || bits == 8) && group > 0 && group % 4 == 0,
-              "quant_linear_int8: bits 4 or 8 (not ", bits, "), a group of whole quads");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == (n + 31) / 32 && packed.size(1) * group == k,
-              "quant_linear_int8: packed must be pack_quantized_int8 of a weight [n, K] in groups of ", group);
-  const bool offset = packed.size(2) == group_bytes(group, bits, true);
-  TORCH_CHECK(offset || packed.size(2) == group_bytes(group, bits, false), "quant_linear_int8: packed is not ", bits,
-              "-bit in groups of ", group);
-  if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bad bias");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, n}, xf.options());
