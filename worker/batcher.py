@@ -7,7 +7,9 @@ blocks are freed and it is recomputed later). Then, if nothing was preempted, it
 waiting requests while batch slots, the token budget and free blocks allow, sharing the
 cached blocks of their prefix. A finished request's slot is refilled at the very next step.
 Which waiting request goes next is the fair queue's choice: tenants share the batch by
-weight, whatever their backlogs (every token scheduled is charged to its tenant).
+weight, whatever their backlogs (every token scheduled is charged to its tenant). A request
+whose grammar is still being built waits in the queue as WAITING_FOR_GRAMMAR, passed over
+until the engine has its matcher and marks it WAITING.
 """
 from __future__ import annotations
 
@@ -66,7 +68,10 @@ class Batcher:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        seq.status = Status.WAITING
+        """Queue a request; one WAITING_FOR_GRAMMAR stays so, and is passed over until the engine
+        marks it WAITING."""
+        if seq.status is not Status.WAITING_FOR_GRAMMAR:
+            seq.status = Status.WAITING
         self.waiting.add(seq)
 
     def max_tokens_per_request(self) -> int:
@@ -74,7 +79,8 @@ class Batcher:
         return len(self.blocks.blocks) * self.blocks.block_size
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has a request to run (one waiting for its grammar does not count)."""
+        return bool(self.running) or self.waiting.peek() is not None
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or cancelled request out and free its blocks."""
@@ -96,8 +102,10 @@ class Batcher:
             out.chunks.append(self._chunk(seq, seq.num_computed, length))
             budget -= length
             i += 1
-        while not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting.peek()
+            if seq is None:
+                break
             computed = self.blocks.allocate_prefix(seq.id, seq.token_ids)
             length = min(seq.num_tokens - computed, budget)
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:

@@ -26,7 +26,7 @@ from worker.model_runner import PagedRunner
 from worker.engine_base import BaseEngine
 from worker.random_streams import make_generator, replay_draws
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
-from worker.sequence import Sequence, StepOutput, new_sequence, step_output
+from worker.sequence import Sequence, Status, StepOutput, new_sequence
 from worker.speculation import SpecStats, Speculator
 from worker.structured import Compiler, Grammars
 
@@ -61,12 +61,12 @@ class Engine(BaseEngine):
         self._arrivals_lock = threading.Lock()
         self._running: list[Sequence] = []  # views of the batcher as the last step left it
         self._waiting: list[Sequence] = []
-        self._compiling: list[Sequence] = []  # arrived, waiting for their grammar's matcher
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
-        self.compiler.start(seq)
+        if self.compiler.start(seq):
+            seq.status = Status.WAITING_FOR_GRAMMAR
         with self._arrivals_lock:
             self._arrivals.append(seq)
         return seq
@@ -118,7 +118,7 @@ class Engine(BaseEngine):
                 batch.settle_masks()  # a failed step's fail_all must find the matchers at rest
             forwarded = clock()
             outputs += self._postprocess(scheduled, logits, batch)
-        self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting) + self._compiling
+        self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting)
         self.last_step_size = len(scheduled.chunks)
         ended = clock()
         for phase, seconds in zip(STEP_PHASES, (admitted - began, planned - admitted, forwarded - planned,
@@ -127,43 +127,47 @@ class Engine(BaseEngine):
         return outputs
 
     def _admitted(self) -> list[Sequence]:
-        return list(self.batcher.running) + list(self.batcher.waiting) + self._compiling
+        return list(self.batcher.running) + list(self.batcher.waiting)
 
     def _held(self) -> list[Sequence]:
         return self._admitted() + self._take_arrivals()
 
     def _reset(self) -> None:
-        self._running, self._waiting, self._compiling = [], [], []
+        self._running, self._waiting = [], []
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
 
     def _admit(self) -> list[StepOutput]:
-        """Requests added since the last step join the batcher's queue, a constrained one once
-        its matcher is built; one that can never fit the cache, or whose constraint does not
-        compile, ends here with an error."""
-        refused = []
-        most = self.batcher.max_tokens_per_request()
-        arrivals, self._compiling = self._compiling + self._take_arrivals(), []
-        if arrivals:  # quick builds join this step; with nothing else to step, wait here, not in a spin
-            self.compiler.wait(arrivals, BUILD_WAIT_S if self.batcher.has_work() else IDLE_BUILD_WAIT_S)
+        """Requests added since the last step join the batcher's queue; a constrained one waits
+        there as WAITING_FOR_GRAMMAR, passed over by the batcher, until its matcher is built.
+        Each is made ready to run once (_ready), or ends here with an error."""
+        idle = not self.batcher.has_work()
+        arrivals = self._take_arrivals()
         for seq in arrivals:
-            if not self.compiler.ready(seq):
-                self._compiling.append(seq)
-                continue
-            params = seq.params
-            need = len(seq.prompt_ids) + (params.max_tokens or 0)
-            try:
-                matcher = self.compiler.matcher(seq)
-                if need > most:
-                    raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
-            except ValueError as exc:  # GrammarError included
-                seq.finish(FinishReason.ERROR, str(exc))
-                refused.append(step_output(seq, None, True))
-                continue
-            generator = make_generator(params, self.runner.device)
-            replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover
-            self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
             self.batcher.add(seq)
-        return refused
+        building = [seq for seq in self.batcher.waiting if seq.status is Status.WAITING_FOR_GRAMMAR]
+        if building:  # quick builds join this step; with nothing else to step, wait here, not in a spin
+            self.compiler.wait(building, IDLE_BUILD_WAIT_S if idle else BUILD_WAIT_S)
+        ready = [seq for seq in arrivals if seq.status is Status.WAITING]
+        ready += [seq for seq in building if self.compiler.ready(seq)]
+        ends = [self._ready(seq) for seq in ready]
+        return [end for end in ends if end is not None]
+
+    def _ready(self, seq: Sequence) -> StepOutput | None:
+        """Give a queued request its matcher and sampling state and mark it WAITING, so the batcher
+        may run it; or end it, with the error, where it cannot run (its constraint does not
+        compile, or it can never fit the cache)."""
+        need, most = len(seq.prompt_ids) + (seq.params.max_tokens or 0), self.batcher.max_tokens_per_request()
+        try:
+            matcher = self.compiler.matcher(seq)
+            if need > most:
+                raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
+        except ValueError as exc:  # GrammarError included
+            return self._end([seq], FinishReason.ERROR, str(exc))[0]
+        generator = make_generator(seq.params, self.runner.device)
+        replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover
+        self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
+        seq.status = Status.WAITING
+        return None
 
     def _fitting(self, seq: Sequence, proposed: list[int]) -> int:
         """How many leading proposed tokens the request's grammar allows (all, without one)."""
@@ -179,8 +183,6 @@ class Engine(BaseEngine):
         self.compiler.discard(seq)
         self.batcher.remove(seq)
         self._sampling.pop(seq.id, None)
-        if seq in self._compiling:
-            self._compiling.remove(seq)
         if self.speculator:
             self.speculator.forget(seq.id)
 

@@ -5,7 +5,9 @@ divided by its weight. The next request admitted is the head of the tenant with 
 virtual time, so a tenant that has had less than its share goes first, however long another
 tenant's backlog is (start-time fair queueing). A tenant that was idle starts at the current
 virtual clock, not at its old time, so idleness is not saved up as credit. Within a tenant,
-requests go by priority (lower first), then by arrival.
+requests go by priority (lower first), then by arrival. A request still waiting for its
+grammar (Status.WAITING_FOR_GRAMMAR) keeps its place but is passed over until it is ready, as
+vLLM's scheduler skips its WAITING_FOR_FSM requests.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Status
 
 
 class FairQueue:
@@ -36,21 +38,26 @@ class FairQueue:
         self._len += 1
 
     def peek(self) -> Sequence | None:
-        """The request to admit next, or None."""
-        tenant = self._next_tenant()
-        return None if tenant is None else self._heaps[tenant][0][2]
+        """The request to admit next, or None (none waits, or all wait for their grammar)."""
+        head = self._next()
+        return None if head is None else head[1]
 
     def pop(self) -> Sequence:
         """Take the request peek() names."""
-        tenant = self._next_tenant()
-        if tenant is None:
-            raise IndexError("pop from an empty FairQueue")
+        head = self._next()
+        if head is None:
+            raise IndexError("pop from a FairQueue with no request ready")
+        tenant, seq = head
         self._clock = max(self._clock, self._vtime[tenant])
-        self._len -= 1
-        return heapq.heappop(self._heaps[tenant])[2]
+        self.remove(seq)
+        return seq
 
     def remove(self, seq: Sequence) -> None:
         heap = self._heaps.get(seq.owner, [])
+        if heap and heap[0][2] is seq:
+            heapq.heappop(heap)
+            self._len -= 1
+            return
         for i, (_, _, queued) in enumerate(heap):
             if queued is seq:
                 heap[i] = heap[-1]
@@ -68,9 +75,18 @@ class FairQueue:
     def virtual_time(self, tenant: str) -> float:
         return self._vtime.get(tenant, 0.0)
 
-    def _next_tenant(self) -> str | None:
-        busy = [(self._vtime[t], heap[0][1], t) for t, heap in self._heaps.items() if heap]
-        return min(busy)[2] if busy else None
+    def _next(self) -> tuple[str, Sequence] | None:
+        """(tenant, request) for the tenant with the smallest virtual time among those with a
+        request ready, and its first ready request."""
+        heads = []
+        for tenant, heap in self._heaps.items():
+            head = heap[0] if heap and _ready(heap[0][2]) else min((e for e in heap if _ready(e[2])), default=None)
+            if head is not None:
+                heads.append((self._vtime[tenant], head[1], tenant, head[2]))
+        if not heads:
+            return None
+        _, _, tenant, seq = min(heads, key=lambda h: h[:3])
+        return tenant, seq
 
     def __len__(self) -> int:
         return self._len
@@ -83,3 +99,7 @@ class FairQueue:
 
     def __contains__(self, seq: object) -> bool:
         return any(queued is seq for queued in self)
+
+
+def _ready(seq: Sequence) -> bool:
+    return seq.status is not Status.WAITING_FOR_GRAMMAR

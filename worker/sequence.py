@@ -11,9 +11,11 @@ from worker.detokenizer import Detokenizer
 
 
 class Status(enum.Enum):
-    """Where a request is in the engine (vLLM's RequestStatus, without the finish reasons)."""
+    """Where a request is in the engine (vLLM's RequestStatus, without the finish reasons;
+    WAITING_FOR_GRAMMAR is its WAITING_FOR_FSM)."""
 
     WAITING = "waiting"  # not yet admitted to the batch
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued while its matcher builds: the batcher passes it over
     RUNNING = "running"  # in the batch, with KV blocks
     PREEMPTED = "preempted"  # put back in the queue, its blocks given up; recomputed when readmitted
     FINISHED = "finished"  # ended: finish_reason says how

@@ -81,12 +81,15 @@ class Compiler:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._jobs: dict[str, tuple[Future, float]] = {}  # request id -> (its build, its deadline)
 
-    def start(self, seq: Sequence) -> None:
-        """Begin the request's build (any thread; before the model thread can see the request)."""
+    def start(self, seq: Sequence) -> bool:
+        """Begin the request's build (any thread; before the model thread can see the request);
+        whether it has one (a constraint)."""
         params = seq.params
-        if params.structured_outputs is not None:
-            build = self._pool.submit(self.grammars.matcher, params, list(seq.output_ids))
-            self._jobs[seq.id] = (build, time.monotonic() + self.timeout_s)
+        if params.structured_outputs is None:
+            return False
+        build = self._pool.submit(self.grammars.matcher, params, list(seq.output_ids))
+        self._jobs[seq.id] = (build, time.monotonic() + self.timeout_s)
+        return True
 
     def ready(self, seq: Sequence) -> bool:
         """Whether the request can join the batch now (its build is done, failed or late)."""

@@ -8,7 +8,7 @@ from shared.sampling import SamplingParams
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.detokenizer import Detokenizer
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Status
 
 _ids = itertools.count()
 
@@ -115,3 +115,17 @@ def test_clearing_the_prefix_cache_forgets_every_block():
     bm.register("a", [1, 2, 3, 4], 4)
     bm.clear_prefix_cache()
     assert bm.allocate_prefix("b", [1, 2, 3, 4, 5]) == 0
+
+
+def test_a_request_waiting_for_its_grammar_is_not_scheduled_until_it_is_marked_waiting():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    building = seq(3)
+    building.status = Status.WAITING_FOR_GRAMMAR
+    b.add(building)
+    assert building.status is Status.WAITING_FOR_GRAMMAR and not b.has_work()
+    free = seq(3)
+    b.add(free)
+    assert b.has_work() and lengths(step(b)) == {free.id: 3}
+    assert lengths(step(b)) == {free.id: 1} and building in b.waiting
+    building.status = Status.WAITING  # the engine has its matcher
+    assert lengths(step(b)) == {free.id: 1, building.id: 3} and building.status is Status.RUNNING

@@ -7,7 +7,7 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.detokenizer import Detokenizer
 from worker.fair_queue import FairQueue
-from worker.sequence import Sequence
+from worker.sequence import Sequence, Status
 
 _ids = itertools.count()
 OUTPUT = 8  # tokens each request generates
@@ -116,3 +116,19 @@ def test_a_preempted_request_keeps_its_place_of_arrival():
     assert queue.peek() is first and len(queue) == 2
     queue.remove(second)
     assert list(queue) == [first] and second not in queue
+
+
+def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place():
+    queue = FairQueue()
+    building, behind, other = request("a"), request("a"), request("b")
+    building.status = Status.WAITING_FOR_GRAMMAR
+    for seq in (building, behind, other):
+        queue.add(seq)
+    assert queue.pop() is behind  # its own tenant's next goes instead
+    queue.charge(other, 100)  # b has had more than a, but a's one request left waits for its grammar
+    assert queue.pop() is other
+    assert queue.peek() is None and len(queue) == 1 and building in queue
+    later = request("a")
+    queue.add(later)
+    building.status = Status.WAITING  # its matcher is ready: ahead of what arrived after it
+    assert queue.pop() is building and queue.pop() is later

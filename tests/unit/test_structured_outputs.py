@@ -13,6 +13,7 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.structured import StructuredOutputs
 from tests.unit.test_engine import NEW_TOKENS, make_engine, prompts, run
+from worker.sequence import Status
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
@@ -207,17 +208,25 @@ def test_a_grammar_that_takes_long_to_build_holds_up_no_step(tiny_llama):
         held = _add(engine, "held", tok.encode("hi"), structured_outputs={"regex": REGEX})
         cancelled = _add(engine, "cancelled", tok.encode("hi"), structured_outputs={"json_object": True})
         free = _add(engine, "free", tok.encode("hello"))
+        assert held.status is cancelled.status is Status.WAITING_FOR_GRAMMAR and free.status is Status.WAITING
         engine.step()
+        assert free.status is Status.RUNNING and cancelled.status is Status.WAITING_FOR_GRAMMAR
+        assert cancelled in engine.batcher.waiting  # queued, passed over
         engine.cancel("cancelled")
         while not free.finished:  # the free request runs to its end while both builds are held
             engine.step()
         assert free.finish_reason is not FinishReason.ERROR and free.output_ids
-        assert cancelled.finish_reason is FinishReason.CANCELLED
-        assert held.output_ids == [] and not held.finished and held in engine.waiting
+        assert cancelled.finish_reason is FinishReason.CANCELLED and cancelled not in engine.batcher.waiting
+        assert held.output_ids == [] and held.status is Status.WAITING_FOR_GRAMMAR and held in engine.waiting
     finally:
         gate.set()
-    while engine.has_work():
+    statuses = []
+    while engine.has_work() and len(statuses) < 200:  # bounded: a request never marked WAITING would step forever
         engine.step()
+        statuses.append(held.status)
+    changes = [status for i, status in enumerate(statuses) if not i or status is not statuses[i - 1]]
+    # Built (now, or after a slow build's next steps), it is marked WAITING and admitted in one step.
+    assert changes in ([Status.RUNNING, Status.FINISHED], [Status.WAITING_FOR_GRAMMAR, Status.RUNNING, Status.FINISHED])
     assert held.finish_reason is FinishReason.STOP and re.fullmatch(REGEX, tok.decode(held.output_ids))
 
 
@@ -228,11 +237,13 @@ def test_a_grammar_past_its_time_limit_fails_its_request_alone(tiny_llama):
     try:
         late = _add(engine, "late", engine.tokenizer.encode("hi"), structured_outputs={"regex": REGEX})
         free = _add(engine, "free", engine.tokenizer.encode("hi"))
+        assert late.status is Status.WAITING_FOR_GRAMMAR
         while engine.has_work():
             engine.step()
     finally:
         gate.set()
     assert late.finish_reason is FinishReason.ERROR and "longer than 0 s to compile" in late.error
+    assert late.status is Status.FINISHED and late not in engine.batcher.waiting
     assert free.finish_reason is not FinishReason.ERROR and free.output_ids
 
 
