@@ -21,13 +21,18 @@ from api.served_models import Models
 from api.errors import ApiError
 from api.hub import PubSubHub
 from api.relay import Relay
-from api.routes import batches, health, openai, playground, requests, seed
+from api.responses import ResponseStore
+from api.routes import batches, health, openai, playground, requests, responses, seed
 from shared import redis_keys
 from shared.api_keys import KeyStore
 from shared.model_paths import model_dir, served_name
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
+
+
+# Paths whose errors take OpenAI's body (and 400 for every invalid request).
+OPENAI_FAMILY = openai.OPENAI_PATHS + responses.PATHS
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -43,7 +48,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await request.app.state.replica.models.sample_backlogs()
         return metrics.response()
 
-    for router in (requests.router, openai.router, seed.router, batches.router, health.router, playground.router):
+    for router in (requests.router, openai.router, responses.router, seed.router, batches.router, health.router,
+                   playground.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
     _handle_errors(app)
@@ -67,7 +73,8 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         models = Models(store, relay, settings, limits, metrics)
         name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
         generation = await models.add(name, own_tokenizer)
-        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation)
+        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation,
+                                    ResponseStore(store, settings.responses_retention_s))
         try:
             yield
         finally:
@@ -81,7 +88,7 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
 def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     """An error in the path's family's body: OpenAI's on the OpenAI paths, {"detail"} elsewhere."""
-    if path.startswith(openai.OPENAI_PATHS):
+    if path.startswith(OPENAI_FAMILY):
         return JSONResponse(status_code=status, headers=headers,
                             content=openai.openai_error(status, message, param, code))
     return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
@@ -91,7 +98,7 @@ def _handle_errors(app: FastAPI) -> None:
     """ApiError, Redis away (503) and invalid bodies, each in its path's family's body."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        openai_path = request.url.path.startswith(openai.OPENAI_PATHS)
+        openai_path = request.url.path.startswith(OPENAI_FAMILY)
         status = 400 if exc.status == 422 and openai_path else exc.status  # OpenAI answers every invalid request 400
         return _error(request.url.path, status, exc.message, exc.param, exc.code, exc.headers)
 
@@ -103,7 +110,7 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path.startswith(openai.OPENAI_PATHS):
+        if request.url.path.startswith(OPENAI_FAMILY):
             errors = exc.errors()
             loc = _field(errors[0]) if errors else []
             message = "; ".join(_openai_message(e) for e in errors)

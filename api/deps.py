@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from api.generation import Generation
 from api.hub import PubSubHub
 from api.relay import Relay
+from api.responses import ResponseStore
 from api.served_models import Models
 from shared.api_keys import KeyStore
 from shared.arq_cluster import ArqPool
@@ -31,6 +32,7 @@ class Replica:
     model_name: str  # the model this replica serves by default
     tokenizer: Tokenizer  # its tokenizer
     generation: Generation  # its Generation
+    responses: ResponseStore  # stored responses of /v1/responses
 
 
 def replica(request: Request) -> Replica:

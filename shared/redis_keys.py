@@ -29,7 +29,8 @@ def request_stream(prefix: str, model: str, lane: str) -> str:
 def request_lanes(prefix: str, model: str) -> str:
     """Set: the lanes that have a request stream for this model. A tenant's lane stays; a worker's
     affinity lane is removed with its stream once it is empty, nothing of it is pending and its
-    worker announces no free slots (worker/intake.py); a request queued there later adds it again."""
+    worker has no live announcement in worker_free_slots (it stopped reading: worker/intake.py's
+    _DROP); a request queued there later adds it again, with its group."""
     return f"{prefix}:lanes:{{{model}}}"
 
 
@@ -111,6 +112,12 @@ def replica_channel(prefix: str, replica: str) -> str:
 def dead_letter_stream(prefix: str) -> str:
     """Requests that failed too many attempts, with the reason."""
     return f"{prefix}:dead"
+
+
+def response_record(prefix: str, owner: str, response_id: str) -> str:
+    """Hash: a stored response of the Responses API under its tenant (its request's id, settings,
+    input items, conversation); it expires after the responses' retention (api/responses.py)."""
+    return f"{prefix}:resp:{owner}:{{{response_id}}}"
 
 
 def batch_record(prefix: str, batch_id: str) -> str:

@@ -78,6 +78,9 @@ class ApiSettings(CommonSettings):
     max_tokens_cap: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_queued_requests: int = Field(1000, ge=1, le=10_000_000,
                                      description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
+    responses_retention_s: int = Field(
+        24 * 3600, ge=60, le=366 * 24 * 3600,
+        description="How long a stored response of /v1/responses (its input, output and events) is kept after it is created.")
 
 
 class _Section(BaseModel):
