@@ -170,7 +170,8 @@ class WorkerService:
     async def _intake(self, block: bool) -> None:
         """Take this worker's share of the queued requests, spread over the lanes; with no free
         slot, the head of each lane that has none waiting here (so the batcher can choose fairly
-        between tenants when a slot frees), unless another worker has room. Wait for some if `block`."""
+        between tenants when a slot frees), unless another worker has room. Remove the other
+        workers' affinity lanes the take found abandoned. Wait for some if `block`."""
         free = self.backend.free_slots
         wanted = self._lanes_to_read(await self._retry("lanes", self._lane_streams), free)
         if not wanted and not block and free == self._announced:
@@ -185,6 +186,8 @@ class WorkerService:
             return
         self._announced = max(0, free - len(taken.entries))
         await self._admit_taken(taken)
+        if taken.abandoned:
+            await self._retry("drop lanes", lambda: self.intake.drop(taken.abandoned))
         if block and not taken.entries:
             await self._wait_for_entries(taken)
 

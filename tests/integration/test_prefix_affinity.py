@@ -104,18 +104,40 @@ async def test_an_empty_affinity_lane_goes_once_its_worker_stops_reading(redis, 
     lanes, _ = await w1.lanes("null")
     [(stream, entry_id, _)] = (await w1.take(lanes, free=8, idle=True)).entries
     lanes_key = redis_keys.request_lanes(prefix, "m")
-    await w2.take(lanes, free=8, idle=True)
-    assert "^w1/0:t" in await redis.smembers(lanes_key)  # taken, not acked yet
+    assert (await w2.take(lanes, free=8, idle=True)).abandoned == []  # taken, not acked yet
     await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-    await w2.take(lanes, free=8, idle=True)
-    assert "^w1/0:t" in await redis.smembers(lanes_key)  # empty, but w1 reads
+    assert (await w2.take(lanes, free=8, idle=True)).abandoned == []  # empty, but w1 reads
     await w1.withdraw()
-    await w2.take(lanes, free=8, idle=True)
+    taken = await w2.take(lanes, free=8, idle=True)
+    assert taken.abandoned == [stream] and "^w1/0:t" in await redis.smembers(lanes_key)  # the take removes nothing
+    assert await w2.drop(taken.abandoned) == [stream]
     assert "^w1/0:t" not in await redis.smembers(lanes_key) and not await redis.exists(stream)
     again = _payload(affinity="w1")  # queued there later: the lane comes back, with its group
     await RequestStore(redis, prefix).enqueue([again])
     lanes, _ = await w1.lanes("null")
     assert [json.loads(f["payload"])["id"] for _, _, f in (await w1.take(lanes, 8, True)).entries] == [again.id]
+
+
+async def test_a_lane_goes_only_if_still_abandoned_when_the_drop_runs(redis, prefix):
+    """A take only reports a lane that looks abandoned; the drop checks again in its own script, so a
+    request queued there, or its worker back, in between keeps the lane."""
+    store, lanes_key = RequestStore(redis, prefix), redis_keys.request_lanes(prefix, "m")
+    await store.enqueue([_payload(affinity="w1")])
+    w1, w2 = _intake(redis, prefix, "w1", HOUR_MS), _intake(redis, prefix, "w2", HOUR_MS)
+    lanes, _ = await w1.lanes("null")
+    [(stream, entry_id, _)] = (await w1.take(lanes, free=8, idle=True)).entries
+    await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
+    await w1.withdraw()  # abandoned now, as a take would report it
+    again = _payload(affinity="w1")
+    await store.enqueue([again])  # queued between that take and the drop
+    assert await w2.drop([stream]) == [] and "^w1/0:t" in await redis.smembers(lanes_key)
+    [(_, entry_id, fields)] = (await w1.take(lanes, free=8, idle=True)).entries  # w1 is back
+    assert json.loads(fields["payload"])["id"] == again.id
+    await redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
+    assert await w2.drop([stream]) == [] and "^w1/0:t" in await redis.smembers(lanes_key)
+    await w1.withdraw()
+    assert await w2.drop([stream]) == [stream]
+    assert "^w1/0:t" not in await redis.smembers(lanes_key) and not await redis.exists(stream)
 
 
 async def test_without_affinity_a_worker_reads_every_lane_as_its_own(redis, prefix):
@@ -209,4 +231,10 @@ async def test_a_dead_workers_affinity_lane_drains_after_the_bound(redis, redis_
     orphan = _payload(affinity="dead-worker")  # marked while that worker was alive
     await store.enqueue([orphan])
     assert await _workers_of(store, [orphan]) == [survivor[0].name]
+    lanes_key = redis_keys.request_lanes(prefix, "m")
+
+    async def dropped() -> bool:  # the survivor's next take finds the lane abandoned, and drops it
+        return lane_of(orphan) not in await redis.smembers(lanes_key)
+    await until(dropped, what="the dead worker's drained lane dropped")
+    assert not await redis.exists(RequestQueue(redis, prefix, "m").stream_of(orphan))
     await _stop([survivor])
