@@ -88,8 +88,7 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Tenan
         raise
     if body.stream:
         async def forget() -> None:  # store: false keeps nothing, and a dropped stream is not resumed
-            await generation.cancel(payloads)
-            await responses.delete(record)
+            await _discard(responses, replica.relay, record)
         return EventStreamResponse(_stream(responses, replica.relay, record, -1, keep=body.store),
                                    on_disconnect=None if body.store else forget)
     if body.background:
@@ -105,14 +104,15 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Tenan
 
 async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord, after: int,
                   keep: bool = True) -> AsyncIterator[str]:
-    """The response's events after sequence number `after`, as SSE (each event's id its number),
-    live to the end. Made from the request's events in order, from the start, so every replica
-    numbers them the same."""
+    """The response's events after sequence number `after`, as SSE, live to the end. Made from the
+    request's events in order, from the start, so every replica numbers them the same.
+
+    No `id:` lines (the number is in each event, as OpenAI sends it): the openai client keeps the
+    last id and reads the keepalive comment after it as an event with no data."""
     events = ResponseEvents(record)
 
     def frames(batch: list[dict[str, Any]]) -> str:
-        return "".join(json_frame(e, event=e["type"], event_id=e["sequence_number"])
-                       for e in batch if e["sequence_number"] > after)
+        return "".join(json_frame(e, event=e["type"]) for e in batch if e["sequence_number"] > after)
 
     if head := frames(events.start()):
         yield head
@@ -172,26 +172,39 @@ async def cancel_response(response_id: str, tenant: TenantDep, responses: Respon
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
     events, _ = await responses.snapshot(record)
     if events.status in LIVE_STATUS.values():
-        await responses.store.cancel(record.request_id, record.prompt_tokens)
-        try:
-            async with asyncio.timeout(CANCEL_WAIT_S):
-                async for event in replica.relay.events(record.request_id):
-                    if isinstance(event, FinalEvent):
-                        break
-        except TimeoutError:
-            pass  # answered as it stands: in progress, to end cancelled
+        await _cancel(responses, replica.relay, record)
         events, _ = await responses.snapshot(record)
     return events.response()
 
 
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, tenant: TenantDep, responses: ResponsesDep):
-    """Removes a stored response (a running one is cancelled first)."""
-    record = await _found(responses, tenant, response_id)
+async def _cancel(responses: ResponseStore, relay: Relay, record: ResponseRecord) -> bool:
+    """Cancel the response's request and wait for its end (a running one ends within a step);
+    False if it had not ended after CANCEL_WAIT_S."""
+    await responses.store.cancel(record.request_id, record.prompt_tokens)
+    try:
+        async with asyncio.timeout(CANCEL_WAIT_S):
+            async for event in relay.events(record.request_id):
+                if isinstance(event, FinalEvent):
+                    return True
+    except TimeoutError:
+        pass
+    return False
+
+
+async def _discard(responses: ResponseStore, relay: Relay, record: ResponseRecord) -> None:
+    """The response removed, a running one cancelled first. It is deleted once its request has
+    ended, so the worker's last write cannot bring its token log back."""
     events, _ = await responses.snapshot(record)
     if events.status in LIVE_STATUS.values():
-        await responses.store.cancel(record.request_id, record.prompt_tokens)
+        await _cancel(responses, relay, record)
     await responses.delete(record)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, tenant: TenantDep, responses: ResponsesDep, replica: ReplicaDep):
+    """Removes a stored response (a running one is cancelled first)."""
+    record = await _found(responses, tenant, response_id)
+    await _discard(responses, replica.relay, record)
     return {"id": record.id, "object": "response", "deleted": True}
 
 

@@ -72,6 +72,28 @@ def test_a_request_is_visible_only_to_its_tenant_on_every_replica(secured):
         assert "tenant=alice" in listed and "bob's laptop" in listed and alice not in listed
 
 
+def test_a_stored_response_is_visible_only_to_its_tenant(secured):
+    """Another tenant's response id answers exactly as an unknown one, for every Responses call."""
+    first, second = secured.urls
+    erin = keys_cli(secured, "create", "--tenant", "erin").stdout.strip()
+    frank = keys_cli(secured, "create", "--tenant", "frank").stdout.strip()
+    with httpx.Client(timeout=30) as client:
+        created = client.post(f"{first}/v1/responses", json={"input": "mine", "max_output_tokens": 3},
+                              headers=bearer(erin))
+        rid = created.json()["id"]
+        assert client.get(f"{second}/v1/responses/{rid}", headers=bearer(erin)).json()["id"] == rid
+        for path in (rid, "resp_0123456789abcdef0123456789abcdef"):
+            calls = [client.get(f"{second}/v1/responses/{path}", headers=bearer(frank)),
+                     client.get(f"{second}/v1/responses/{path}/input_items", headers=bearer(frank)),
+                     client.post(f"{second}/v1/responses/{path}/cancel", headers=bearer(frank)),
+                     client.delete(f"{second}/v1/responses/{path}", headers=bearer(frank)),
+                     client.post(f"{second}/v1/responses", headers=bearer(frank),
+                                 json={"input": "x", "previous_response_id": path})]
+            assert [c.status_code for c in calls] == [404] * 5
+            assert all(c.json()["error"]["code"] == "not_found" for c in calls)
+        assert client.get(f"{first}/v1/responses/{rid}", headers=bearer(erin)).status_code == 200
+
+
 def test_a_revoked_key_stops_working_on_every_replica_at_once(secured):
     key = keys_cli(secured, "create", "--tenant", "carol").stdout.strip()
     with httpx.Client(timeout=30) as client:

@@ -3,11 +3,14 @@ with the official openai client: every call it has, the events and their sequenc
 stream resumed on the other replica, conversations, tools, parse, cancel, delete, and the errors."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared import redis_keys
 from tests.stack import Stack, parse_sse
 from tests.tiny_models import build_model
 
@@ -81,6 +84,46 @@ def test_background_stream_resumes_on_the_other_replica_after_any_event(client, 
         rest = list(other.responses.retrieve(created.id, stream=True, starting_after=after))
         assert [e.model_dump() for e in rest] == [e.model_dump() for e in whole[after + 1:]]
     assert other.responses.retrieve(created.id).status in ("completed", "incomplete")
+
+
+def test_a_dropped_foreground_stream_goes_on_and_resumes(client, other, model):
+    """Stored (the default): the client hangs up after the first text, the response runs to its
+    end, and the other replica streams exactly the rest."""
+    whole = client.responses.create(model=model, input="Tell me a story", temperature=0, max_output_tokens=16)
+    stream = client.responses.create(model=model, input="Tell me a story", temperature=0, max_output_tokens=16,
+                                     stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    rest = list(other.responses.retrieve(seen[0].response.id, stream=True,
+                                         starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.status == whole.status
+
+
+def test_a_dropped_stream_with_store_false_is_cancelled_and_forgotten(stack, client, model):
+    stream = client.responses.create(model=model, input="Go on and on", max_output_tokens=200, stream=True,
+                                     store=False)
+    first = next(iter(stream))
+    stack.pause_worker()  # it cannot finish before the hang-up
+    redis = stack.redis()
+    record = redis_keys.response_record(stack.prefix, "", first.response.id)
+    request_id = redis.hget(record, "request_id")
+    try:
+        stream.close()
+    finally:
+        stack.resume_worker()
+    deadline = time.monotonic() + 60
+    while redis.exists(record):  # the replica cancels it, waits for its end, then deletes all
+        assert time.monotonic() < deadline, "the response was not forgotten"
+        time.sleep(0.05)  # re-read Redis: the replica's clean-up is not ours to order
+    assert redis.exists(redis_keys.request_record(stack.prefix, request_id),
+                        redis_keys.token_log(stack.prefix, request_id)) == 0
 
 
 def test_a_conversation_continues_from_the_stored_response(client, other, model):
