@@ -91,10 +91,15 @@ class ResponseStore:
         return redis_keys.response_record(self.prefix, owner, response_id)
 
     async def create(self, record: ResponseRecord) -> None:
+        """The record, expiring after the retention; kept longer than a request's result, it is
+        also put where the scheduler finds it to keep the request as long (keep_responses)."""
         key = self._key(record.owner, record.id)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # two slots on a Redis Cluster
             pipe.hset(key, mapping=record.fields())
             pipe.expire(key, self.retention_s)
+            if self.retention_s > redis_keys.RESULT_TTL_S:
+                member = json.dumps([record.owner, record.id, record.request_id])
+                pipe.zadd(redis_keys.kept_responses(self.prefix), {member: record.created_at})
             await pipe.execute()
 
     async def get(self, owner: str, response_id: str) -> ResponseRecord | None:
@@ -112,14 +117,9 @@ class ResponseStore:
             await pipe.execute()
 
     async def keep(self, record: ResponseRecord) -> None:
-        """The finished request's record and token log kept as long as the response (they were
-        set to expire RESULT_TTL_S after the end)."""
-        left = await self.redis.ttl(self._key(record.owner, record.id))
-        if left > redis_keys.RESULT_TTL_S:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.expire(redis_keys.request_record(self.prefix, record.request_id), left)
-                pipe.expire(redis_keys.token_log(self.prefix, record.request_id), left)
-                await pipe.execute()
+        """The finished request's record and token log kept as long as the response (its end
+        set them to expire RESULT_TTL_S later)."""
+        await self.store.keep_result(record.request_id, await self.redis.ttl(self._key(record.owner, record.id)))
 
     async def logged(self, record: ResponseRecord) -> tuple[dict[str, str], list[TokenEvent], FinalEvent | None]:
         """The request's record, its tokens by index and its final event, as logged so far."""

@@ -1,6 +1,7 @@
 """Periodic jobs. Each is safe to run twice, and by several schedulers at once."""
 from __future__ import annotations
 
+import json
 import logging
 
 from pydantic import ValidationError
@@ -9,7 +10,7 @@ from redis.exceptions import ResponseError
 
 from scheduler.requeue import Requeue
 from shared import redis_keys
-from shared.messages import RequestPayload, now
+from shared.messages import FINISHED, RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
 from shared.store import RequestStore
 
@@ -119,3 +120,21 @@ async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:
     if expired:
         log.warning("expired %d requests that waited past their queue timeout", expired)
     return expired
+
+
+async def keep_responses(redis: Redis, prefix: str, batch: int = 500) -> int:
+    """Stored responses kept longer than a request's result (shared/redis_keys.kept_responses):
+    each one whose request has ended gets its request's record and token log kept until the
+    response expires, and leaves the set; one already gone leaves it too. Returns how many were kept."""
+    store, key, kept = RequestStore(redis, prefix), redis_keys.kept_responses(prefix), 0
+    for member in await redis.zrange(key, 0, batch - 1):
+        owner, response_id, request_id = json.loads(member)
+        left = await redis.ttl(redis_keys.response_record(prefix, owner, response_id))
+        if left > 0:
+            status = await redis.hget(redis_keys.request_record(prefix, request_id), "status")
+            if status is not None and RequestStatus(status) not in FINISHED:
+                continue  # still queued or running: looked at again next time
+            await store.keep_result(request_id, left)
+            kept += 1
+        await redis.zrem(key, member)
+    return kept

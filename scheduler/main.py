@@ -17,7 +17,7 @@ from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings, slot_
 from shared.redis_client import REDIS_DOWN, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
-from scheduler.jobs import expire_waiting, reclaim_dead_workers, trim_request_stream
+from scheduler.jobs import expire_waiting, keep_responses, reclaim_dead_workers, trim_request_stream
 from shared import redis_keys
 from shared.model_paths import served_name
 from shared.settings import SchedulerSettings
@@ -40,6 +40,11 @@ async def reclaim(ctx: dict[str, Any]) -> dict[str, int]:
 async def expire(ctx: dict[str, Any]) -> int:
     settings: SchedulerSettings = ctx["settings"]
     return await expire_waiting(ctx["streamq_redis"], settings.prefix, served_name(settings))
+
+
+async def keep(ctx: dict[str, Any]) -> int:
+    settings: SchedulerSettings = ctx["settings"]
+    return await keep_responses(ctx["streamq_redis"], settings.prefix)
 
 
 async def run_batch(ctx: dict[str, Any], batch_id: str) -> dict[str, Any]:
@@ -68,7 +73,7 @@ def worker_settings(settings: SchedulerSettings) -> type:
         "queue_name": redis_keys.arq_queue(settings.prefix),
         "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
         "cron_jobs": [every(trim, settings.trim_interval_s), every(reclaim, settings.reclaim_interval_s),
-                      every(expire, settings.reclaim_interval_s)],
+                      every(expire, settings.reclaim_interval_s), every(keep, settings.trim_interval_s)],
         "on_startup": on_startup,
         "on_shutdown": on_shutdown,
         "handle_signals": True,

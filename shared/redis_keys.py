@@ -120,6 +120,14 @@ def response_record(prefix: str, owner: str, response_id: str) -> str:
     return f"{prefix}:resp:{owner}:{{{response_id}}}"
 
 
+def kept_responses(prefix: str) -> str:
+    """Sorted set: stored responses kept longer than RESULT_TTL_S whose request may not have
+    ended yet, as JSON [owner, response id, request id] by creation time; the scheduler's
+    keep_responses extends each finished request's record and token log to its response's
+    expiry, then removes it."""
+    return f"{prefix}:resp-kept"
+
+
 def batch_record(prefix: str, batch_id: str) -> str:
     """Hash: an offline batch's status, endpoint, counts and timestamps."""
     return f"{prefix}:batch:{{{batch_id}}}"

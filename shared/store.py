@@ -197,6 +197,15 @@ class RequestStore:
             args=[encode_event(final), now(), redis_keys.RESULT_TTL_S, error, status.value, reason.value])
         return bool(done)
 
+    async def keep_result(self, request_id: str, ttl_s: int) -> None:
+        """A finished request's record and token log kept `ttl_s` from now, where that is longer
+        than the RESULT_TTL_S its end gave them (a stored response kept longer needs them)."""
+        if ttl_s > redis_keys.RESULT_TTL_S:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.expire(redis_keys.request_record(self.prefix, request_id), ttl_s)
+                pipe.expire(redis_keys.token_log(self.prefix, request_id), ttl_s)
+                await pipe.execute()
+
     async def record(self, request_id: str) -> dict[str, str]:
         return await self.redis.hgetall(redis_keys.request_record(self.prefix, request_id))
 

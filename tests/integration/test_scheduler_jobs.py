@@ -41,7 +41,8 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
     stream, ids = await _setup(redis, prefix)
     assert await trim({"settings": settings, "streamq_redis": redis}) == 2
     cls = worker_settings(settings)
-    assert cls.queue_name == redis_keys.arq_queue(prefix) and len(cls.cron_jobs) == 3
+    assert cls.queue_name == redis_keys.arq_queue(prefix)
+    assert [job.coroutine.__name__ for job in cls.cron_jobs] == ["trim", "reclaim", "expire", "keep"]
     assert all(job.name.startswith(redis_keys.ARQ_TAG) for job in cls.cron_jobs)  # arq's cron job ids: in its slot
 
 
@@ -208,3 +209,33 @@ async def test_a_stale_entry_of_an_already_requeued_request_changes_nothing(redi
     assert await requeue.release(stream, entry_id, "stale", payload) == "gone"
     record = await store.record(payload.id)
     assert record["attempts"] == "2" and record["requeued_from"] == second_entry
+
+
+async def test_keep_responses_keeps_a_finished_request_as_long_as_its_response(redis, prefix):
+    """A response kept 48 h: once its request has ended, the request's record and log last as
+    long as the response; a running one is left for next time; a gone response leaves the set."""
+    import json
+
+    from scheduler.jobs import keep_responses
+
+    kept = redis_keys.kept_responses(prefix)
+    day = redis_keys.RESULT_TTL_S
+    for name, status in (("done", "done"), ("running", "running"), ("gone", "done")):
+        await redis.hset(redis_keys.request_record(prefix, name), mapping={"status": status})
+        await redis.expire(redis_keys.request_record(prefix, name), day)
+        await redis.xadd(redis_keys.token_log(prefix, name), {EVENT_FIELD: "x"})
+        await redis.expire(redis_keys.token_log(prefix, name), day)
+        if name != "gone":
+            response = redis_keys.response_record(prefix, "t", f"resp_{name}")
+            await redis.hset(response, mapping={"request_id": name})
+            await redis.expire(response, 2 * day)
+        await redis.zadd(kept, {json.dumps(["t", f"resp_{name}", name]): 1})
+    assert await keep_responses(redis, prefix) == 1
+    assert await redis.ttl(redis_keys.token_log(prefix, "done")) > day + 3600
+    assert await redis.ttl(redis_keys.request_record(prefix, "done")) > day + 3600
+    for name in ("running", "gone"):
+        assert await redis.ttl(redis_keys.token_log(prefix, name)) <= day
+    assert [json.loads(m)[2] for m in await redis.zrange(kept, 0, -1)] == ["running"]
+    await redis.hset(redis_keys.request_record(prefix, "running"), "status", "cancelled")
+    assert await keep_responses(redis, prefix) == 1 and await redis.zcard(kept) == 0
+    assert await redis.ttl(redis_keys.token_log(prefix, "running")) > day + 3600
