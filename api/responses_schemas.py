@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.openai_schemas import ChatCompletionRequest
+from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_TOKEN_ID
 
 # Fields that change no generated token: accepted and dropped.
@@ -159,6 +160,9 @@ class ResponseCreate(BaseModel):
     previous_response_id: str | None = Field(None, max_length=128)
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
+    # streamq's, as on the chat endpoint: a priority within the tenant, a backend to run on
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    backend: Literal["hf", "vllm", "null"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -246,7 +250,8 @@ class ResponseCreate(BaseModel):
         messages += chat_messages(context)
         body: dict[str, Any] = {"messages": messages, "model": self.model, "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p,
-                                "parallel_tool_calls": self.parallel_tool_calls}
+                                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
+                                "backend": self.backend}
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

@@ -183,6 +183,22 @@ def test_tool_calls_validate_on_either_backend(stack):
             (backend, text)
 
 
+def test_the_responses_api_runs_on_vllm_as_on_the_built_in_engine(stack):
+    """The Responses layer is the api's: a streamed response on the vLLM worker gives the text of
+    the same response on the built-in one, in the same events."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+    streams = {backend: list(client.responses.create(
+        model=stack.model_name, input=CHAT[0]["content"], temperature=0, max_output_tokens=16, stream=True,
+        extra_body={"backend": backend})) for backend in ("vllm", "hf")}
+    for events in streams.values():
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 16
+    assert streams["vllm"][-1].response.output_text == streams["hf"][-1].response.output_text
+    assert [e.type for e in streams["vllm"]] == [e.type for e in streams["hf"]]
+
+
 def test_deterministic_mode_on_vllms_cpu_build_is_refused_at_start(redis_url):
     """vLLM's CPU attention has no batch-invariant mode: the worker says so and exits, before
     it loads anything."""
