@@ -7,10 +7,10 @@ The template renders `tools` itself and asks for calls as
 one block per call, so the tools go to the template as OpenAI's `tools` list and the conversation's
 earlier calls and tool results as the template reads them (`tool_calls` with arguments as
 objects, `role: "tool"` messages). The reply is constrained by a Lark grammar (llguidance's,
-with each call's JSON under a schema): tool call blocks only under `required` or a named
-function, one block without `parallel_tool_calls`; under `auto`, the blocks or a plain answer,
-one that does not begin with "<". Either way the arguments validate against the function's
-schema, and the reply is parsed back into OpenAI's `tool_calls`.
+with each call's JSON under the function's closed schema): tool call blocks only under `required`
+or a named function, one block under a named function or without `parallel_tool_calls`; under
+`auto`, the blocks or a plain answer, one that does not begin with "<". Either way the arguments
+validate against the function's schema, and the reply is parsed back into OpenAI's `tool_calls`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from api.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call
+from api.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_BLOCKS = re.compile(r"(?:<tool_call>.*?</tool_call>\s*)+", re.DOTALL)
 _PROBE = {"type": "function", "function": {"name": "streamq_probe_tool", "parameters": {"type": "object"}}}
 
 
@@ -50,7 +51,7 @@ def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> 
     """The reply's grammar: call blocks (of `tools`), or under "auto" a plain answer instead."""
     call = {"x-guidance": JSON_LAYOUT, "anyOf": call_schemas(tools)}
     rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}",
-             'calls: call ("\\n" call)*' if parallel else "calls: call",
+             'calls: call ("\\n" call)*' if parallel_calls(choice, parallel) else "calls: call",
              f"call: {json.dumps(OPEN)} %json {json.dumps(call)} {json.dumps(CLOSE)}",
              r"TEXT: /[^<][\s\S]*/"]
     return StructuredOutputs(grammar="\n".join(rules) + "\n")
@@ -68,18 +69,19 @@ def template_message(message: dict[str, Any], text: str) -> dict[str, Any]:
 
 
 def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a reply: the call blocks, and any text before them as content.
-    A reply with a block that does not parse (cut by max_tokens) is content as it stands."""
-    blocks = _BLOCK.findall(text)
-    if not blocks:
-        return text, []
+    """(content, tool_calls) of a reply, read as the grammar wrote it: one that does not open with
+    "<" is a plain answer (content, as far as it got); else it is call blocks only, and a reply
+    that is not whole blocks (cut by max_tokens or a stop string) has no calls and no content."""
+    if not text.startswith("<"):
+        return text or None, []
+    if not _BLOCKS.fullmatch(text):
+        return None, []
     calls = []
-    for block in blocks:
+    for block in _BLOCK.findall(text):
         try:
             value = json.loads(block)
             name, arguments = value["name"], value["arguments"]
         except (ValueError, KeyError, TypeError):
-            return text, []
+            return None, []
         calls.append(openai_call(name, arguments))
-    content = text[:text.index("<tool_call>")].strip()
-    return content or None, calls
+    return None, calls

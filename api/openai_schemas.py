@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from api import hermes
 from api import tools as tool_format
-from api.tools import Tool, ToolChoice, chosen
+from api.tools import Reply, Tool, ToolChoice, chosen, read_reply
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
 from shared.structured import StructuredOutputs
@@ -246,9 +246,12 @@ class ChatCompletionRequest(_Common):
             return None
         return [t.model_dump(exclude_none=True) for t in chosen(self.tools, self.tool_choice)]
 
-    def parse_reply(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a reply in the request's tool format."""
-        return hermes.parse(text) if self.hermes else tool_format.parse(text)
+    def reply(self, text: str, finish_reason: str) -> Reply:
+        """A reply's content, tool calls and finish reason, read in the request's tool format
+        (api.tools.read_reply); without tools, its text as it stands."""
+        if not self.calls_tools:
+            return Reply(text, [], finish_reason)
+        return read_reply(text, finish_reason, hermes.parse if self.hermes else tool_format.parse)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation for the chat template: in the Hermes format the template's own way,

@@ -21,6 +21,7 @@ from api.generation import Generation
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.tools import Reply
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -231,24 +232,20 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     choices = await _collect(generation, payloads)
     out = []
     for i, c in enumerate(choices):
-        message, reason = _chat_message(body, "".join(c.text), _finish_reason(c.final))
-        out.append({"index": i, "message": message,
+        reply = body.reply("".join(c.text), _finish_reason(c.final))
+        out.append({"index": i, "message": _message(reply),
                     "logprobs": _chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
-                    "finish_reason": reason})
+                    "finish_reason": reply.finish_reason})
     usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage}
 
 
-def _chat_message(body: ChatCompletionRequest, text: str, reason: str) -> tuple[dict, str]:
-    """The assistant message of a reply and its finish reason: with tools, the calls parsed out
-    of the tool format (finish reason tool_calls), or its plain answer."""
-    if not body.calls_tools:
-        return {"role": "assistant", "content": text}, reason
-    content, calls = body.parse_reply(text)
-    if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": content}, reason
+def _message(reply: Reply) -> dict:
+    """The assistant message of a reply: its calls, or its answer."""
+    if reply.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": reply.tool_calls}
+    return {"role": "assistant", "content": reply.content}
 
 
 async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest,
@@ -276,10 +273,11 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                 yield frame(i, {"content": text}, _chat_logprobs(tokenizer, events) if logprobs is not None else None)
         elif isinstance(event, FinalEvent):
             reason = _stream_reason(event)
-            if held.holding(i):
-                message, reason = _chat_message(body, held.text(i), reason)
-                for delta in _tool_deltas(message):
+            if held.holding(i):  # read whole, as the reply without stream is
+                reply = body.reply(held.text(i), reason)
+                for delta in _tool_deltas(reply):
                     yield frame(i, delta)
+                reason = reply.finish_reason
             yield frame(i, {}, None, reason)
     if usage_on:
         yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
@@ -287,9 +285,10 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
 
 
 class _HeldReplies:
-    """With tools, a reply is parsed whole: its tokens are held to the end. In the Hermes format a
-    reply that does not open with "<" is a plain answer (the grammar allows no call after it), so
-    it streams from there on. Its first character decides, once: None until then."""
+    """With tools, a reply is read whole (ChatCompletionRequest.reply): its tokens are held to the
+    end. In the Hermes format a reply that does not open with "<" is a plain answer to its end
+    (hermes.parse reads it so), so it streams from there on. Its first character decides, once:
+    None until then."""
 
     def __init__(self, body: ChatCompletionRequest, n: int):
         self.tools = body.calls_tools
@@ -315,13 +314,13 @@ class _HeldReplies:
         return "".join(e.text for e in self.held[i])
 
 
-def _tool_deltas(message: dict) -> list[dict]:
-    """A parsed reply as stream deltas, as OpenAI sends them: each tool call's id and name, then
-    its arguments, by index; or the answer's content."""
-    if not message.get("tool_calls"):
-        return [{"content": message["content"]}] if message.get("content") else []
+def _tool_deltas(reply: Reply) -> list[dict]:
+    """A held reply as stream deltas, as OpenAI sends them: each tool call's id and name, then
+    its arguments, by index; or the answer's content (none for a cut call)."""
+    if not reply.tool_calls:
+        return [{"content": reply.content}] if reply.content else []
     deltas = []
-    for index, call in enumerate(message["tool_calls"]):
+    for index, call in enumerate(reply.tool_calls):
         deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                        "function": {"name": call["function"]["name"], "arguments": ""}}]})
         deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})

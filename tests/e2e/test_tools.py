@@ -1,6 +1,8 @@
 """OpenAI tool calling through the whole stack on the tiny llama model, with the official openai
 client, in both tool formats (the generic one, api/tools.py, and the Hermes one of templates that
-know tools, api/hermes.py): the arguments always validate against the function's schema."""
+know tools, api/hermes.py): the arguments always validate against the function's schema, closed;
+a named function is called exactly once; a reply cut by max_tokens says so and holds no call, with
+stream or without. Sampled at temperature 1 with tight limits, not only greedy."""
 from __future__ import annotations
 
 import json
@@ -47,6 +49,15 @@ class Convert(BaseModel):
     km: int = Field(ge=0, le=1000)
 
 
+class Add(BaseModel):
+    """`add`'s arguments as its schema reads once closed: a and b, nothing else."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    a: int
+    b: int
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "additionalProperties": False, "required": ["city", "days"],
              "properties": {"city": {"type": "string", "maxLength": 12},
@@ -54,8 +65,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "convert", "parameters": {
              "type": "object", "additionalProperties": False, "required": ["km"],
              "properties": {"km": {"type": "integer", "minimum": 0, "maximum": 1000}}}}}]
+# As a user writes it, without additionalProperties: the server closes it.
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-SCHEMAS = {"get_weather": Weather, "convert": Convert}
+SCHEMAS = {"get_weather": Weather, "convert": Convert, "add": Add}
+SEEDS = range(6)
 
 
 def _check(calls) -> None:
@@ -63,6 +78,38 @@ def _check(calls) -> None:
     for call in calls:
         assert call.type == "function" and call.id.startswith("call_")
         SCHEMAS[call.function.name].model_validate_json(call.function.arguments)
+
+
+def _valid(calls: list[tuple[str, str]]) -> None:
+    assert calls
+    for name, arguments in calls:
+        SCHEMAS[name].model_validate_json(arguments)
+
+
+def _streamed(client, **ask) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed reply's content, its tool calls (name, arguments) added up from the deltas, and
+    its finish reason, the last chunk's."""
+    content, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = delta.id or entry["id"]
+                if delta.function:
+                    entry["name"] += delta.function.name or ""
+                    entry["arguments"] += delta.function.arguments or ""
+    assert all(e["id"].startswith("call_") for e in calls.values())
+    assert all(r is None for r in reasons[:-1])
+    return content, [(e["name"], e["arguments"]) for _, e in sorted(calls.items())], reasons[-1]
+
+
+def _whole(client, **ask) -> tuple[str, list[tuple[str, str]], str]:
+    """The same, without stream."""
+    choice = client.chat.completions.create(**ask).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content or "", calls, choice.finish_reason
 
 
 def test_required_gives_tool_calls_whose_arguments_validate(client, model):
@@ -73,14 +120,33 @@ def test_required_gives_tool_calls_whose_arguments_validate(client, model):
     _check(choice.message.tool_calls)
 
 
-def test_a_named_function_is_the_one_called_once_without_parallel_calls(client, model):
-    for seed in range(3):
-        reply = client.chat.completions.create(
-            model=model, messages=ASK, tools=TOOLS, max_tokens=200, temperature=1.0, seed=seed,
-            tool_choice={"type": "function", "function": {"name": "convert"}}, parallel_tool_calls=False)
-        calls = reply.choices[0].message.tool_calls
-        assert len(calls) == 1 and calls[0].function.name == "convert"
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_named_function_is_called_exactly_once_or_the_reply_says_it_was_cut(client, model, tokenizer, parallel,
+                                                                               lean):
+    """At temperature 1 with a tight max_tokens: one call of `add` whose arguments validate
+    against its closed schema, or finish reason length with neither a call nor content. Leaning (a
+    bias) towards "," and a newline, which begin another key or another call, the model would add
+    keys or calls until max_tokens were the schema open or a second call allowed: no call would
+    finish."""
+    separators = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t], skip_special_tokens=False)
+                  in (",", "\n")]
+    finished = 0
+    for seed in SEEDS:
+        choice = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=TOOLS + [ADD],
+            tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=parallel,
+            max_tokens=90, temperature=1.0, seed=seed,
+            logit_bias={str(t): 4 for t in separators} if lean else None).choices[0]
+        if choice.finish_reason == "length":
+            assert choice.message.tool_calls is None and choice.message.content is None, (seed, choice)
+            continue
+        assert choice.finish_reason == "tool_calls", (seed, choice)
+        calls = choice.message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "add", (seed, calls)
         _check(calls)
+        finished += 1
+    assert finished  # else this test checked no call
 
 
 def test_auto_answers_with_a_call_or_with_text(client, model, stack):
@@ -91,8 +157,10 @@ def test_auto_answers_with_a_call_or_with_text(client, model, stack):
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             _check(choice.message.tool_calls)
+        elif choice.message.content is None:
+            assert choice.finish_reason == "length"  # a call, cut
         else:
-            assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+            assert choice.finish_reason in ("stop", "length")
             if stack.tool_format == "hermes":  # a plain answer cannot open like a call block
                 assert not choice.message.content.startswith("<")
 
@@ -136,27 +204,11 @@ def test_a_two_turn_tool_conversation(client, model):
 
 
 def test_streamed_tool_call_deltas_add_up(client, model):
-    stream = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                            max_tokens=200, temperature=0, stream=True)
-    calls: dict[int, dict] = {}
-    reasons = []
-    for chunk in stream:
-        for choice in chunk.choices:
-            reasons.append(choice.finish_reason)
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
-                entry["id"] = delta.id or entry["id"]
-                if delta.function:
-                    entry["name"] += delta.function.name or ""
-                    entry["arguments"] += delta.function.arguments or ""
-    assert reasons[-1] == "tool_calls" and calls
-    for entry in calls.values():
-        assert entry["id"].startswith("call_")
-        SCHEMAS[entry["name"]].model_validate_json(entry["arguments"])
-    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           max_tokens=200, temperature=0)
-    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
-        [(e["name"], e["arguments"]) for _, e in sorted(calls.items())]
+    ask = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    content, calls, reason = _streamed(client, **ask)
+    assert reason == "tool_calls" and content == ""
+    _valid(calls)
+    assert _whole(client, **ask) == (content, calls, reason)
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -176,8 +228,8 @@ def test_bad_tool_arguments_are_400(client, model, extra, param):
 
 def test_a_plain_answer_under_auto_streams_as_it_comes_in_the_hermes_format(client, model, stack, tokenizer):
     """No token may open with "<" (a bias), so under auto the reply is a plain answer. In the
-    Hermes format the grammar then allows no call after it, and it streams token by token; the
-    generic format's answer is JSON, held and parsed whole."""
+    Hermes format it is then text to its end, and streams token by token; the generic format's
+    answer is JSON, held and read whole."""
     opening = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t], skip_special_tokens=False)[:1] == "<"]
     bias = {str(t): -100 for t in opening}
     ask = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=30, temperature=0, logit_bias=bias)
@@ -189,3 +241,35 @@ def test_a_plain_answer_under_auto_streams_as_it_comes_in_the_hermes_format(clie
         assert len(deltas) > 1 and "".join(deltas) == whole.message.content
     else:
         assert len(deltas) <= 1 and "".join(deltas) == (whole.message.content or "")
+
+
+@pytest.mark.parametrize("max_tokens", [6, 90])
+def test_required_streams_tool_call_deltas_or_says_it_was_cut_never_raw_json(client, model, max_tokens):
+    """Streamed at temperature 1: tool_calls deltas with finish reason tool_calls, or finish reason
+    length with nothing else; never the reply's JSON or blocks as content. The same seed without
+    stream gives the same."""
+    reasons = set()
+    for seed in SEEDS:
+        ask = dict(model=model, messages=ASK, tools=TOOLS + [ADD], tool_choice="required", max_tokens=max_tokens,
+                   temperature=1.0, seed=seed)
+        content, calls, reason = _streamed(client, **ask)
+        assert content == "", (seed, content)
+        if reason == "tool_calls":
+            _valid(calls)
+        else:
+            assert reason == "length" and not calls, (seed, reason, calls)
+        assert _whole(client, **ask) == (content, calls, reason), seed
+        reasons.add(reason)
+    assert reasons == ({"length"} if max_tokens == 6 else {"length", "tool_calls"})
+
+
+def test_auto_streams_what_it_answers_without_stream(client, model):
+    """Under auto at temperature 1, cut or not: the same content (a plain answer as far as it got,
+    never a call's JSON), calls and finish reason with stream as without."""
+    for seed in SEEDS:
+        for max_tokens in (8, 90):
+            ask = dict(model=model, messages=ASK, tools=TOOLS + [ADD], max_tokens=max_tokens, temperature=1.0,
+                       seed=seed)
+            content, calls, reason = _streamed(client, **ask)
+            assert _whole(client, **ask) == (content, calls, reason), (seed, max_tokens)
+            assert reason in ("stop", "length", "tool_calls") and (reason == "tool_calls") == bool(calls)
