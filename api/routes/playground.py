@@ -16,7 +16,7 @@ router = APIRouter()
 STATIC = Path(__file__).resolve().parent.parent / "static"
 # Served by name from this list only, so no path from a client ever reaches the file system.
 ASSETS = {"playground.js": "text/javascript", "playground-tools.js": "text/javascript",
-          "playground.css": "text/css"}
+          "playground-responses.js": "text/javascript", "playground.css": "text/css"}
 # The page loads nothing from elsewhere; the browser enforces it.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
                 "Cache-Control": "no-cache"}

@@ -1,6 +1,7 @@
 // The streamq playground: a chat over the native api's SSE stream, and a live view of the workers.
 // Plain JS, no build step. EventSource cannot POST, so the stream is read from fetch()'s body.
-// With tools, the chat goes through the OpenAI endpoint instead (playground-tools.js).
+// With tools, the chat goes through the OpenAI endpoint instead (playground-tools.js); in Responses
+// mode, through background responses that survive a reload (playground-responses.js).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -204,6 +205,10 @@ async function send(text) {
   setState("sending");
   for (const id of ["ttft", "tps", "tokens", "finish"]) $(id).textContent = "–";
   try {
+    if (responsesOn()) {
+      await sendResponse(text, run, answer);
+      return;
+    }
     const tools = toolsChosen();  // null: the native api
     if (tools) {
       run.calls = new ToolCalls(answer);
@@ -228,7 +233,8 @@ async function send(text) {
     if (run.stopped) {
       note(answer, "(stopped)");
       history.push(turn, assistantTurn(run));
-      if (run.id) await settle(run.id);
+      if (run.responseId) await stopResponse(run);
+      else if (run.id) await settle(run.id);
       else setState("stopped");
     } else {  // nothing was said: take the turn back so it can be edited and resent
       asked.remove();
@@ -245,7 +251,8 @@ async function send(text) {
 
 // Stop: closing the stream cancels the request on the server; the DELETE says so explicitly,
 // and covers a proxy that keeps the upstream connection open (409 means it had already ended).
-// The OpenAI path has no request id to delete: there the closed stream alone cancels.
+// The OpenAI path has no request id to delete: there the closed stream alone cancels. A
+// background response is cancelled by its own call, once the stream is closed (stopResponse).
 function stop() {
   const run = current;
   if (!run || run.stopped) return;
@@ -345,6 +352,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("stop").addEventListener("click", stop);
   $("clear").addEventListener("click", () => {
     history.length = 0;
+    forgetResponses();
     $("messages").replaceChildren();
     showError("");
     showRequestId(null);
@@ -360,4 +368,5 @@ document.addEventListener("DOMContentLoaded", () => {
     pollCluster();
   });
   pollCluster();
+  resumeResponse();
 });

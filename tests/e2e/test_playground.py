@@ -289,3 +289,47 @@ def test_tools_give_a_tool_call_block_that_goes_back_with_the_history(browser, l
         assert len(browser.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == 3
     finally:
         screenshot(browser, tmp_path, "playground-tools.png")
+
+
+@pytest.fixture(scope="module")
+def slow_null(redis_url, tmp_path_factory) -> Stack:
+    """The null backend at 10 tokens/s: a 30-token reply takes 3 s, longer than a page reload; on
+    a tiny llama of 2,048 positions, which the second turn's conversation needs."""
+    model = build_model(tmp_path_factory.mktemp("tiny-llama-2k"), "llama", context=2048)
+    env = {"STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": "10"}
+    with Stack(redis_url, model, tmp_path_factory.mktemp("playground-responses"), env=env) as running:
+        yield running
+
+
+def test_responses_mode_resumes_a_reply_after_a_reload(browser, slow_null, tmp_path):
+    """A background response streams in; the page is reloaded mid-reply and goes on from the last
+    sequence number it saw: the reply on the page is exactly the stored response's text. The
+    next turn continues it by previous_response_id."""
+    api = slow_null.urls[0]
+    browser.get(f"{api}/")
+    try:
+        browser.find_element(By.ID, "responses-mode").click()
+        set_field(browser, "max_tokens", "30")
+        send(browser, "Tell me a story")
+        wait(browser, lambda d: last_reply(d) != "", "the first text of the response")
+        pending = browser.execute_script("return JSON.parse(sessionStorage.getItem('streamq.responses')).pending")
+        response_id = pending["id"]
+        browser.refresh()
+        wait(browser, lambda d: page_state(d) in ("completed", "incomplete"), "the resumed reply's end")
+        stored = httpx.get(f"{api}/v1/responses/{response_id}", timeout=30).json()
+        text = stored["output"][0]["content"][0]["text"]
+        assert last_reply(browser) == text and stored["usage"]["output_tokens"] == 30
+        events = httpx.get(f"{api}/v1/responses/{response_id}", params={"stream": "true"}, timeout=30).text
+        last = max(json.loads(line[6:])["sequence_number"] for line in events.splitlines() if line.startswith("data: "))
+        assert pending["seq"] < last  # the reload came before the end: the page resumed mid-reply
+        assert text_of(browser, "finish") == "max_output_tokens"
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#messages li.user")) == 1
+
+        send(browser, "And then?")
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == 2
+             and page_state(d) in ("completed", "incomplete"), "the second turn's end")
+        second = browser.find_element(By.TAG_NAME, "body").get_attribute("data-response-id")
+        assert httpx.get(f"{api}/v1/responses/{second}", timeout=30).json()["previous_response_id"] == response_id
+    finally:
+        screenshot(browser, tmp_path, "playground-responses.png")
+        browser.execute_script("sessionStorage.clear()")
