@@ -218,9 +218,9 @@ class ResponseEvents:
         text = "".join(self.text)
         out: list[dict[str, Any]] = []
         if self.holding:
-            content, calls = _parse_reply(self.record.tools, text)
-            if status == "incomplete" and not calls:
-                content = None if content == text and text.lstrip().startswith(("{", "<")) else content
+            parse = hermes.parse if self.record.tools == "hermes" else tool_format.parse
+            reply = tool_format.read_reply(text, final.finish_reason.value, parse)
+            content, calls = reply.content, reply.tool_calls
             if content:
                 self.holding, self.text = False, []
                 out += self._open_message()
@@ -273,10 +273,6 @@ class ResponseEvents:
         """The response's output as input items of a later turn."""
         return load_items(json.dumps([{k: v for k, v in item.items() if k != "status"} | {"status": "completed"}
                                       for item in self.output]))
-
-
-def _parse_reply(tools: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    return hermes.parse(text) if tools == "hermes" else tool_format.parse(text)
 
 
 def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:

@@ -273,3 +273,26 @@ def test_auto_streams_what_it_answers_without_stream(client, model):
             content, calls, reason = _streamed(client, **ask)
             assert _whole(client, **ask) == (content, calls, reason), (seed, max_tokens)
             assert reason in ("stop", "length", "tool_calls") and (reason == "tool_calls") == bool(calls)
+
+
+def test_a_responses_function_call_round_trip_in_either_format(client, model):
+    """The Responses API on the same tool formats: the stream's function call items are the
+    stored response's, and a function_call_output item continues the conversation."""
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    events = list(client.responses.create(model=model, input=ASK[0]["content"], tools=tools, temperature=0,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=120, stream=True))
+    final = events[-1].response
+    assert final.status == "completed", final
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    Weather.model_validate_json(calls[0].arguments)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [calls[0].arguments]
+    assert client.responses.retrieve(final.id).output == final.output
+    answered = client.responses.create(model=model, previous_response_id=final.id, tools=tools, tool_choice="none",
+                                       temperature=0, max_output_tokens=5,
+                                       input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                               "output": "sunny"}])
+    assert answered.output[0].type == "message"
