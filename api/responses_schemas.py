@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.openai_schemas import ChatCompletionRequest
+from api.tools import FunctionDef
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_TOKEN_ID
 
@@ -90,14 +91,10 @@ def parse_item(value: Any) -> InputItem:
     return _ITEM_TYPES[kind].model_validate(value)
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionDef):
+    """A function tool as the Responses API writes it: the chat tool's function, flat, with its type."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = Field(None, max_length=4096)
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(BaseModel):
