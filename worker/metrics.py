@@ -80,6 +80,15 @@ class WorkerMetrics:
                         "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted}
         self._seen: dict[str, float] = {}  # each running total last read, by its key in _advance
 
+    def totals(self) -> dict[str, float]:
+        """Running totals since this worker started, for its heartbeat: tokens generated, and the
+        sum and count of its times to first token. Their growth between two beats is a rate that
+        any reader of the heartbeats can compute for the whole cluster (the playground's charts)."""
+        sample = self.registry.get_sample_value
+        return {"generated_tokens": int(sample("streamq:generation_tokens_total") or 0),
+                "ttft_sum_s": round(sample("streamq:time_to_first_token_seconds_sum") or 0.0, 6),
+                "ttft_count": int(sample("streamq:time_to_first_token_seconds_count") or 0)}
+
     def serve(self, host: str, port: int, checks: dict[str, Check] | None = None) -> WSGIServer:
         """Start the HTTP server in a thread (its server_port is the port it bound): /metrics, and
         each of `checks` at its path, answering 200 or 503 with the reason as JSON."""
