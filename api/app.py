@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -21,9 +22,10 @@ from api.served_models import Models
 from api.errors import ApiError
 from api.hub import PubSubHub
 from api.relay import Relay
+from api.tracing import TraceRequests
 from api.responses import ResponseStore
 from api.routes import batches, health, openai, playground, requests, responses, seed
-from shared import redis_keys
+from shared import redis_keys, tracing
 from shared.api_keys import KeyStore
 from shared.model_paths import model_dir, served_name
 from shared.settings import ApiSettings
@@ -37,15 +39,19 @@ OPENAI_FAMILY = openai.OPENAI_PATHS + responses.PATHS
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
     metrics = ApiMetrics()
-    app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics))
+    app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics),
+                  **_no_native_telemetry())
     app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(TraceRequests)  # around the routes and the counting: the request span holds it all
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics(request: Request, _tenant: TenantDep):
-        """Needs a key when keys are on, as every route but the health checks. The backlog gauge is
-        read from Redis now; with Redis away the last sample stays (the sampler logs the outage)."""
+        """Needs a key when keys are on, as every route but the health checks. The backlog, ready
+        workers and dead letters are read from Redis now; with Redis away the last samples stay."""
         with contextlib.suppress(*REDIS_DOWN):
-            await request.app.state.replica.models.sample_backlogs()
+            replica = request.app.state.replica
+            await replica.models.sample_backlogs()
+            await metrics.sample_fleet(replica.store.redis, settings.prefix, replica.model_name)
         return metrics.response()
 
     for router in (requests.router, openai.router, responses.router, seed.router, batches.router, health.router,
@@ -56,10 +62,19 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     return app
 
 
+def _no_native_telemetry() -> dict:
+    """FastAPI 0.165 and later trace every request (and its dependencies) themselves once a tracer
+    provider is set: api/tracing.py's span is the request's here, so theirs is turned off."""
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    return {}
+
+
 def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMetrics):
     """The replica's connections and state (app.state.replica), from start to shutdown."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        tracing.configure("streamq-api")
         redis = connect(settings.redis_url)
         with contextlib.suppress(*REDIS_DOWN):  # Redis away at start: the replica waits for it, as later
             await refuse_cluster(redis)
@@ -82,6 +97,7 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
             await models.close()
             await hub.close()
             await redis.aclose()
+            tracing.shutdown()
     return lifespan
 
 

@@ -8,12 +8,14 @@ import logging
 import uuid
 from typing import Any, AsyncIterator
 
+from opentelemetry import trace
 from starlette.concurrency import run_in_threadpool
 
 from api.backpressure import Backpressure
 from api.errors import ApiError
 from api.limits import Limits
 from api.relay import Event, Relay
+from shared import tracing
 from shared.messages import FinalEvent, RequestPayload, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
@@ -121,8 +123,15 @@ class Generation:
         if self.limits is not None and owner:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
             weight = await self.limits.admit(owner, [p.id for p in payloads], tokens)
+        trace_context = tracing.inject()  # the request span's (api/tracing.py): the worker's spans join it
         for payload in payloads:
-            payload.owner, payload.weight = owner, weight
+            payload.owner, payload.weight, payload.trace = owner, weight, trace_context
+        if trace_context is not None:
+            first = payloads[0]
+            span = trace.get_current_span()
+            span.set_attributes(tracing.request_attributes(first.model, len(first.prompt_token_ids),
+                                                           first.params.max_tokens))
+            span.set_attribute("streamq.request_ids", [p.id for p in payloads])
         try:
             if self.backpressure is not None:
                 await self.backpressure.enqueue(self.store, payloads)

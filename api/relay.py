@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from api.hub import OUTAGE_S, RESYNC, TICK, PubSubHub
+from api.tracing import RelaySpan
 from shared import redis_keys
 from shared.messages import FinalEvent, StatusEvent, TokenEvent, decode_event
 from shared.redis_client import until_redis_answers
@@ -29,22 +30,28 @@ class Relay:
     async def events(self, request_id: str, after: int = -1) -> AsyncIterator[Event | None]:
         """Events after token index `after`, ending with the final one; None means "still alive"."""
         channel = redis_keys.request_channel(self.store.prefix, request_id)
-        async with self.hub.subscribe(channel) as queue:
-            cursor = _Cursor(self.store, request_id, after)
-            for event in await cursor.catch_up():
-                yield event
-                if isinstance(event, FinalEvent):
-                    return
-            while True:
-                data = await queue.get()
-                if data == TICK:
-                    yield None
-                    continue
-                events = await cursor.catch_up() if data == RESYNC else await cursor.accept(decode_event(data))
-                for event in events:
+        span = RelaySpan(request_id)
+        try:
+            async with self.hub.subscribe(channel) as queue:
+                cursor = _Cursor(self.store, request_id, after)
+                for event in await cursor.catch_up():
+                    span.saw(event)
                     yield event
                     if isinstance(event, FinalEvent):
                         return
+                while True:
+                    data = await queue.get()
+                    if data == TICK:
+                        yield None
+                        continue
+                    events = await cursor.catch_up() if data == RESYNC else await cursor.accept(decode_event(data))
+                    for event in events:
+                        span.saw(event)
+                        yield event
+                        if isinstance(event, FinalEvent):
+                            return
+        finally:
+            span.end()
 
 
 class _Cursor:

@@ -80,7 +80,7 @@ def parse_item(value: Any) -> InputItem:
     if not isinstance(value, dict):
         raise ValueError("each input item must be an object")
     kind = value.get("type", "message")
-    if kind not in _ITEM_TYPES:
+    if not isinstance(kind, str) or kind not in _ITEM_TYPES:
         raise ValueError(f"input items of type {kind!r} are not supported (message, function_call, "
                          "function_call_output)")
     if kind == "message" and isinstance(value.get("content"), list):

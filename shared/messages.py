@@ -73,6 +73,8 @@ class RequestPayload(BaseModel):
     backend: str | None = Field(None, pattern=r"^[a-z]+$")  # only a worker of this backend may run it (None: any)
     # The worker that holds the prompt's prefix: the request waits in its affinity lane (shared/queue.py)
     affinity: str | None = Field(None, pattern=r"^[^/]+$")
+    # The W3C trace context (traceparent, tracestate) of the api span that queued it, where tracing is on
+    trace: dict[str, str] | None = Field(None, max_length=4)
 
 
 class Usage(BaseModel):

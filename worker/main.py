@@ -8,7 +8,7 @@ import signal
 
 from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, until_redis_answers
 
-from shared import tokenizer_files
+from shared import tokenizer_files, tracing
 from shared.logs import route_transformers
 from shared.model_paths import ModelNotFound, model_dir, prepare_model, served_name, weights_dir
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
@@ -144,6 +144,7 @@ async def serve(settings: WorkerSettings) -> None:
         raise SystemExit(2) from exc
     await until_redis_answers("model files", lambda: tokenizer_files.publish(
         redis, settings.prefix, served_name(settings), model_dir(settings)), log)
+    tracing.configure("streamq-worker")
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -157,6 +158,7 @@ async def serve(settings: WorkerSettings) -> None:
         logging.shutdown()
         os._exit(3)
     finally:
+        tracing.shutdown()
         await redis.aclose()
         if hasattr(engine, "close"):
             await engine.close()

@@ -33,6 +33,7 @@ from worker.backend import Backend
 from worker.intake import Intake, Taken
 from worker.metrics import Check, WorkerMetrics
 from worker.publisher import Publisher
+from worker.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class WorkerService:
         self._doorbell_id = "0-0"  # the doorbell's last entry when the lanes were read
         self._announced = -1  # the free slots this worker last told the others of
         self.metrics = WorkerMetrics()
+        self.spans = RequestSpans(self.name)  # where tracing is on (worker/tracing.py)
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
         self._redis_away_since: float | None = None  # the loop waits for Redis: no stuck engine, however long
@@ -161,11 +163,13 @@ class WorkerService:
             outputs = self.backend.fail_all(f"{type(exc).__name__}: {exc}")
         # Counted before publishing: whoever sees a request end sees it in /metrics too.
         self.metrics.step(outputs, time.perf_counter() - started, self.backend, self.name)
+        self.spans.stepped(outputs)
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
-        published = time.perf_counter()
+        published, wall = time.perf_counter(), time.time()
         await self._retry("publish", lambda: self.publisher.publish(outputs))
         self.metrics.published(time.perf_counter() - published)
+        self.spans.published(outputs, wall)
 
     async def _intake(self, block: bool) -> None:
         """Take this worker's share of the queued requests, spread over the lanes; with no free
@@ -259,6 +263,7 @@ class WorkerService:
             "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
             "resumed_after": len(resumed)})
         self.metrics.taken(payload)
+        self.spans.taken(payload, len(resumed))
         self.publisher.taken(payload.id, entry_id)
         self.backend.add(payload, resumed)
         return payload

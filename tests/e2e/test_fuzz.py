@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.e2e.helpers import submit, wait_done
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
-OPENAI = ("/v1/completions", "/v1/chat/completions", "/v1/batches")
+OPENAI = ("/v1/completions", "/v1/chat/completions", "/v1/batches", "/v1/responses")
 SAMPLING = {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 1}
 COMPLETION = {"prompt": "hi", **SAMPLING, "top_k": 5, "n": 1, "logit_bias": {"3": 1.0}, "stop": ["zz"], "user": "u"}
 QUERY = {"query": "hi", **SAMPLING, "n": 1, "request_id": "r1"}
@@ -35,6 +35,10 @@ BODIES: dict[str, tuple[dict, list[tuple]]] = {
     "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], **SAMPLING, "top_k": 5},
                              [("messages", 0, "content"), ("messages", 0, "role"), ("temperature",), ("seed",),
                               ("max_tokens",), ("top_k",)]),
+    "/v1/responses": ({"input": [{"role": "user", "content": "hi"}], "instructions": "be brief",
+                       "max_output_tokens": 2, "temperature": 0.5, "top_p": 0.9, "metadata": {"k": "v"}},
+                      [("input", 0, "content"), ("input", 0, "role"), ("instructions",), ("max_output_tokens",),
+                       ("temperature",), ("top_p",), ("metadata", "k")]),
     "/basic_generate": ({"prompt": "hi"}, [("prompt",)]),
     "/generate": ({"prompts": ["hi"]}, [("prompts", 0), ("prompts",)]),
     "/generate_stream": ({"prompt": "hi"}, [("prompt",)]),

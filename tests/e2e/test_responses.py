@@ -278,3 +278,11 @@ def test_unknown_ids_and_bad_resumes(stack, client, model):
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "starting_after", reply.text
     last = httpx.get(url, params={"stream": "true"}, headers={"Last-Event-ID": str(len(events) - 2)}, timeout=30)
     assert [e["data"]["type"] for e in parse_sse(last.text.splitlines())] == [events[-1].type]
+
+
+@pytest.mark.parametrize("item", [{"type": {}, "call_id": "0", "output": ""}, {"type": ["message"]},
+                                  {"role": "user", "content": [{"type": {}, "text": "x"}]}, "text", None])
+def test_malformed_input_items_are_400s_never_500s(stack, item):
+    """Found by schemathesis: an item's type that is not a string."""
+    reply = httpx.post(f"{stack.urls[0]}/v1/responses", json={"input": [item]}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input", reply.text

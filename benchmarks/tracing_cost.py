@@ -1,0 +1,69 @@
+"""What tracing costs: workload W through the whole stack with tracing off, and on at full sampling
+(every request traced, spans exported over OTLP/HTTP to a local receiver), in ONE run, alternating.
+
+    .venv/bin/python benchmarks/tracing_cost.py [--rounds 2]
+
+Each round starts a private stack (redis-server, one worker with batch 32 and a 2048-token budget,
+one api replica; fp32) once with tracing off and once on, in swapped order every other round, and
+loads it with `streamq bench --endpoint native` sending W's 32 prompts at once (64 tokens each,
+greedy, ignore_eos). Prints each run's output tokens/s, the on/off ratio of the medians, and the
+spans the receiver got.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.report import machine, print_machine  # noqa: E402
+from streamq import bench  # noqa: E402
+from tests.otlp_receiver import Receiver  # noqa: E402
+
+W = ROOT / "benchmarks" / "workload_w.json"
+
+
+def run(traced: Receiver | None, batch: int, budget: int) -> float:
+    settings = {"STREAMQ_BATCH_SIZE": str(batch), "STREAMQ_DTYPE": "float32",
+                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096"}
+    if traced is not None:
+        settings |= {"OTEL_EXPORTER_OTLP_ENDPOINT": traced.endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
+    with local_stack("tracing", settings) as url:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        common = ["--url", url, "--endpoint", "native", "--prompts", str(W), "--max-tokens", "64",
+                  "--ignore-eos", "--quiet"]
+        asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
+        return asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32"])))["output_tokens_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    with Receiver() as receiver:
+        for round_ in range(args.rounds):
+            order = ["off", "on"] if round_ % 2 == 0 else ["on", "off"]
+            for mode in order:
+                runs[mode].append(run(receiver if mode == "on" else None, args.batch_size,
+                                      args.max_num_batched_tokens))
+                print(f"# round {round_ + 1}, tracing {mode}: {runs[mode][-1]:.1f} tok/s", file=sys.stderr)
+        spans = len(receiver.spans)
+    ratio = statistics.median(runs["on"]) / statistics.median(runs["off"])
+    report = {"tok_per_s": runs, "on_over_off": round(ratio, 3), "spans_received": spans,
+              "machine": machine("float32", 2)}
+    print(json.dumps(report, indent=1))
+    print_machine(report["machine"])
+
+
+if __name__ == "__main__":
+    main()
