@@ -16,7 +16,10 @@ router = APIRouter()
 STATIC = Path(__file__).resolve().parent.parent / "static"
 # Served by name from this list only, so no path from a client ever reaches the file system.
 ASSETS = {"playground.js": "text/javascript", "playground-tools.js": "text/javascript",
-          "playground-responses.js": "text/javascript", "playground.css": "text/css"}
+          "playground-responses.js": "text/javascript", "playground-charts.js": "text/javascript",
+          "playground.css": "text/css",
+          # uPlot 1.6.32 (MIT), the charts' library, vendored from its npm package's dist/
+          "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}
 # The page loads nothing from elsewhere; the browser enforces it.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
                 "Cache-Control": "no-cache"}
@@ -38,7 +41,9 @@ async def asset(name: str) -> FileResponse:
 async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep) -> dict:
     """The live workers (their heartbeats) and how many requests for the model wait for one.
 
-    Needs a key when keys are on, as every /v1 call; the playground polls it every 2 s."""
+    A heartbeat's running totals (generated_tokens, ttft_sum_s, ttft_count, read at `at`) grow
+    by the worker's tokens and first tokens: the playground charts their rates. Needs a key when
+    keys are on, as every /v1 call; the playground polls it every 2 s."""
     waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
     workers = await live_workers(store.redis, store.prefix)
     return {"model": model_name, "workers": workers, "queue": {"waiting": waiting}}

@@ -1,4 +1,5 @@
-// The streamq playground: a chat over the native api's SSE stream, and a live view of the workers.
+// The streamq playground: a chat over the native api's SSE stream, and a live view of the workers
+// (their load charted by playground-charts.js).
 // Plain JS, no build step. EventSource cannot POST, so the stream is read from fetch()'s body.
 // With tools, the chat goes through the OpenAI endpoint instead (playground-tools.js); in Responses
 // mode, through background responses that survive a reload (playground-responses.js).
@@ -307,6 +308,7 @@ function renderCluster(cluster) {
   });
   $("workers").replaceChildren(...rows);
   $("cluster-error").hidden = true;
+  recordLoad(cluster);  // playground-charts.js
 }
 
 function clusterError(message) {

@@ -1,6 +1,6 @@
 """The playground page at `/`, driven in headless chromium against real stacks: a reply streams in
-with its TTFT and tokens/s, the workers panel shows the worker, Stop cancels a generation, and
-tools give tool-call blocks.
+with its TTFT and tokens/s, the workers panel shows the worker, Stop cancels a generation,
+tools give tool-call blocks, and the load charts move while a load runs.
 
 Needs Debian's chromium and chromedriver (scripts/ensure-browser.sh, which `make test` runs); the
 test fails, never skips, without them. Screenshots are saved under the test's tmp_path and, when
@@ -14,6 +14,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from tests.stack import ROOT, Stack
+from tests.stack import ROOT, Stack, stream_events
 from tests.tiny_models import build_model
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
@@ -333,3 +335,59 @@ def test_responses_mode_resumes_a_reply_after_a_reload(browser, slow_null, tmp_p
     finally:
         screenshot(browser, tmp_path, "playground-responses.png")
         browser.execute_script("sessionStorage.clear()")
+
+
+def chart_data(driver: WebDriver) -> dict[str, list[list]]:
+    """Each load chart's data as its uPlot instance holds it: times, then each series."""
+    return driver.execute_script("return Object.fromEntries(Object.entries(charts).map(([n, c]) => [n, c.data]))")
+
+
+def under_load(data: dict[str, list[list]], since: int) -> bool:
+    """Samples taken after the first `since` show tokens/s in 5 of them, and requests waiting,
+    requests running and a TTFT in some."""
+    def later(chart: str, series: int) -> list:
+        return [v for v in data[chart][series][since:] if v]
+    return (len(later("tokens", 1)) >= 5 and later("queue", 1) != [] and later("queue", 2) != []
+            and later("ttft", 1) != [])
+
+
+def test_the_load_charts_move_while_a_load_runs(browser, slow_null, tmp_path):
+    """More clients than the worker has slots keep requests going until the page's charts show
+    the load (from the workers' heartbeats): tokens/s, requests waiting and running, and a TTFT,
+    in samples taken while it runs."""
+    api = slow_null.urls[0]
+    browser.get(f"{api}/")
+    try:
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#charts .chart canvas")) == 3
+        # The ring keeps the last 5 minutes of samples.
+        assert browser.execute_script("""const ring = new Ring(["a"]);
+            for (let t = 0; t <= 600; t += 2) ring.push(t, {a: t});
+            return [ring.columns[0][0], ring.columns[0].length, ring.columns[1].at(-1)]""") == [300, 151, 600]
+        wait(browser, lambda d: len(chart_data(d)["tokens"][0]) >= 1, "the first sample on the charts")
+        since = len(chart_data(browser)["tokens"][0])
+        capacity = httpx.get(f"{api}/v1/cluster", timeout=30).json()["workers"][0]["capacity"]
+        stop = threading.Event()
+
+        def client() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    events = stream_events(http, "POST", f"{api}/v1/requests", json={
+                        "prompt": "Count to ten.", "max_tokens": 10, "ignore_eos": True, "stream": True})
+                    assert events[-1]["data"]["status"] == "done"
+
+        with ThreadPoolExecutor(capacity + 4) as pool:
+            clients = [pool.submit(client) for _ in range(capacity + 4)]
+            try:
+                wait(browser, lambda d: under_load(chart_data(d), since), "the load on the charts")
+                browser.execute_script("document.getElementById('load').scrollIntoView()")
+                screenshot(browser, tmp_path, "playground-charts.png")
+            finally:
+                stop.set()
+            for done in clients:
+                done.result()  # a client's failure fails the test
+
+        times = chart_data(browser)["tokens"][0]
+        assert len(times) > since and times == sorted(set(times))
+    finally:
+        if not (tmp_path / "playground-charts.png").exists():
+            screenshot(browser, tmp_path, "playground-charts.png")  # what the page showed when it failed
