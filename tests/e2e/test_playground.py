@@ -327,6 +327,7 @@ def test_responses_mode_resumes_a_reply_after_a_reload(browser, slow_null, tmp_p
         assert text_of(browser, "finish") == "max_output_tokens"
         assert len(browser.find_elements(By.CSS_SELECTOR, "#messages li.user")) == 1
 
+        set_field(browser, "max_tokens", "30")  # the reload reset the page's fields
         send(browser, "And then?")
         wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages li.assistant")) == 2
              and page_state(d) in ("completed", "incomplete"), "the second turn's end")
