@@ -11,8 +11,13 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared import redis_keys
+from shared.workers import live_workers
 
 
 class ApiMetrics:
@@ -26,6 +31,27 @@ class ApiMetrics:
         self.queued = Gauge("streamq:num_requests_queued",
                             "Requests accepted for the model that no worker has taken yet, over all its lanes.",
                             ["model"], registry=self.registry)
+        # Also read from Redis, at each scrape (sample_fleet): max over replicas too.
+        self.workers_ready = Gauge("streamq:num_workers_ready",
+                                   "Workers with a live heartbeat (what /readyz counts), by the model they serve.",
+                                   ["model"], registry=self.registry)
+        self.dead_letters = Gauge("streamq:dead_letter_requests",
+                                  "Requests ever put in the dead-letter stream (its entries-added: it only grows).",
+                                  registry=self.registry)
+        self._models: set[str] = set()  # every model seen, so one whose workers all left reads 0, not nothing
+
+    async def sample_fleet(self, redis: Redis, prefix: str, model: str) -> None:
+        """The live workers of `model` (and of every model seen) and the dead letters, as Redis has
+        them now, into their gauges."""
+        live = [w.get("model") for w in await live_workers(redis, prefix)]
+        self._models.update([model, *filter(None, live)])
+        for name in self._models:
+            self.workers_ready.labels(name).set(live.count(name))
+        try:
+            added = (await redis.xinfo_stream(redis_keys.dead_letter_stream(prefix)))["entries-added"]
+        except ResponseError:  # no such stream: nothing was ever dead-lettered
+            added = 0
+        self.dead_letters.set(added)
 
     def observe(self, scope: Scope, status: int) -> None:
         endpoint = getattr(scope.get("route"), "path", None) or "unmatched"
