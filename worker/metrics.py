@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, ThreadingWSGIServer
 
 from shared.messages import RequestPayload
 from worker.backend import Backend
@@ -92,7 +92,7 @@ class WorkerMetrics:
     def serve(self, host: str, port: int, checks: dict[str, Check] | None = None) -> WSGIServer:
         """Start the HTTP server in a thread (its server_port is the port it bound): /metrics, and
         each of `checks` at its path, answering 200 or 503 with the reason as JSON."""
-        app = _with_checks(make_wsgi_app(self.registry), checks or {})
+        app = _with_checks(_text_format(self.registry), checks or {})
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
         server = make_server(host, port, app, server_class, handler_class=_Quiet)
@@ -162,6 +162,17 @@ class WorkerMetrics:
 class _Quiet(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # noqa: A002 - probes every few seconds: no access log
         pass
+
+
+def _text_format(registry: CollectorRegistry):
+    """The metrics in Prometheus's text format, whatever the scraper asks for, as the api's /metrics.
+    Asked for OpenMetrics (Prometheus 2 asks first for it), prometheus_client writes `streamq:` as
+    `streamq_` (OpenMetrics reserves colons), and the dashboard, the alerts and KEDA's query would
+    find no worker metric."""
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+        return [generate_latest(registry)]
+    return app
 
 
 def _with_checks(metrics_app, checks: dict[str, Check]):

@@ -90,6 +90,22 @@ def test_the_metrics_port_answers_each_check_and_still_the_metrics():
         server.server_close()
 
 
+def test_the_metrics_keep_their_names_when_a_scraper_asks_for_openmetrics():
+    """Prometheus 2 asks for OpenMetrics first, where prometheus_client would write `streamq_`: the names
+    the dashboard, the alerts and KEDA read must come whatever the Accept header."""
+    server = WorkerMetrics().serve("127.0.0.1", 0)
+    prometheus_2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+    try:
+        for accept in (prometheus_2, "*/*"):
+            scraped = httpx.get(f"http://127.0.0.1:{server.server_port}/metrics", headers={"Accept": accept})
+            assert scraped.headers["content-type"].startswith("text/plain;"), accept
+            assert "\nstreamq:generation_tokens_total 0.0\n" in scraped.text and "streamq_" not in scraped.text, accept
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_metrics_server_binds_ipv6_too():
     server = WorkerMetrics().serve("::1", 0, {"/livez": lambda: None})
     try:
