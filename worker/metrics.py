@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, ThreadingWSGIServer
 
 from shared.messages import RequestPayload
+from shared.queue import ANONYMOUS
 from worker.backend import Backend
 from worker.sequence import StepOutput
 
@@ -55,6 +56,9 @@ class WorkerMetrics:
                               "engine's, where it splits them) and publish (tokens to Redis).", ["phase"], registry=r)
         self.prompt_tokens = Counter("streamq:prompt_tokens", "Prompt tokens of requests taken.", registry=r)
         self.generation_tokens = Counter("streamq:generation_tokens", "Tokens generated.", registry=r)
+        # The tenants are the operator's API keys' ("-" with auth off), so the label stays small.
+        self.tenant_tokens = Counter("streamq:tenant_generation_tokens", "Tokens generated, by the request's tenant.",
+                                     ["tenant"], registry=r)
         self.finished = Counter("streamq:request_success", "Requests ended, by finish reason.",
                                 ["finished_reason"], registry=r)
         self.kv_used = Gauge("streamq:kv_cache_blocks_used", "KV-cache blocks held by requests or the prefix cache.",
@@ -74,6 +78,7 @@ class WorkerMetrics:
                                      registry=r)
         self._last_token: dict[str, float] = {}  # request id -> when its last token was published
         self._first_token: dict[str, float] = {}  # request id -> when its first token was published
+        self._tenant: dict[str, str] = {}  # request id -> its tenant, from taken to finished
         # Counts (worker/backend.py) field -> its counter; the backend keeps running totals.
         self._totals = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                         "preemptions": self.preemptions, "spec_drafts": self.spec_drafts,
@@ -102,6 +107,7 @@ class WorkerMetrics:
     def taken(self, payload: RequestPayload) -> None:
         self.queue_time.observe(max(0.0, time.time() - payload.created_at))
         self.prompt_tokens.inc(len(payload.prompt_token_ids))
+        self._tenant[payload.id] = payload.owner or ANONYMOUS
 
     def step(self, outputs: list[StepOutput], duration_s: float, engine: Backend, worker: str = "") -> None:
         stamp = time.time()
@@ -112,6 +118,7 @@ class WorkerMetrics:
             rid = out.request_id
             if out.token is not None:
                 self.generation_tokens.inc()
+                self.tenant_tokens.labels(self._tenant.get(rid, ANONYMOUS)).inc()
                 if out.token.index == 0:
                     self.ttft.observe(max(0.0, stamp - out.created_at))
                     self._first_token[rid] = stamp
@@ -120,6 +127,7 @@ class WorkerMetrics:
                 self._last_token[rid] = stamp
             if out.finished:
                 self._last_token.pop(rid, None)
+                self._tenant.pop(rid, None)
                 first = self._first_token.pop(rid, None)
                 created, end = out.created_at, out.end
                 self.e2e.observe(max(0.0, stamp - created))

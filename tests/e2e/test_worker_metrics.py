@@ -35,6 +35,7 @@ def test_worker_metrics_count_what_was_sent(stack):
 
     n = len(PROMPTS)
     assert delta("streamq:generation_tokens_total") == sum(MAX_TOKENS)
+    assert delta("streamq:tenant_generation_tokens_total", tenant="-") == sum(MAX_TOKENS)  # auth off: no tenant
     assert delta("streamq:prompt_tokens_total") == sum(s["prompt_tokens"] for s in states)
     assert delta("streamq:request_success_total", finished_reason="length") == n
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
