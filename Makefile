@@ -22,6 +22,7 @@ test: $(STAMP) vllm-env
 	@scripts/ensure-redis.sh
 	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
+	@scripts/ensure-prometheus.sh
 	@# The CPU step kernels, compiled once here: a worker started by a test then loads them at once.
 	$(PY) -c 'from worker import kernels; import sys; sys.exit(kernels.load() is None)'
 	STREAMQ_ARTIFACTS=$${STREAMQ_ARTIFACTS:-$(CURDIR)/artifacts} $(PY) -m pytest $(PYTEST_ARGS)

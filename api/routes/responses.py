@@ -136,7 +136,8 @@ async def retrieve_response(response_id: str, tenant: TenantDep, responses: Resp
                             include: list[str] | None = Query(None, alias="include[]"),
                             last_event_id: str | None = Header(None)):
     """The response as it stands; with stream=true its events after `starting_after` (or the
-    Last-Event-ID header), then live."""
+    Last-Event-ID header), then live: on a response still running, the events after a number
+    not reached yet come as they are made."""
     if include:
         raise ApiError(400, f"include values {include} are not produced by this server", param="include")
     record = await _found(responses, tenant, response_id)
@@ -147,8 +148,8 @@ async def retrieve_response(response_id: str, tenant: TenantDep, responses: Resp
             await responses.keep(record)
         return events.response()
     after = _starting_after(starting_after, last_event_id)
-    if after is not None and after > past[-1]["sequence_number"]:
-        raise ApiError(400, f"starting_after is {after}, past the response's last event so far "
+    if after is not None and finished and after > past[-1]["sequence_number"]:
+        raise ApiError(400, f"starting_after is {after}, past the response's last event "
                             f"({past[-1]['sequence_number']})", param="starting_after")
     return EventStreamResponse(_stream(responses, replica.relay, record, -1 if after is None else after))
 

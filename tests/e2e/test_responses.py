@@ -78,7 +78,10 @@ def test_background_stream_resumes_on_the_other_replica_after_any_event(client, 
     created = client.responses.create(model=model, input="Tell me a story", temperature=0, max_output_tokens=16,
                                       background=True)
     assert created.status == "queued" and created.background
+    # At once, before the events after 3 may exist: they come as they are made.
+    early = list(other.responses.retrieve(created.id, stream=True, starting_after=3))
     whole = list(client.responses.retrieve(created.id, stream=True))
+    assert [e.model_dump() for e in early] == [e.model_dump() for e in whole[4:]]
     assert [e.sequence_number for e in whole] == list(range(len(whole)))
     for after in (0, 3, len(whole) - 2):
         rest = list(other.responses.retrieve(created.id, stream=True, starting_after=after))

@@ -1,14 +1,17 @@
 """docker-compose.yml and its nginx stay true to the code (no Docker engine runs here, so check what we can).
 
-The nginx config is checked by Debian's nginx itself (`nginx -t`; `make test` installs it).
+The nginx config is checked by Debian's nginx itself (`nginx -t`; `make test` installs it). Prometheus's and
+Grafana's files are checked by tests/unit/test_monitoring.py; here, that compose wires them to the services.
 """
 import re
+import shlex
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 
+from api.auth import auth_enabled
 from streamq import serve as serve_module
 from streamq.cli import main as cli_main
 from shared.nginx import compose_config, serve_config
@@ -66,9 +69,10 @@ def test_environment_names_real_settings(compose):
             assert var.removeprefix("STREAMQ_").lower() in cls.model_fields, f"{name}: {var}"
 
 
-def test_only_the_load_balancer_publishes_a_port_and_it_reaches_the_api_port(compose):
+def test_of_streamq_only_the_load_balancer_publishes_a_port_and_it_reaches_the_api_port(compose):
     api, lb = compose["services"]["api"], compose["services"]["lb"]
     assert "ports" not in api  # replicas share nothing on the host; the lb is the way in
+    assert not [name for name, s in compose["services"].items() if s.get("image") == "streamq:latest" and "ports" in s]
     assert lb["ports"] == [f"8000:{_directive(NGINX_CONF.read_text(), 'listen')}"]
     host, port = _directive(NGINX_CONF.read_text(), "set $api_upstream").split(":")
     assert host == "api" and host in compose["services"]
@@ -212,3 +216,93 @@ def test_dockerfile_copies_every_requirements_file_it_installs():
     installed = set(re.findall(r"-r (\S+)", text))
     assert installed and installed <= copied
     assert all((ROOT / name).is_file() for name in installed)
+
+
+# -- Prometheus and Grafana -----------------------------------------------------------------------------------
+
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+GRAFANA_DIR = ROOT / "deploy" / "grafana"
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """A service's mounts: container path -> source (a ./ path or a volume name)."""
+    return {target: source for source, target, *_ in (v.split(":") for v in service["volumes"])}
+
+
+def _flag(service: dict, name: str) -> str:
+    [value] = [arg.split("=", 1)[1] for arg in service["command"] if arg.startswith(f"--{name}=")]
+    return value
+
+
+def _local(source: str) -> Path:
+    return ROOT / source.removeprefix("./")
+
+
+def test_prometheus_reads_its_config_and_rules_from_deploy(compose):
+    prometheus = compose["services"]["prometheus"]
+    mounts = _mounts(prometheus)
+    config_file = PurePosixPath(_flag(prometheus, "config.file"))
+    folder = _local(mounts[str(config_file.parent)])
+    assert folder == PROMETHEUS_DIR and (folder / config_file.name).is_file()
+    config = yaml.safe_load((folder / config_file.name).read_text())
+    assert all((folder / rules).is_file() for rules in config["rule_files"])  # relative to the config file
+    assert mounts[_flag(prometheus, "storage.tsdb.path")] in compose["volumes"]  # its data outlives the container
+
+
+def test_prometheus_scrapes_every_api_replica_and_worker_by_their_compose_names(compose):
+    services = compose["services"]
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    ports = {"api": int(services["api"]["environment"]["STREAMQ_PORT"]),
+             "worker": int(services["worker"]["environment"]["STREAMQ_METRICS_PORT"])}
+    assert [int(p) for p in services["worker"]["expose"]] == [ports["worker"]]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"streamq-api", "streamq-worker"}
+    for name, job in jobs.items():
+        # Compose's DNS answers a service's name with each of its containers: one target per replica.
+        [discovery] = job["dns_sd_configs"]
+        [service] = discovery["names"]
+        assert name == f"streamq-{service}" and discovery["type"] == "A" and discovery["port"] == ports[service]
+        assert job["metrics_path"] == "/metrics"
+
+
+def test_the_key_prometheus_scrapes_the_api_with_is_made_where_it_reads_it(compose):
+    """The replicas bind 0.0.0.0, so their /metrics needs a key: a one-off service makes it into a volume."""
+    services = compose["services"]
+    api = services["api"]["environment"]
+    assert "STREAMQ_AUTH" not in api and auth_enabled("auto", api["STREAMQ_HOST"])
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    [key_file] = [PurePosixPath(j["authorization"]["credentials_file"]) for j in config["scrape_configs"]
+                  if "authorization" in j]
+    prometheus, maker = services["prometheus"], services["prometheus-key"]
+    volume = _mounts(prometheus)[str(key_file.parent)]
+    assert volume in compose["volumes"] and f"{volume}:{key_file.parent}:ro" in prometheus["volumes"]
+    [written_in] = [target for target, source in _mounts(maker).items() if source == volume]
+    assert prometheus["depends_on"]["prometheus-key"]["condition"] == "service_completed_successfully"
+    assert maker["restart"] == "no" and maker["depends_on"]["redis"]["condition"] == "service_healthy"
+    shell = maker["command"][2]
+    assert f"> {written_in}/{key_file.name}.new && mv {written_in}/{key_file.name}.new {written_in}/{key_file.name}" \
+        in shell and shell.startswith(f"test -s {written_in}/{key_file.name} ||")  # made once, never half-written
+    [create] = re.findall(r"streamq (keys create [^>]+)>", shell)
+    with pytest.raises(SystemExit) as info:
+        cli_main([*shlex.split(create), "--help"])
+    assert info.value.code == 0
+
+
+def test_grafana_is_provisioned_from_deploy_grafana(compose):
+    grafana, prometheus = compose["services"]["grafana"], compose["services"]["prometheus"]
+    mounts = _mounts(grafana)
+    assert _local(mounts["/etc/grafana/provisioning"]) == GRAFANA_DIR / "provisioning"
+    [provider] = yaml.safe_load((GRAFANA_DIR / "provisioning" / "dashboards" / "streamq.yml").read_text())["providers"]
+    assert provider["type"] == "file"
+    assert _local(mounts[provider["options"]["path"]]) == GRAFANA_DIR / "dashboards"
+    assert (GRAFANA_DIR / "dashboards" / "streamq.json").is_file()
+    [source] = yaml.safe_load((GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    assert source["url"] == "http://prometheus:9090"  # the service's name, and Prometheus's own port
+    assert [p.rsplit(":", 1)[1] for p in prometheus["ports"]] == ["9090"]
+    assert mounts["/var/lib/grafana"] in compose["volumes"]
+
+
+def test_prometheus_and_grafana_are_published_on_this_host_only(compose):
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in compose["services"][name]["ports"]), name

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from importlib.resources import files
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import fakeredis
 import jsonschema
@@ -119,7 +119,13 @@ def test_the_kustomizations_list_every_manifest_and_only_existing_ones():
     assert sorted(keda["resources"][1:]) == sorted(p.name for p in MANIFESTS if p.parent == K8S / "keda")
     assert keda["namespace"] == base["namespace"]  # else the ScaledObject lands beside no worker
     assert not any(o["metadata"].get("namespace") for o in OBJECTS)  # the kustomization's namespace applies
-    assert sorted(p.name for p in K8S.iterdir()) == ["README.md", "base", "keda"]
+    monitoring = yaml.safe_load((K8S / "monitoring" / "kustomization.yaml").read_text())
+    # Applied beside base or keda, not on top of one: both can have it.
+    assert "../base" not in monitoring["resources"] and monitoring["namespace"] == base["namespace"]
+    own = [r for r in monitoring["resources"] if not r.startswith("../")]
+    assert sorted(own) == sorted(p.name for p in MANIFESTS if p.parent == K8S / "monitoring")
+    assert sorted(r for r in monitoring["resources"] if r.startswith("../")) == ["../../grafana", "../../prometheus"]
+    assert sorted(p.name for p in K8S.iterdir()) == ["README.md", "base", "keda", "monitoring"]
 
 
 def test_the_image_is_the_one_docker_compose_builds():
@@ -403,3 +409,119 @@ def test_the_autoscaler_scales_the_workers_on_metrics_the_code_exports():
     # A worker is asked to carry no more than a batch.
     batch_size = _settings(_container(_pod("streamq-worker"), "worker")).batch_size
     assert 0 < float(trigger["metadata"]["threshold"]) <= batch_size
+
+
+# -- monitoring: Prometheus and Grafana ---------------------------------------------------------------------------
+
+def _generated_config_maps() -> dict[str, dict]:
+    """The ConfigMaps that the monitoring overlay's generators make from deploy/prometheus and deploy/grafana, by
+    name, built as kustomize would (it does not run here)."""
+    overlay = K8S / "monitoring"
+    made = {}
+    for resource in yaml.safe_load((overlay / "kustomization.yaml").read_text())["resources"]:
+        folder = (overlay / resource).resolve()
+        if not folder.is_dir():
+            continue
+        kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        assert kustomization["generatorOptions"]["disableNameSuffixHash"]  # the Deployments name them as written
+        for generator in kustomization["configMapGenerator"]:
+            data = {}
+            for entry in generator["files"]:
+                key, _, path = entry.rpartition("=")
+                file = (folder / path).resolve()
+                assert file.is_relative_to(folder), entry  # kustomize reads no file outside the kustomization's folder
+                data[key or file.name] = file.read_text()
+            metadata = {"name": generator["name"], "labels": generator.get("options", {}).get("labels", {})}
+            made[generator["name"]] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+    return made
+
+
+GENERATED = _generated_config_maps()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_generated_config_maps_validate(version):
+    assert set(GENERATED) == {"prometheus-config", "grafana-datasources", "grafana-dashboard-providers",
+                              "grafana-dashboards"}
+    for config_map in GENERATED.values():
+        k8s.validate(config_map, version, strict=True)
+        assert sum(len(v.encode()) for v in config_map["data"].values()) < 2**20  # a ConfigMap's limit
+
+
+def _volume_mounts(name: str) -> dict[str, dict]:
+    """The one container of Deployment `name`: mount path -> the volume mounted there."""
+    pod = _pod(name)
+    [container] = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+
+
+def _config_map_at(mounts: dict[str, dict], path: str) -> dict:
+    return GENERATED[mounts[path]["configMap"]["name"]]["data"]
+
+
+def _prometheus_config() -> dict:
+    return yaml.safe_load(GENERATED["prometheus-config"]["data"]["prometheus.yml"])
+
+
+def test_prometheus_mounts_its_config_rules_and_key():
+    [container] = _pod("prometheus")["containers"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    mounts = _volume_mounts("prometheus")
+    config_file = PurePosixPath(flags["config.file"])
+    files = _config_map_at(mounts, str(config_file.parent))
+    config = _prometheus_config()
+    assert files[config_file.name] == (ROOT / "deploy" / "prometheus" / "kubernetes.yml").read_text()
+    assert all(rules in files for rules in config["rule_files"])  # beside the config, as rule_files reads them
+    [key_file] = [PurePosixPath(j["authorization"]["credentials_file"]) for j in config["scrape_configs"]
+                  if "authorization" in j]
+    secret = mounts[str(key_file.parent)]["secret"]
+    assert secret["secretName"] == "streamq-prometheus-key" and secret["optional"]  # it starts before the key exists
+    assert "emptyDir" in mounts[flags["storage.tsdb.path"]]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        [container] = _pod(name)["containers"]
+        assert container["image"] == compose[name]["image"], name
+
+
+def test_prometheus_may_list_the_pods_of_its_namespace():
+    account = _pod("prometheus")["serviceAccountName"]
+    _one("ServiceAccount", account)
+    binding = _one("RoleBinding", account)
+    namespace = yaml.safe_load((K8S / "monitoring" / "kustomization.yaml").read_text())["namespace"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    role = _one(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+    assert {"pods"} <= {r for rule in role["rules"] for r in rule["resources"]}
+    assert {"list", "watch"} <= {v for rule in role["rules"] for v in rule["verbs"]}
+
+
+def test_prometheus_finds_the_api_and_worker_pods_on_their_metrics_ports():
+    ports = {"api": _settings(_container(_pod("streamq-api"), "api")).port,
+             "worker": _settings(_container(_pod("streamq-worker"), "worker")).metrics_port}
+    jobs = {job["job_name"]: job for job in _prometheus_config()["scrape_configs"]}
+    assert set(jobs) == {f"streamq-{component}" for component in ports}
+    for component, port in ports.items():
+        job = jobs[f"streamq-{component}"]
+        [discovery] = job["kubernetes_sd_configs"]
+        assert discovery["role"] == "pod" and discovery["namespaces"] == {"own_namespace": True}
+        [selector] = discovery["selectors"]
+        labels = dict(pair.split("=") for pair in selector["label"].split(","))
+        deployment = f"streamq-{component}"
+        assert labels.items() <= _one("Deployment", deployment)["spec"]["template"]["metadata"]["labels"].items()
+        [keep] = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+        assert keep["source_labels"] == ["__meta_kubernetes_pod_container_port_name"]
+        assert _port(_container(_pod(deployment), component), keep["regex"]) == port
+
+
+def test_grafana_is_provisioned_from_the_config_maps():
+    mounts = _volume_mounts("grafana")
+    [source] = yaml.safe_load(_config_map_at(mounts, "/etc/grafana/provisioning/datasources")["prometheus.yml"])[
+        "datasources"]
+    [service_port] = _one("Service", "prometheus")["spec"]["ports"]
+    assert source["url"] == f"http://prometheus:{service_port['port']}"  # the Service, in Grafana's namespace
+    [provider] = yaml.safe_load(_config_map_at(mounts, "/etc/grafana/provisioning/dashboards")["streamq.yml"])[
+        "providers"]
+    dashboards = _config_map_at(mounts, provider["options"]["path"])
+    assert json.loads(dashboards["streamq.json"])["uid"]
+    # kube-prometheus-stack's Grafana loads the same dashboard from a labelled ConfigMap.
+    assert GENERATED["grafana-dashboards"]["metadata"]["labels"] == {"grafana_dashboard": "1"}
