@@ -110,3 +110,38 @@ class Receiver:
         else:
             self._server.shutdown()
             self._server.server_close()
+
+
+def timeline_svg(spans: list[Span]) -> str:
+    """One trace's spans as a timeline (SVG): a row each, children under their parent, bars on one
+    time axis from the trace's first start to its last end, with each span's name and duration."""
+    by_parent: dict[str, list[Span]] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        by_parent.setdefault(span.parent_id, []).append(span)
+    ids = {s.span_id for s in spans}
+    rows: list[tuple[int, Span]] = []
+
+    def walk(span: Span, depth: int) -> None:
+        rows.append((depth, span))
+        for child in by_parent.get(span.span_id, []):
+            walk(child, depth + 1)
+    for root in [s for s in sorted(spans, key=lambda s: s.start_ns) if s.parent_id not in ids]:
+        walk(root, 0)
+    start, end = min(s.start_ns for s in spans), max(s.end_ns for s in spans)
+    label_w, bar_w, row_h = 300, 640, 22
+    scale = bar_w / max(1, end - start)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + bar_w + 80}" height="{row_h * len(rows) + 40}"'
+           ' font-family="monospace" font-size="12">',
+           f'<text x="4" y="14">one request, {len(rows)} spans, {(end - start) / 1e6:.1f} ms '
+           '(tests/e2e/test_tracing.py)</text>']
+    for i, (depth, span) in enumerate(rows):
+        y = 24 + i * row_h
+        x = label_w + (span.start_ns - start) * scale
+        width = max(1.0, (span.end_ns - span.start_ns) * scale)
+        colour = "#4c78a8" if span.service.endswith("api") else "#f58518"
+        out.append(f'<text x="{4 + 12 * depth}" y="{y + 14}">{span.name} [{span.service}]</text>')
+        out.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{width:.1f}" height="{row_h - 6}" fill="{colour}"/>')
+        out.append(f'<text x="{x + width + 4:.1f}" y="{y + 14}">'
+                   f'{(span.end_ns - span.start_ns) / 1e6:.1f} ms</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

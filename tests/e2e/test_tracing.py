@@ -5,14 +5,16 @@ the relay, linked as parent and child; a worker killed mid-request leaves the co
 span on the other worker in that same trace."""
 from __future__ import annotations
 
+import os
 import threading
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
 from shared import redis_keys
-from tests.otlp_receiver import Receiver, Span
+from tests.otlp_receiver import Receiver, Span, timeline_svg
 from tests.stack import Stack, stream_posted
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,6 +82,9 @@ def test_one_request_is_one_trace_from_the_api_through_redis_to_the_worker(trace
     assert worker.attributes["gen_ai.server.time_to_first_token"] > 0
     assert api.attributes["http.route"] == "/v1/chat/completions"
     assert len(spans) == 8
+    if folder := os.environ.get("STREAMQ_ARTIFACTS"):  # the timeline docs/tracing.md shows
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"trace-timeline-{receiver.protocol.replace('/', '-')}.svg").write_text(timeline_svg(spans))
 
 
 def test_a_failover_continuation_joins_the_same_trace(traced):
