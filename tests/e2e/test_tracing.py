@@ -70,11 +70,12 @@ def test_one_request_is_one_trace_from_the_api_through_redis_to_the_worker(trace
     phases = [_one(spans, name) for name in WORKER_SPANS]
     assert all(p.parent_id == worker.span_id for p in phases)
     # In order: accepted, queued, claimed, first step, first token, end, published; the relay ends
-    # once the final event came (while the worker's publish call returns), the api's span last.
+    # once the final event came, then the api's span (both may end before the worker's publish
+    # call has returned to it, which ends the worker's spans).
     assert api.start_ns <= queue.start_ns <= queue.end_ns <= worker.start_ns
     assert [p.start_ns for p in phases] == sorted(p.start_ns for p in phases)
     assert phases[2].end_ns <= phases[3].start_ns <= relay.end_ns <= api.end_ns
-    assert phases[3].end_ns <= worker.end_ns <= api.end_ns
+    assert phases[3].end_ns <= worker.end_ns
     # GenAI attributes, and no span per token (20 tokens, 8 spans).
     assert api.attributes["gen_ai.request.model"] == stack.model_name
     assert api.attributes["gen_ai.request.max_tokens"] == 20 and api.attributes["gen_ai.usage.input_tokens"] > 0
