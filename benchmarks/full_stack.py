@@ -43,16 +43,19 @@ def in_process(batch: int, budget: int) -> dict:
     return run_streamq(model, tok, prompts, workload["max_tokens"], batch, budget)
 
 
-def through_stack(batch: int, budget: int) -> dict:
+def through_stack(batch: int, budget: int, extra: dict[str, str] | None = None, repeat: int = 1) -> list[dict]:
+    """W through a fresh local stack (fp32; `extra`: more settings for its processes), `repeat`
+    times after a warm-up: `streamq bench`'s report of each run."""
     settings = {"STREAMQ_BATCH_SIZE": str(batch), "STREAMQ_DTYPE": "float32",
-                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096"}
+                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096", **(extra or {})}
     with local_stack("fullstack", settings) as url:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         common = ["--url", url, "--endpoint", "native", "--prompts", str(W), "--max-tokens", "64",
                   "--ignore-eos", "--quiet"]
         asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
-        return asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32"])))
+        return [asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32"])))
+                for _ in range(repeat)]
 
 
 def main() -> None:
@@ -62,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = in_process(args.batch_size, args.max_num_batched_tokens)
     gc.collect()
-    stack = through_stack(args.batch_size, args.max_num_batched_tokens)
+    stack = through_stack(args.batch_size, args.max_num_batched_tokens)[0]
     stack.pop("config", None)
     report = {"in_process": engine, "full_stack": stack,
               "throughput_ratio": round(stack["output_tokens_per_s"] / engine["tok_per_s"], 3),

@@ -13,7 +13,6 @@ on/off ratio of the medians and of each round, and the spans the receiver got.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -22,28 +21,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import local_stack  # noqa: E402
+from benchmarks.full_stack import through_stack  # noqa: E402
 from benchmarks.report import machine, print_machine  # noqa: E402
-from streamq import bench  # noqa: E402
 from tests.otlp_receiver import Receiver  # noqa: E402
-
-W = ROOT / "benchmarks" / "workload_w.json"
 
 
 def run(traced: Receiver | None, batch: int, budget: int, repeat: int) -> float:
-    settings = {"STREAMQ_BATCH_SIZE": str(batch), "STREAMQ_DTYPE": "float32",
-                "STREAMQ_MAX_NUM_BATCHED_TOKENS": str(budget), "STREAMQ_NUM_KV_BLOCKS": "4096"}
-    if traced is not None:
-        settings |= {"OTEL_EXPORTER_OTLP_ENDPOINT": traced.endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
-    with local_stack("tracing", settings) as url:
-        parser = argparse.ArgumentParser()
-        bench.add_arguments(parser)
-        common = ["--url", url, "--endpoint", "native", "--prompts", str(W), "--max-tokens", "64",
-                  "--ignore-eos", "--quiet"]
-        asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "4", "--max-tokens", "4"])))  # warm-up
-        rates = [asyncio.run(bench.run(parser.parse_args(common + ["--num-prompts", "32"])))["output_tokens_per_s"]
-                 for _ in range(repeat)]
-        return statistics.median(rates)
+    """The median output tokens/s of `repeat` W runs on a fresh stack, traced to `traced` if given."""
+    extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": traced.endpoint, "OTEL_TRACES_SAMPLER": "always_on"} if traced else {}
+    return statistics.median(r["output_tokens_per_s"] for r in through_stack(batch, budget, extra, repeat))
 
 
 def main() -> None:
