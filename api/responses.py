@@ -143,13 +143,14 @@ class ResponseStore:
         for token in tokens:
             out += events.token(token)
         if final is not None:
-            out += events.final(final, _time(request.get("finished_at")))
+            out += events.final(final, whole_seconds(request.get("finished_at")))
         elif request.get("status") in LIVE_STATUS:
             events.status = LIVE_STATUS[request["status"]]
         return events, out
 
 
-def _time(value: str | None) -> int | None:
+def whole_seconds(value: str | None) -> int | None:
+    """A record's time field (seconds, as Redis keeps it) in whole seconds; None where unset."""
     return int(float(value)) if value else None
 
 
@@ -173,6 +174,11 @@ class ResponseEvents:
         self.error: dict[str, Any] | None = None
         self.incomplete: dict[str, Any] | None = None
         self.completed_at: int | None = None
+
+    @property
+    def live(self) -> bool:
+        """Queued or in progress: not ended yet."""
+        return self.status in LIVE_STATUS.values()
 
     def response(self) -> dict[str, Any]:
         r = self.record

@@ -21,7 +21,7 @@ from api.deps import ModelsDep, ReplicaDep
 from api.errors import ApiError
 from api.json_body import StrictJSONRoute
 from api.relay import Relay
-from api.responses import (LIVE_STATUS, ResponseEvents, ResponseRecord, ResponseStore, new_id, now_s,
+from api.responses import (ResponseEvents, ResponseRecord, ResponseStore, new_id, now_s, whole_seconds,
                            with_ids)
 from api.responses_schemas import ResponseCreate
 from api.routes.openai import plan_chat
@@ -56,7 +56,7 @@ async def _context(responses: ResponseStore, owner: str, body: ResponseCreate) -
         raise ApiError(404, f"Previous response with id {body.previous_response_id!r} not found.",
                        param="previous_response_id")
     events, _ = await responses.snapshot(previous)
-    if events.status in LIVE_STATUS.values():
+    if events.live:
         raise ApiError(400, f"previous response {previous.id!r} is still {events.status}; continue it once it "
                             "has finished", param="previous_response_id")
     return previous.context + events.output_items()
@@ -124,7 +124,7 @@ async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord
                 yield chunk
         elif isinstance(event, FinalEvent):
             finished = (await responses.store.record(record.request_id)).get("finished_at")
-            if chunk := frames(events.final(event, int(float(finished)) if finished else None)):
+            if chunk := frames(events.final(event, whole_seconds(finished))):
                 yield chunk
     await (responses.keep(record) if keep else responses.delete(record))
 
@@ -142,7 +142,7 @@ async def retrieve_response(response_id: str, tenant: TenantDep, responses: Resp
         raise ApiError(400, f"include values {include} are not produced by this server", param="include")
     record = await _found(responses, tenant, response_id)
     events, past = await responses.snapshot(record)
-    finished = events.status not in LIVE_STATUS.values()
+    finished = not events.live
     if not stream:
         if finished:
             await responses.keep(record)
@@ -172,7 +172,7 @@ async def cancel_response(response_id: str, tenant: TenantDep, responses: Respon
     if not record.echo.get("background"):
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
     events, _ = await responses.snapshot(record)
-    if events.status in LIVE_STATUS.values():
+    if events.live:
         await _cancel(responses, replica.relay, record)
         events, _ = await responses.snapshot(record)
     return events.response()
@@ -196,7 +196,7 @@ async def _discard(responses: ResponseStore, relay: Relay, record: ResponseRecor
     """The response removed, a running one cancelled first. It is deleted once its request has
     ended, so the worker's last write cannot bring its token log back."""
     events, _ = await responses.snapshot(record)
-    if events.status in LIVE_STATUS.values():
+    if events.live:
         await _cancel(responses, relay, record)
     await responses.delete(record)
 
