@@ -3,6 +3,7 @@ the other with starting_after), of the worker running it, and a Redis restart un
 in fp32 and greedy, exactly the text of an undisturbed run, with every sequence number once."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -65,13 +66,18 @@ def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
     reference = _undisturbed(other)
     created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS, background=True)
     stream = client.responses.retrieve(created.id, stream=True)
-    events = _until_first_delta(stream, stack)
-    stack.kill_replica(0)
-    with pytest.raises((httpx.HTTPError, openai.APIError)):
-        for event in stream:
-            events.append(event)  # what the replica had written before it died
-    for i in range(stack.n_workers):
-        stack.resume_worker(i)
+    try:
+        events = _until_first_delta(stream, stack)
+        stack.kill_replica(0)
+        # The dead replica's connection ends in an error, or (seen under load) as a plain end of
+        # the body: either way, what it had written before it died is all it gives.
+        with contextlib.suppress(httpx.HTTPError, openai.APIError):
+            for event in stream:
+                events.append(event)
+    finally:
+        for i in range(stack.n_workers):
+            stack.resume_worker(i)
+    assert events[-1].type not in ("response.completed", "response.incomplete")  # cut mid-response
     events += list(other.responses.retrieve(created.id, stream=True, starting_after=events[-1].sequence_number))
     _check(events, reference)
 
