@@ -190,20 +190,26 @@ def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 def test_the_whole_set_on_the_default_model(sampling):
-    """SmolLM2-135M in bf16, W's chat prompts: one request alone, in W's batch of 32, with its
-    prefill chunked, after a prefix-cache hit, with prompt lookup, and continued after 9 tokens."""
+    """SmolLM2-135M in the dtype `auto` serves it in on this CPU (bf16 with panel_linear where
+    the CPU computes bf16, fp32 on the library's matmul in fixed tiles on an AVX2-only one; the
+    tiny-model tests above run both paths on every CPU), W's chat prompts: one request alone,
+    in W's batch of 32, with its prefill chunked, after a prefix-cache hit, with prompt lookup,
+    and continued after 9 tokens. (bf16 on an AVX2-only CPU, which `auto` never picks, took
+    five minutes a case: every bf16 product is converted there.)"""
     import json
     from pathlib import Path
 
     from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
+    from worker.model_loader import pick_dtype
 
     settings = WorkerSettings(_env_file=None, model="default")
     prepare_model(settings)
     folder = weights_dir(settings)
+    dtype = pick_dtype("auto", CPU)
 
     def engine(**options) -> Engine:
-        return make(folder, blocks=4096, **options)
+        return make(folder, blocks=4096, dtype=dtype, **options)
     tok = engine().tokenizer
     workload = json.loads((Path(__file__).parents[2] / "benchmarks" / "workload_w.json").read_text())
     w = [tok.encode_chat(m) for m in workload["messages"]]
