@@ -19,6 +19,11 @@ endpoint, and reports TTFT, TPOT, ITL and E2E at p50/p90/p99, output tok/s and g
 --slo (default TTFT <= 1 s and TPOT <= 150 ms). Servers of a pair run one after the other (each
 started, swept, stopped), so neither takes CPU from the other. Prints a table per pair and
 lscpu's model and flags; --json keeps every report.
+
+--rounds N sweeps every server N times, the order of a pair's servers swapped each round (a
+server that runs second in one round runs first in the next), and adds the spread: each
+round's goodput and TPOT p50 at every rate, the ratio of the pair's two servers in each round,
+and their medians, so that a ratio is read against this machine's run-to-run noise.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -100,6 +106,49 @@ def table(results: dict[str, list[dict]]) -> None:
                  "E2E p50 s", "tok/s", "goodput req/s", "met SLO"], rows)
 
 
+def spread(rounds: dict[str, list[list[dict]]], metric: Callable[[dict], float]) -> list[dict]:
+    """Per rate, a metric of each server in each round and the first server's over the second's,
+    round by round, with medians. `rounds`: system -> one list of reports (one a rate) a round,
+    the first system being the one the ratio is taken of; pure, so it can be tested."""
+    (ours, theirs) = list(rounds)
+    rows = []
+    for i, report in enumerate(rounds[ours][0]):
+        a = [metric(r[i]) for r in rounds[ours]]
+        b = [metric(r[i]) for r in rounds[theirs]]
+        ratios = [x / y if y else float("inf") for x, y in zip(a, b, strict=True)]
+        rows.append({"rate": report["rate"], ours: a, theirs: b, "ratios": ratios,
+                     "median_ratio": statistics.median(ratios)})
+    return rows
+
+
+def best_rate_ratios(rounds: dict[str, list[list[dict]]]) -> list[float]:
+    """Each round's goodput at the first server's best rate over the second's at its own."""
+    (ours, theirs) = list(rounds)
+    best = [max(r["goodput"]["requests_per_s"] for r in reports) for reports in rounds[ours]]
+    peer = [max(r["goodput"]["requests_per_s"] for r in reports) for reports in rounds[theirs]]
+    return [x / y if y else float("inf") for x, y in zip(best, peer, strict=True)]
+
+
+def spread_tables(rounds: dict[str, list[list[dict]]]) -> None:
+    (ours, theirs) = list(rounds)
+
+    def cells(values: list[float]) -> str:
+        return ", ".join(f"{v:g}" for v in values)
+    for title, metric in (("goodput req/s", lambda r: r["goodput"]["requests_per_s"]),
+                          ("TPOT p50 ms", lambda r: r["tpot_ms"]["p50"])):
+        print(f"\n{title}, each round (median):\n")
+        print_table(["rate req/s", ours, theirs, f"{ours} / {theirs}, each round", "median ratio",
+                     "ratio min - max"],
+                    [[row["rate"], f"{cells(row[ours])} ({statistics.median(row[ours]):g})",
+                      f"{cells(row[theirs])} ({statistics.median(row[theirs]):g})",
+                      cells([round(x, 2) for x in row["ratios"]]), round(row["median_ratio"], 2),
+                      f"{min(row['ratios']):.2f} - {max(row['ratios']):.2f}"]
+                     for row in spread(rounds, metric)])
+    best = best_rate_ratios(rounds)
+    print(f"\nGoodput at the best rate of each, {ours} / {theirs}, each round: "
+          f"{cells([round(x, 2) for x in best])}; median {statistics.median(best):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", choices=["fp32", "gguf"], default=["fp32", "gguf"])
@@ -109,20 +158,29 @@ def main() -> None:
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="the same arrival times for every server")
     parser.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:150"], help="goodput's targets, NAME:MS")
+    parser.add_argument("--rounds", type=int, default=1, help="sweep every server this often, order swapped each round")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     bench.parse_goodput(args.slo)  # a bad target stops here, not after the first server started
-    everything = {}
-    for pair in args.pairs:
-        results = {}
-        for system, start, model in servers(pair):
-            print(f"# {system}", file=sys.stderr)
-            with start() as url:
-                results[system] = sweep(url, model, args)
-        everything[pair] = results
-        print(f"\n**{pair}**: {args.num_prompts} chat prompts a rate, {args.max_tokens} tokens each, Poisson arrivals "
-              f"(burstiness {args.burstiness}), batch {BATCH}, step budget {BUDGET}; SLO {' '.join(args.slo)}\n")
-        table(results)
+    everything: dict[str, dict[str, list[list[dict]]]] = {}
+    for round_ in range(args.rounds):
+        for pair in args.pairs:
+            sides = servers(pair)
+            rounds = everything.setdefault(pair, {system: [] for system, _, _ in sides})
+            for system, start, model in (sides if round_ % 2 == 0 else list(reversed(sides))):
+                print(f"# round {round_ + 1}: {system}", file=sys.stderr)
+                with start() as url:
+                    rounds[system].append(sweep(url, model, args))
+    for pair, rounds in everything.items():
+        for round_ in range(args.rounds):
+            print(f"\n**{pair}**{f', round {round_ + 1}' if args.rounds > 1 else ''}: {args.num_prompts} chat "
+                  f"prompts a rate, {args.max_tokens} tokens each, Poisson arrivals (burstiness {args.burstiness}), "
+                  f"batch {BATCH}, step budget {BUDGET}; SLO {' '.join(args.slo)}\n")
+            table({system: reports[round_] for system, reports in rounds.items()})
+        if args.rounds > 1:
+            spread_tables(rounds)
     print(f"\nMachine: {cpu_model()}, {os.cpu_count()} cores (flags: {' '.join(cpu_flags())})")
     if args.json:
         args.json.write_text(json.dumps({"results": everything, "cpu": cpu_model(), "flags": cpu_flags(),

@@ -1,5 +1,5 @@
 """The benchmarks' pure helpers: the CPU list vLLM binds to, the flags a report keeps, W's FLOPs,
-the cluster benchmark's medians."""
+the cluster benchmark's medians, the load sweep's spread over rounds."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.backends import cpu_ranges
 from benchmarks.cluster_capacity import MEDIANS, _row, median_of, pct
+from benchmarks.load_sweep import best_rate_ratios, spread
 from benchmarks.matmul_ref import w_flops
 from benchmarks.report import RELEVANT_FLAGS
 
@@ -46,3 +47,27 @@ def test_cluster_capacity_takes_medians_per_setup_and_node():
     assert cluster["gap_p99_s"] == 6 and [n["commands_per_s"] for n in cluster["nodes"]] == [2000, 2000, 2000]
     assert _row(cluster)[-1] == "2.0k, 2 % / 2.0k, 2 % / 2.0k, 2 %"
     assert pct([3, 1, 2, 4], 0.5) == 2 and pct(list(range(101)), 0.99) == 99
+
+
+def _sweep(goodputs: list[float], tpots: list[float]) -> list[dict]:
+    return [{"rate": rate, "goodput": {"requests_per_s": g}, "tpot_ms": {"p50": t}}
+            for rate, g, t in zip([1.0, 2.0], goodputs, tpots, strict=True)]
+
+
+def test_load_sweep_spread_takes_each_rounds_ratio_then_the_median():
+    rounds = {"ours": [_sweep([1.0, 2.0], [10, 20]), _sweep([1.0, 1.5], [12, 30]), _sweep([0.9, 1.8], [11, 25])],
+              "peer": [_sweep([1.0, 1.0], [20, 40]), _sweep([0.5, 1.5], [12, 15]), _sweep([1.0, 2.0], [11, 50])]}
+    rows = spread(rounds, lambda r: r["goodput"]["requests_per_s"])
+    assert [row["rate"] for row in rows] == [1.0, 2.0]
+    assert rows[0]["ours"] == [1.0, 1.0, 0.9] and rows[0]["peer"] == [1.0, 0.5, 1.0]
+    assert rows[0]["ratios"] == [1.0, 2.0, 0.9] and rows[0]["median_ratio"] == 1.0
+    assert rows[1]["ratios"] == [2.0, 1.0, 0.9] and rows[1]["median_ratio"] == 1.0
+    tpot = spread(rounds, lambda r: r["tpot_ms"]["p50"])
+    assert tpot[1]["ratios"] == [0.5, 2.0, 0.5] and tpot[1]["median_ratio"] == 0.5
+    # the best rate of each server in each round: 2.0/1.0, 1.5/1.5, 1.8/2.0
+    assert best_rate_ratios(rounds) == [2.0, 1.0, 0.9]
+
+
+def test_load_sweep_spread_marks_a_peer_that_met_no_target():
+    rounds = {"ours": [_sweep([1.0, 2.0], [10, 20])], "peer": [_sweep([0.0, 1.0], [20, 40])]}
+    assert spread(rounds, lambda r: r["goodput"]["requests_per_s"])[0]["ratios"] == [float("inf")]
