@@ -105,7 +105,10 @@ def streamq(backend: str, dtype: str, timing: dict) -> Iterator[str]:
                 "STREAMQ_BACKEND": backend, "STREAMQ_KV_CACHE_GB": str(KV_CACHE_GB),
                 "STREAMQ_VLLM_ENFORCE_EAGER": "false", "STREAMQ_VLLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
                 # the weights vLLM serves: the default model's GGUF dequantized, in `dtype` (not kept quantized)
-                "STREAMQ_GGUF_WEIGHTS": "dequantized"}
+                "STREAMQ_GGUF_WEIGHTS": "dequantized",
+                # this stack is stopped (SIGSTOP) while another server starts and is measured, minutes
+                # where vLLM compiles; the worker's watchdog would take that for a stuck engine and exit
+                "STREAMQ_ENGINE_STALL_S": "86400"}
     if backend == "vllm":
         settings.update(vllm_env())
     python = str(VLLM_PYTHON) if backend == "vllm" else None
