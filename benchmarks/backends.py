@@ -19,7 +19,7 @@ vLLM's server; streamq's built-in backend also once from an empty kernel cache (
 
 vLLM runs as its CPU docs recommend: its default compilation (no enforce_eager), OpenMP threads
 bound to every core this process may use (VLLM_CPU_OMP_THREADS_BIND), a fixed KV cache
-(VLLM_CPU_KVCACHE_SPACE=4 GB), Intel OpenMP and tcmalloc preloaded where present, and the same batch
+(VLLM_CPU_KVCACHE_SPACE=4 GB), Intel OpenMP and tcmalloc preloaded (installed if missing), and the same batch
 (max_num_seqs) and step budget (max_num_batched_tokens) as streamq.
 """
 from __future__ import annotations
@@ -73,11 +73,17 @@ def cpu_ranges(cpus: list[int]) -> str:
 
 
 def vllm_env() -> dict[str, str]:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(cores()), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB)}
-    preload = sorted(glob.glob(TCMALLOC))[:1] + ([str(IOMP)] if IOMP.is_file() else [])
-    if preload:  # as vLLM's CPU docs ask (its worker warns when either is missing)
-        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD")]))
-    return env
+    """vLLM's CPU settings as its docs recommend: OpenMP threads bound to every core, tcmalloc and
+    Intel OpenMP preloaded. tcmalloc is installed here if missing (scripts/ensure-tcmalloc.sh);
+    without either the peer would run de-tuned, so the benchmark stops instead."""
+    if not glob.glob(TCMALLOC):
+        subprocess.run([str(ROOT / "scripts" / "ensure-tcmalloc.sh")], check=False)
+    tcmalloc = sorted(glob.glob(TCMALLOC))[:1]
+    if not tcmalloc or not IOMP.is_file():
+        raise SystemExit(f"vLLM's peer needs tcmalloc ({TCMALLOC}: scripts/ensure-tcmalloc.sh) and Intel OpenMP "
+                         f"({IOMP}: make vllm-env) to run as its CPU docs recommend")
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(cores()), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
+            "LD_PRELOAD": ":".join(filter(None, [tcmalloc[0], str(IOMP), os.environ.get("LD_PRELOAD")]))}
 
 
 def load(url: str, model: str) -> dict:
