@@ -115,7 +115,7 @@ def spread(rounds: dict[str, list[list[dict]]], metric: Callable[[dict], float])
     for i, report in enumerate(rounds[ours][0]):
         a = [metric(r[i]) for r in rounds[ours]]
         b = [metric(r[i]) for r in rounds[theirs]]
-        ratios = [x / y if y else float("inf") for x, y in zip(a, b, strict=True)]
+        ratios = _ratios(a, b)
         rows.append({"rate": report["rate"], ours: a, theirs: b, "ratios": ratios,
                      "median_ratio": statistics.median(ratios)})
     return rows
@@ -123,10 +123,14 @@ def spread(rounds: dict[str, list[list[dict]]], metric: Callable[[dict], float])
 
 def best_rate_ratios(rounds: dict[str, list[list[dict]]]) -> list[float]:
     """Each round's goodput at the first server's best rate over the second's at its own."""
-    (ours, theirs) = list(rounds)
-    best = [max(r["goodput"]["requests_per_s"] for r in reports) for reports in rounds[ours]]
-    peer = [max(r["goodput"]["requests_per_s"] for r in reports) for reports in rounds[theirs]]
-    return [x / y if y else float("inf") for x, y in zip(best, peer, strict=True)]
+    (ours, theirs) = ([max(r["goodput"]["requests_per_s"] for r in reports) for reports in sweeps]
+                      for sweeps in rounds.values())
+    return _ratios(ours, theirs)
+
+
+def _ratios(ours: list[float], theirs: list[float]) -> list[float]:
+    """Round by round, ours over theirs; inf where theirs is 0 (a peer that met no target)."""
+    return [x / y if y else float("inf") for x, y in zip(ours, theirs, strict=True)]
 
 
 def spread_tables(rounds: dict[str, list[list[dict]]]) -> None:

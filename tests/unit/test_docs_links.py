@@ -4,6 +4,7 @@ follows a link lands where the text says."""
 from __future__ import annotations
 
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def slug(heading: str) -> str:
     return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
 
 
+@cache  # a page is parsed once, however many links name it
 def anchors(page: Path) -> set[str]:
     seen: dict[str, int] = {}
     out = set()
