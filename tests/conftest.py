@@ -1,6 +1,7 @@
 """Fixtures: a private redis-server for the session, tiny models, and real service processes."""
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -11,6 +12,20 @@ from redis.asyncio import Redis
 from shared.redis_server import RedisServer
 from tests.stack import Stack
 from tests.tiny_models import build_model
+
+
+def pytest_configure(config):
+    """Each test process, and every worker it starts, computes on its share of the cores: with
+    two test processes on 2 cores, torch's two threads a process waited at every barrier for a
+    core the other process held (the default model's deterministic set took 40 s with one core
+    busy beside it, 14 s on one thread). An OMP_NUM_THREADS already set is kept.
+    tests/unit/test_quant_kernels.py runs the kernels on several threads explicitly."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+        return  # pytest-xdist's controller, which runs no test: its test processes choose
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // processes)))
+    import torch
+    torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(scope="session")

@@ -180,6 +180,27 @@ def test_a_packed_weight_holds_its_codes_at_their_width_and_no_float_copy(ops, i
     assert weight.quant.nbytes() == w.nbytes() == sum(t.numel() * t.element_size() for t in held)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_several_threads_give_the_bits_of_one(ops, isa, threads):
+    """The test processes compute on one thread each where two share 2 cores (tests/conftest.py);
+    here the kernels split their panels over several threads, as a worker's do, on any CPU."""
+    if isa == "portable":
+        pytest.skip("the portable path is F.linear's: deterministic mode runs it in fixed tiles instead")
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn((48, 256), generator=gen)
+    weights = [Weight(random_weight(320, 256, 4, 32, True, gen), None, CPU, kernels.with_isa(ops, isa)),
+               Weight(torch.randn((320, 256), generator=gen), None, CPU, kernels.with_isa(ops, isa))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [weight(x) for weight in weights]
+        torch.set_num_threads(threads)
+        assert torch.get_num_threads() == threads
+        assert all(torch.equal(weight(x), want) for weight, want in zip(weights, alone))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_concatenated_weights_of_different_formats_dequantize_to_the_parts(ops):
     gen = torch.Generator().manual_seed(13)
     parts = [random_weight(32, 64, 4, 32, True, gen), random_weight(16, 64, 8, 16, False, gen),
