@@ -17,8 +17,9 @@ from tests.tiny_models import build_model
 def pytest_configure(config):
     """Each test process, and every worker it starts, computes on its share of the cores: with
     two test processes on 2 cores, torch's two threads a process waited at every barrier for a
-    core the other process held (the default model's deterministic set took 40 s with one core
-    busy beside it, 14 s on one thread). An OMP_NUM_THREADS already set is kept.
+    core the other process held (one case of the default model's deterministic set, bf16 on a
+    2-core Xeon, took 40 s with one core busy beside it, 14 s on one thread). An OMP_NUM_THREADS
+    already set is kept.
     tests/unit/test_quant_kernels.py runs the kernels on several threads explicitly."""
     if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
         return  # pytest-xdist's controller, which runs no test: its test processes choose
