@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import logging
 import platform
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -48,8 +49,11 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
+    """One folder per sources, torch, flags, CPU and environment. The environment (sys.prefix):
+    torch rebuilds a folder whose include paths changed, so two checkouts' venvs sharing the
+    cache rebuilt each other's kernels (a minute each) every time the other had loaded them."""
     texts = [path.read_text() for path in sorted(CSRC.glob("*.[ch]*"))]  # the headers too
-    key = "\n".join([*texts, torch.__version__, " ".join(FLAGS), platform.machine(), _cpu_flags()])
+    key = "\n".join([*texts, torch.__version__, " ".join(FLAGS), platform.machine(), _cpu_flags(), sys.prefix])
     return f"streamq_step_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,14 @@ def test_a_build_lock_left_by_a_killed_worker_does_not_hold_the_next_one(tmp_pat
     monkeypatch.setattr(cpp_extension, "load", build)
     assert kernels.load_from.__wrapped__(tmp_path) == "module"
     assert seen == [False]
+
+
+def test_each_environment_builds_in_its_own_folder(monkeypatch):
+    """torch rebuilds a folder whose include paths changed: two venvs sharing one folder rebuilt
+    each other's kernels, a minute each time."""
+    here = kernels.build_name()
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv")
+    assert kernels.build_name() != here
 
 
 def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypatch, caplog, tiny_llama):
