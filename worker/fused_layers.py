@@ -32,14 +32,20 @@ class Weight:
     (the plain matmul on a GPU), a quantized one dequantized a slice at a time (QuantLinear)."""
 
     def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                 kernels: ModuleType | None = None):
+                 kernels: ModuleType | None = None, matmul_rows: int = 0):
+        """`matmul_rows` > 0: a weight on panels is also prepacked for oneDNN, and a call of that many
+        rows or more runs there (AMX_MATMUL_ROWS on a CPU with AMX); 0: the panels take every call."""
         self.bias, self.isa = bias, getattr(kernels, "isa", "auto")
         self.w = self.panels = self.packed = self.quant = None
         self.out_features = w.shape[0]
+        self.matmul_rows = 0
         if isinstance(w, QuantizedWeight):
             self.quant = QuantLinear(w, bias, kernels)
         elif kernels is not None and str(w.dtype).removeprefix("torch.") in kernels.panel_dtypes:
             self.w, self.panels, self.panel_linear = w, kernels.pack_panels(w), kernels.panel_linear
+            if matmul_rows and device.type == "cpu":
+                self.packed = _pack(w)
+                self.matmul_rows = matmul_rows if self.packed is not None else 0
         else:
             self.w, self.packed = w, _pack(w) if device.type == "cpu" else None
         # Rows a matmul call takes, padded, in deterministic mode where rows are not computed alone
@@ -56,16 +62,18 @@ class Weight:
     @property
     def row_independent(self) -> bool:
         """Whether each row's result is the same whatever other rows share the call, untiled."""
-        return self.panels is not None or (self.quant is not None and self.quant.row_independent)
+        return (self.panels is not None and not self.matmul_rows) or (self.quant is not None and self.quant.row_independent)
 
     def compute_rows_alone(self, tile: int) -> None:
         """Deterministic mode: a row's result is the same whatever other rows share the call. The
         kernels compute each row alone already; a library matmul gets calls of exactly `tile` rows."""
+        if self.panels is not None:
+            self.matmul_rows, self.packed = 0, None  # the panels take every call
         if not self.row_independent:
             self.tile = tile
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
+        if self.panels is not None and not (self.matmul_rows and x.shape[0] >= self.matmul_rows):
             return self.panel_linear(x, self.panels, self.out_features, self.bias, self.isa)
         if self.tile:
             return self._tiled(x)
@@ -135,9 +143,11 @@ def fusable(model: torch.nn.Module) -> bool:
             and layer.self_attn.o_proj.bias is None)
 
 
-def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | None = None) -> list[FusedLayer]:
+def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | None = None,
+         matmul_rows: int = 0) -> list[FusedLayer]:
     """Concatenate each layer's q/k/v and gate/up weights; point the modules at views of them.
-    `kernels`: the step kernels, whose projection kernels run what they compute (Weight).
+    `kernels`: the step kernels, whose projection kernels run what they compute (Weight);
+    `matmul_rows`: Weight's.
     A module that carries a `quantized` weight (worker/quant_model.py) is projected through it;
     its own `weight` is left as it is (a placeholder)."""
     layers = []
@@ -149,7 +159,7 @@ def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | Non
             if any(q is not None for q in found) and any(q is None for q in found):
                 raise ValueError("q, k and v (or gate and up) must be all quantized or none: they run as one projection")
             w = concat_rows(found) if found[0] is not None else _concat(modules, "weight")
-            return Weight(w, bias, device, kernels)
+            return Weight(w, bias, device, kernels, matmul_rows)
 
         qkv = qkv_modules(attn)
         bqkv = _concat(qkv, "bias") if qkv[0].bias is not None else None

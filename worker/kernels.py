@@ -38,6 +38,11 @@ ISAS = ("auto", "avx512vnni", "avx512", "avx2", "portable")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports `flag` (as /proc/cpuinfo names it: amx_bf16, avx512_bf16...)."""
+    return flag in _cpu_flags().split()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

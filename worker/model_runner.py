@@ -24,6 +24,7 @@ from shared.tokenizer import served_context
 from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
+from worker.kernels import cpu_has
 
 SUPPORTED = quant_model.LLAMA_FAMILY | {"opt", "gemma3_text"}
 
@@ -105,12 +106,20 @@ class StepInputs:
 
 # Rows of each library matmul call in deterministic mode where panel_linear is not available.
 DETERMINISTIC_TILE = 16
+# On a CPU with AMX, a bf16 projection of this many rows or more runs on oneDNN's prepacked matmul,
+# which computes on the AMX tiles: it took 0.7-1.0x panel_linear's time at 5 rows, 0.1-0.2x at 32
+# and at 2,048 (the default model's projections and head, 2 cores); panel_linear took 0.4-0.8x
+# oneDNN's at 1 and 2 rows (docs/engine.md).
+AMX_MATMUL_ROWS = 5
 
 
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
-                 kernels: ModuleType | None = None, graph_batch: int = 0, deterministic: bool = False):
-        """`deterministic`: every token computed alone, whatever else the step holds (below)."""
+                 kernels: ModuleType | None = None, graph_batch: int = 0, deterministic: bool = False,
+                 matmul_rows: int | None = None):
+        """`deterministic`: every token computed alone, whatever else the step holds (below).
+        `matmul_rows`: from how many rows a call of a projection on panels runs on oneDNN's matmul
+        instead (Weight); None: AMX_MATMUL_ROWS for bf16 on a CPU with AMX, else never."""
         if not supports(model):
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
@@ -152,7 +161,10 @@ class PagedRunner:
         # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        self.fused = self._fuse(dtype) if fused else None
+        if matmul_rows is None:
+            amx = dtype == torch.bfloat16 and device.type == "cpu" and cpu_has("amx_bf16") and not deterministic
+            matmul_rows = AMX_MATMUL_ROWS if amx else 0
+        self.fused = self._fuse(dtype, matmul_rows) if fused else None
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None and self.arch == "llama":
             self.one_token = self._one_token_layers()
@@ -163,13 +175,13 @@ class PagedRunner:
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
 
-    def _fuse(self, dtype: torch.dtype) -> list:
+    def _fuse(self, dtype: torch.dtype, matmul_rows: int) -> list:
         """The fused layers' weights, and the head's (the panels or packed codes of the kernels
         where they run); a quantized tied embedding reads the head's table."""
         model = self.model
-        fused = fuse(model, self.device, self.kernels)
+        fused = fuse(model, self.device, self.kernels, matmul_rows)
         head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
-        self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), self.device, self.kernels)
+        self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), self.device, self.kernels, matmul_rows)
         quant_model.install_embedding(model, dtype, self.lm_head.quant)
         first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
         self.eps = getattr(first.input_layernorm, "variance_epsilon", None)

@@ -8,10 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import make_engine, prompts, run
 from tests.unit.test_fused_layers import _engine
 from worker import kernels
-from worker.fused_layers import _rms_norm, rotate_half
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.fused_layers import Weight, _rms_norm, rotate_half
+from worker.model_loader import load_model
+from worker.model_runner import AMX_MATMUL_ROWS, PagedRunner
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -175,7 +181,8 @@ def test_a_runner_computes_its_projections_on_panels_where_the_cpu_has_them(ops,
     runner = _engine(tiny_llama, fuse=True, kernels=True, dtype=dtype).runner
     weights = [w for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [runner.lm_head]
     if str(dtype).removeprefix("torch.") in ops.panel_dtypes:
-        assert all(w.panels is not None and w.packed is None for w in weights)
+        # a oneDNN copy too only where calls of many rows go there (bf16 on a CPU with AMX)
+        assert all(w.panels is not None and (w.packed is None) == (w.matmul_rows == 0) for w in weights)
     else:
         assert all(w.panels is None for w in weights)
 
@@ -194,3 +201,48 @@ def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_lla
         run(engine, prompts(1, seed=3))  # one request alone: its decode steps are one token each
         logits.append(torch.cat(seen[1:]))  # past the prefill
     assert logits[0].shape[0] > 1 and torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_on_panels_runs_calls_of_matmul_rows_or_more_on_onednn(ops, dtype):
+    """As on a CPU with AMX (forced here on any CPU with panels for the dtype): calls of fewer
+    rows on panel_linear, more on oneDNN's prepacked matmul; deterministic mode gives every call
+    back to the panels, which compute each row alone."""
+    if str(dtype).removeprefix("torch.") not in ops.panel_dtypes:
+        pytest.skip(f"this CPU has no panel_linear for {dtype}")
+    gen = torch.Generator().manual_seed(15)
+    w, b = _randn(96, 64, dtype=dtype, gen=gen), _randn(96, dtype=dtype, gen=gen)
+    weight = Weight(w, b, torch.device("cpu"), ops, matmul_rows=5)
+    assert weight.matmul_rows == 5 and weight.packed is not None and not weight.row_independent
+    x = _randn(7, 64, dtype=dtype, gen=gen)
+    for rows in range(1, 8):
+        panels = ops.panel_linear(x[:rows], weight.panels, 96, b)
+        onednn = torch.ops.mkldnn._linear_pointwise(x[:rows], weight.packed, b, "none", [], "")
+        assert torch.equal(weight(x[:rows]), panels if rows < 5 else onednn), rows
+    weight.compute_rows_alone(16)
+    assert weight.row_independent and weight.packed is None and weight.tile == 0
+    assert torch.equal(weight(x), ops.panel_linear(x, weight.panels, 96, b))
+
+
+def test_bf16_projections_go_to_onednn_from_five_rows_on_amx_only_and_never_in_deterministic_mode(tiny_llama):
+    model = load_model(tiny_llama, torch.device("cpu"), torch.bfloat16)
+    runner = PagedRunner(model, torch.device("cpu"), 64, 4, kernels.load())
+    has_panels = "bfloat16" in kernels.load().panel_dtypes
+    want = AMX_MATMUL_ROWS if kernels.cpu_has("amx_bf16") and has_panels else 0
+    assert {w.matmul_rows for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {want}
+    assert runner.lm_head.matmul_rows == want
+    model = load_model(tiny_llama, torch.device("cpu"), torch.bfloat16)
+    exact = PagedRunner(model, torch.device("cpu"), 64, 4, kernels.load(), deterministic=True)
+    assert exact.lm_head.matmul_rows == 0 and all(layer.qkv.matmul_rows == 0 for layer in exact.fused)
+
+
+def test_projections_split_between_panels_and_onednn_give_transformers_tokens_in_fp32(tiny_llama):
+    """The split forced on any CPU, in fp32 where greedy tokens are transformers' own: decode
+    steps of up to 4 rows on panels, the rest and the prefills on oneDNN."""
+    texts = prompts(12, seed=7)
+    model = load_model(tiny_llama, torch.device("cpu"), torch.float32)
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4, kernels.load(), matmul_rows=5)
+    assert runner.lm_head.matmul_rows == (5 if "float32" in kernels.load().panel_dtypes else 0)
+    split = run(Engine(runner, Tokenizer(tiny_llama), Batcher(BlockManager(256, 4, True), 8, 32)), texts, arrive_every=2)
+    eager = run(_engine(tiny_llama, fuse=True, kernels=False, dtype=torch.float32), texts, arrive_every=2)
+    assert [s.output_ids for s in split] == [s.output_ids for s in eager]
