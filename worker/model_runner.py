@@ -107,9 +107,9 @@ class StepInputs:
 # Rows of each library matmul call in deterministic mode where panel_linear is not available.
 DETERMINISTIC_TILE = 16
 # On a CPU with AMX, a bf16 projection of this many rows or more runs on oneDNN's prepacked matmul,
-# which computes on the AMX tiles: it took 0.7-1.0x panel_linear's time at 5 rows, 0.1-0.2x at 32
-# and at 2,048 (the default model's projections and head, 2 cores); panel_linear took 0.4-0.8x
-# oneDNN's at 1 and 2 rows (docs/engine.md).
+# which computes on the AMX tiles: it took 0.7-1.5x panel_linear's time at 5 rows (the larger
+# projections the less), 0.15-0.3x at 32, 0.08-0.19x at 2,048 (the default model's projections and
+# head, 2 cores); panel_linear took 0.4-0.8x oneDNN's at 1 and 2 rows (docs/engine.md).
 AMX_MATMUL_ROWS = 5
 
 
