@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shared.model_paths import gguf_cache, gguf_file, move_into_place, partial_folder, prepare_model, weights_dir
 from shared.settings import WorkerSettings
 from worker import quant_model
+from worker.kernels import cpu_has
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,7 @@ def pick_device(choice: str) -> torch.device:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return cpu_has("amx_bf16") or cpu_has("avx512_bf16")
 
 
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
