@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 from arq import cron, func
 from arq.connections import ArqRedis, create_pool
 from arq.worker import Worker, create_worker
-from redis.exceptions import ResponseError
-from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings, slot_lost
-from shared.redis_client import REDIS_DOWN, connect, until_redis_answers
+from redis.exceptions import RedisError
+from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings
+from shared.redis_client import BACKOFF, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, keep_responses, reclaim_dead_workers, trim_request_stream
@@ -24,6 +24,8 @@ from shared.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A worker that ran this long before its error counts as healthy: the next failure restarts at once.
+HEALTHY_RUN_S = 60.0
 
 
 async def trim(ctx: dict[str, Any]) -> int:
@@ -101,19 +103,26 @@ async def supervise(settings: SchedulerSettings) -> None:
             return await create_pool(cls.redis_settings, default_queue_name=cls.queue_name)
         return await slot.pool(cls.queue_name)
 
+    failures = 0  # in a row, each within HEALTHY_RUN_S of its start: they back off, 0.1 s doubling to 5 s
     while not stop.is_set():
         pool = await _unless(stop, until_redis_answers("scheduler start", open_pool, log))
         if pool is None:
             return
         worker = create_worker(cls, redis_pool=pool, handle_signals=False)
+        started = asyncio.get_running_loop().time()
         try:
             await _unless(stop, worker.main())
-        except (*REDIS_DOWN, ResponseError) as exc:
-            if not slot_lost(exc):  # on one Redis: only a lost connection
-                raise
-            log.warning("redis unavailable, the scheduler's jobs stopped (%s); they start again when it answers"
-                        if slot is None else "arq's slot moved or lost its master (%s); the scheduler's jobs start "
-                        "again on the master that serves it", exc)
+        except RedisError as exc:
+            # Any Redis error ends this arq worker, never the scheduler: during an outage arq's
+            # paths fail in many ways (ConnectionError, TimeoutError, a WatchError wrapping a lost
+            # connection in start_jobs, MOVED or CLUSTERDOWN on a cluster), and a fresh worker,
+            # started once Redis answers, runs its cron jobs again (each is safe to run twice).
+            log.warning("redis unavailable (%s: %s), the scheduler's jobs stopped; they start again when it answers%s",
+                        type(exc).__name__, exc, "" if slot is None else ", on the master that serves arq's slot")
+            running_s = asyncio.get_running_loop().time() - started
+            failures = 0 if running_s >= HEALTHY_RUN_S else failures + 1
+            if failures:  # an error that outlives the outage must not spin
+                await _unless(stop, asyncio.sleep(BACKOFF.compute(failures)))
         finally:
             await _close(worker, pool)
 

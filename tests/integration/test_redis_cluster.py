@@ -7,6 +7,7 @@ import redis
 from redis.cluster import RedisCluster as ClusterClient
 
 from tests.redis_cluster import RedisCluster
+from tests.waiting import until_sync
 
 
 def test_a_three_master_cluster_spreads_keys_and_survives_a_master(tmp_path):
@@ -21,8 +22,12 @@ def test_a_three_master_cluster_spreads_keys_and_survives_a_master(tmp_path):
             assert {cluster.master_of(key).port for key in keys} == {
                 n.port for n in cluster.live() if redis.Redis(port=n.port).info("replication")["role"] == "master"}
             victim = cluster.master_of("k7")
-            with redis.Redis(port=victim.port) as direct:
-                assert direct.wait(1, 5000) == 1  # replicated before the crash: replication is asynchronous
+            with redis.Redis(port=victim.port, decode_responses=True) as direct:
+                # Replicated before the crash (replication is asynchronous): the replica's offset has
+                # reached the master's. A WAIT on this connection would wait for nothing: it wrote nothing.
+                written = direct.info("replication")["master_repl_offset"]
+                until_sync(lambda: direct.info("replication")["slave0"]["offset"] >= written, 30,
+                           "the replica of k7's master caught up")
             assert cluster.kill_master_of("k7") is victim
         survivor = cluster.live()[0]
         with ClusterClient(host="127.0.0.1", port=survivor.port, decode_responses=True) as client:
