@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer, served_context
 from worker.engine_base import BaseEngine
-from worker.random_streams import make_generator
+from worker.random_streams import make_generator, replay_draws
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.structured import GrammarError, Grammars
@@ -88,6 +88,7 @@ class StaticEngine(BaseEngine):
                 self._refused.append(step_output(seq, None, True))
                 continue
             generator = make_generator(seq.params, self.runner.device)
+            replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover
             self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
             self.rows.append(seq)
         return bool(self.rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.messages import FinishReason, RequestPayload
+from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import make_engine
@@ -83,3 +83,21 @@ def test_a_row_that_breaks_after_some_tokens_fails_then_alone(tiny_llama):
     reason, out, _ = ended["r9"]
     assert reason == FinishReason.ERROR and out == alone["r0"][1][:1]
     assert {rid: ended[rid] for rid in alone} == alone
+
+
+@pytest.mark.parametrize("build", [continuous, static])
+def test_a_seeded_request_continued_after_k_tokens_draws_what_the_undisturbed_run_drew(tiny_llama, build):
+    """A worker taking over a seeded request moves its random stream past the draws of the tokens
+    already delivered: the continuation is the undisturbed run's (fp32, the prefill of prompt and
+    delivered tokens gives the decode's distributions to within rounding)."""
+    tok = Tokenizer(tiny_llama)
+    request = payload(0, tok, "The capital of France", SamplingParams(max_tokens=16, temperature=1.0, seed=11))
+    whole = drain(build(tiny_llama), [request])[request.id][1]
+    assert len(whole) == 16
+    for k in (1, 5, 12):
+        engine = build(tiny_llama)
+        delivered = [TokenEvent(index=i, token_id=t, text="") for i, t in enumerate(whole[:k])]
+        seq = engine.add(request, delivered)
+        while engine.has_work():
+            engine.step()
+        assert seq.output_ids == whole, f"continued after {k} tokens"
