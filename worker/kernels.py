@@ -32,7 +32,7 @@ from shared.settings import StepSettings, WorkerSettings
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "step_kernels.cpp", CSRC / "panel_linear.cpp", CSRC / "quant_linear.cpp",
+SOURCES = [CSRC / "step_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "panel_linear.cpp", CSRC / "quant_linear.cpp",
            CSRC / "quant_linear_int8.cpp"]
 ISAS = ("auto", "avx512vnni", "avx512", "avx2", "portable")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]

@@ -79,10 +79,14 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
                          graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0,
                          deterministic=step.deterministic)
     quant_model.release_projections(model)  # the runner's Weights hold them packed; a byte a code no more
-    log.info("step: %s%s%s", "CPU step kernels" if runner.kernels is not None else
+    log.info("step: %s%s%s; %s", "CPU step kernels" if runner.kernels is not None else
              "fused eager ops" if runner.fused is not None else "the modules' eager ops",
              f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "",
-             ", deterministic" if runner.deterministic else "")
+             ", deterministic" if runner.deterministic else "",
+             "each token computed alone: a continuation after a failover, a prefix-cache hit and speculation "
+             "give the undisturbed tokens" if runner.batch_invariant else
+             "a token's rounding depends on its batch: a continuation after a failover may part from the "
+             "undisturbed text at a near-tie (STREAMQ_DETERMINISTIC=true makes it exact; docs/reliability.md)")
     blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))

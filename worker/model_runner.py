@@ -2,9 +2,11 @@
 
 Prefill chunks and decodes run in the same forward, each request at its own positions. The
 projections and MLPs run on all the step's tokens at once; attention reads each request's
-keys and values from the paged KV cache through its block table. Requests are grouped by
-chunk length (decodes, short chunks such as speculative verifies, long prefill chunks), so
-attention is at most three batched calls per layer: no per-request Python loop inside a layer.
+keys and values from the paged KV cache through its block table. With the CPU step kernels,
+every chunk attends in one kernel call a layer, each token computed alone (the same bits in any
+batch or chunk); otherwise requests are grouped by chunk length (decodes, short chunks such as
+speculative verifies, long prefill chunks), so attention is at most three batched calls per
+layer. No per-request Python loop runs inside a layer.
 
 The KV cache is allocated once, at start, and never grows. The weights are transformers'
 own modules; this file only decides how they are called. Llama-family models (Llama,
@@ -82,8 +84,8 @@ class AttentionGroup:
 
 @dataclass
 class _Paged:
-    """The tokens the paged-attention kernel serves (decodes and short chunks): each attends to
-    its own sequence's keys 0 .. its position, read from the cache through the block table."""
+    """The tokens the paged-attention kernel serves (with the kernels: every chunk's): each attends
+    to its own sequence's keys 0 .. its position, read from the cache through the block table."""
 
     tokens: torch.Tensor  # [N] flat index of each token
     rows: torch.Tensor  # [N] its chunk's row in tables
@@ -99,7 +101,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    groups: list[AttentionGroup]  # with the kernels: only the long prefill chunks
+    groups: list[AttentionGroup]  # the chunks attended by torch's ops: none with the kernels
     logits_index: torch.Tensor  # flat index of each token whose logits the step needs, chunk by chunk
     paged: _Paged | None = None
 
@@ -189,10 +191,11 @@ class PagedRunner:
         return fused
 
     def _compute_rows_alone(self) -> None:
-        """Deterministic mode: a token's result depends on its own sequence only. Every chunk, long
-        prefills included, attends through the paged kernel (one query row at a time, its keys in
-        order: the same for a decode, a chunk of any length, a cached prefix or a failover's
-        replay), and every projection computes each row alone (panel_linear, or fixed tiles)."""
+        """Deterministic mode: a token's result depends on its own sequence only. Every chunk
+        attends through the paged kernel (as it does without the mode), and every projection
+        computes each row alone: panel_linear or the quantized kernels (as without the mode, but
+        for bf16 on a CPU with AMX, whose calls of many rows go to oneDNN otherwise), or the
+        library's matmul in fixed tiles where the CPU has no panels for the dtype."""
         if self.kernels is None or self.arch != "llama":
             raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
                              "a llama-like model); this worker has none")
@@ -201,6 +204,19 @@ class PagedRunner:
             w.compute_rows_alone(DETERMINISTIC_TILE)
         if not all(w.row_independent for w in [*weights, self.lm_head]):
             self.one_token = None  # it calls the library's matmul on one row
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's result depends on its own sequence only, so that greedy and seeded
+        tokens are the same alone or in any batch, with the prefill chunked anyhow or its prefix
+        cached, with speculation, and continued by another worker after a failover: the llama
+        layers on the CPU step kernels (every chunk on the paged kernel), every projection and the
+        head computing each row alone. Not so for bf16 on a CPU with AMX, whose calls of many rows
+        run on oneDNN, nor without panels for the dtype, unless in deterministic mode."""
+        if self.kernels is None or self.arch != "llama" or self.fused is None:
+            return False
+        weights = [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return all(w.row_independent or w.tile for w in [*weights, self.lm_head])
 
     def weight_bytes(self) -> int:
         """Bytes of weights the step reads from: the fused projections and head in every form they
@@ -261,8 +277,10 @@ class PagedRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
         paged = None
         if self.kernels is not None and self.fused is not None:  # the path execute() takes
-            sizes = list(groups) if self.deterministic else [0, 1]
-            paged = self._paged([m for size in sorted(sizes) for m in groups.pop(size, [])], out.chunks)
+            # Every chunk attends through the paged kernel, whose result for a token depends on its
+            # own sequence only (worker/csrc/paged_attention.cpp): a decode, a prefill chunk of any
+            # length, a cached prefix and a failover's replay give a token the same bits.
+            paged = self._paged([m for size in sorted(groups) for m in groups.pop(size)], out.chunks)
         return StepInputs(tensor(ids), tensor(positions), tensor(slots),
                      [self._group(groups[size], total) for size in sorted(groups)], tensor(logits_index), paged)
 

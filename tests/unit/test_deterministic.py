@@ -1,10 +1,15 @@
-"""Deterministic mode (PagedRunner(deterministic=True)) in bf16 on the tiny llama: a request's
-tokens and their log-probabilities, bit for bit, are the same alone or in a batch of 32 others
-at any position, with its prefill chunked at any budget, with a prefix-cache hit or a miss, and
-with prompt-lookup or draft speculation on or off. Greedy and seeded sampling alike.
+"""Each token computed alone, on the tiny llama: a request's tokens and their log-probabilities,
+bit for bit, are the same alone or in a batch of 32 others at any position, with its prefill
+chunked at any budget, with a prefix-cache hit or a miss, with prompt-lookup or draft speculation
+on or off, and continued from delivered tokens as after a failover. Greedy and seeded sampling
+alike.
 
-Without the mode these comparisons fail (docs/reliability.md shows which and how often): a
-long prefill chunk attends with torch's SDPA in a group padded to its neighbours' lengths.
+It holds by default (no mode) where every projection computes each row alone (the kernels'
+panels for the dtype, or the quantized kernels): fp32 on any CPU with AVX2, bf16 with
+AVX512-BF16 but no AMX. Deterministic mode (PagedRunner(deterministic=True)) makes it hold
+elsewhere too: here in bf16, and in fp32 with the panels taken away as on a CPU without them (the
+library's matmul, in fixed tiles in the mode). Without the mode and without panels the
+comparisons fail (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ from worker.speculation import NgramProposer, Speculator
 CPU = torch.device("cpu")
 NEW_TOKENS = 24
 SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 5}}
+# Deterministic mode in bf16 and in fp32 with the panels taken away (fixed tiles); the default in
+# fp32 and bf16, where this CPU has panels for the dtype (skipped where it has not).
+ENGINES = {"bf16": {}, "fp32 without panels": {"dtype": torch.float32, "panels": False},
+           "default bf16": {"deterministic": False}, "default fp32": {"deterministic": False, "dtype": torch.float32}}
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +61,17 @@ class WithoutPanels:
 def make(folder, budget: int = 2048, prefix: bool = True, deterministic: bool = True, batch: int = 40,
          dtype: torch.dtype = torch.bfloat16, panels: bool = True, blocks: int = 1024) -> Engine:
     model = load_model(folder, CPU, dtype)
-    runner = PagedRunner(model, CPU, blocks, 4, kernels.load() if panels else WithoutPanels(),
-                         deterministic=deterministic)
-    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(blocks, 4, prefix), batch, budget))
+    return engine_on(model, Tokenizer(folder), budget, prefix, deterministic, batch, kernels.load() if panels
+                     else WithoutPanels(), blocks)
+
+
+def engine_on(model, tokenizer: Tokenizer, budget: int = 2048, prefix: bool = True, deterministic: bool = True,
+              batch: int = 40, ops=None, blocks: int = 1024) -> Engine:
+    runner = PagedRunner(model, CPU, blocks, 4, ops or kernels.load(), deterministic=deterministic)
+    if not runner.batch_invariant:  # only where the default computes each token alone does it promise so
+        pytest.skip(f"no panels for {runner.k_cache.dtype} on this CPU, or its calls of many rows go to "
+                    f"oneDNN (AMX): exact only in deterministic mode")
+    return Engine(runner, tokenizer, Batcher(BlockManager(blocks, 4, prefix), batch, budget))
 
 
 def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
@@ -84,17 +101,17 @@ def run(engine: Engine, prompt_ids: list[list[int]], sampling: dict, every: int 
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
-def test_alone_or_in_a_batch_of_32_at_any_position(model_dir, sampling):
+@pytest.mark.parametrize("options", ENGINES.values(), ids=ENGINES.keys())
+def test_alone_or_in_a_batch_of_32_at_any_position(model_dir, sampling, options):
     others = prompts(make(model_dir).tokenizer, 33)
     mine = others.pop(max(range(33), key=lambda i: len(others[i])))  # a long prompt: a prefill over 32 tokens
-    alone = run(make(model_dir), [mine], sampling)[0]
+    alone = run(make(model_dir, **options), [mine], sampling)[0]
     assert len(alone) == NEW_TOKENS
     for position in (0, 17, 32):
         batch = others[:position] + [mine] + others[position:]
-        assert run(make(model_dir), batch, sampling)[position] == alone, position
+        assert run(make(model_dir, **options), batch, sampling)[position] == alone, position
 
 
-ENGINES = {"bf16": {}, "fp32 without panels": {"dtype": torch.float32, "panels": False}}
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
@@ -108,15 +125,16 @@ def test_prefill_chunked_at_any_budget(model_dir, sampling, options):
         assert run(make(model_dir, budget=budget, batch=6, **options), batch, sampling) == whole, budget
 
 
-def test_a_prefix_cache_hit_or_miss(model_dir):
+@pytest.mark.parametrize("options", ENGINES.values(), ids=ENGINES.keys())
+def test_a_prefix_cache_hit_or_miss(model_dir, options):
     tok = make(model_dir).tokenizer
     shared = prompts(tok, 40)[39]  # the longest
     first, second = shared + tok.encode(" one"), shared + tok.encode(" two")
-    engine = make(model_dir)
+    engine = make(model_dir, **options)
     run(engine, [first], SAMPLINGS["greedy"])
     hit = run(engine, [second], SAMPLINGS["greedy"])[0]  # its prefix's blocks are cached now
     assert engine.batcher.blocks.prefix_hits > 0
-    miss = run(make(model_dir, prefix=False), [second], SAMPLINGS["greedy"])[0]
+    miss = run(make(model_dir, prefix=False, **options), [second], SAMPLINGS["greedy"])[0]
     assert hit == miss
 
 
@@ -127,7 +145,7 @@ def test_speculation_on_or_off(model_dir, draft_dir, method, sampling, options):
     """A verify scores 1 + k tokens in one chunk where plain decoding scores one: without panels,
     the library's matmul gives a row alone another result than among others (fp32 here), and
     without the mode the outputs part (3 of these 4 cases; a draft proposes nothing to a seeded
-    request in the mode)."""
+    request in the mode). With panels the default computes each row alone already."""
     # One stream, repeating itself (for lookup to propose): plain, it decodes one row a step.
     batch = [ids * 3 for ids in prompts(make(model_dir).tokenizer, 5)][3:4]
     plain = run(make(model_dir, **options), batch, sampling)
@@ -136,17 +154,21 @@ def test_speculation_on_or_off(model_dir, draft_dir, method, sampling, options):
         engine.speculator = Speculator(NgramProposer(4, 1, 3), 4)
     else:
         draft = load_model(draft_dir, CPU, options.get("dtype", torch.bfloat16))
+        # Without the mode too, a draft's proposals to a seeded request are accepted by rejection
+        # sampling, which draws in another order than plain sampling (the same distribution, not
+        # the same tokens): the worker lets a draft propose to sampled requests outside the mode.
         engine.speculator = Speculator(DraftProposer.beside(engine.runner, draft), 3, draft_sampled=False)
     assert run(engine, batch, sampling) == plain
     if method == "ngram" or sampling is SAMPLINGS["greedy"]:
         assert engine.speculator.stats.proposed > 0
 
 
-def test_requests_arriving_while_others_decode(model_dir):
+@pytest.mark.parametrize("options", ENGINES.values(), ids=ENGINES.keys())
+def test_requests_arriving_while_others_decode(model_dir, options):
     """Staggered arrivals: a request's prefill shares steps with others' decodes."""
     batch = prompts(make(model_dir).tokenizer, 8)
-    together = run(make(model_dir), batch, SAMPLINGS["seeded"])
-    assert run(make(model_dir), batch, SAMPLINGS["seeded"], every=3) == together
+    together = run(make(model_dir, **options), batch, SAMPLINGS["seeded"])
+    assert run(make(model_dir, **options), batch, SAMPLINGS["seeded"], every=3) == together
 
 
 def test_the_mode_needs_the_cpu_step_kernels(model_dir):
@@ -168,14 +190,15 @@ def test_without_panel_linear_the_projections_run_in_fixed_tiles(model_dir, dtyp
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
-def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, sampling):
+@pytest.mark.parametrize("options", ENGINES.values(), ids=ENGINES.keys())
+def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, sampling, options):
     """As after a failover: the prompt and the k tokens delivered are prefilled in one chunk (the
     undisturbed run decoded them one at a time, among others), and a seeded request's random
     stream is moved past its k draws."""
     batch = prompts(make(model_dir).tokenizer, 6)
-    undisturbed = run(make(model_dir), batch, sampling)
+    undisturbed = run(make(model_dir, **options), batch, sampling)
     for k in (1, 9):
-        engine = make(model_dir)
+        engine = make(model_dir, **options)
         seqs = []
         for i, ids in enumerate(batch):
             params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
@@ -189,28 +212,37 @@ def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
-def test_the_whole_set_on_the_default_model(sampling):
-    """SmolLM2-135M in the dtype `auto` serves it in on this CPU (bf16 with panel_linear where
-    the CPU computes bf16, fp32 on the library's matmul in fixed tiles on an AVX2-only one; the
-    tiny-model tests above run both paths on every CPU), W's chat prompts: one request alone,
-    in W's batch of 32, with its prefill chunked, after a prefix-cache hit, with prompt lookup,
-    and continued after 9 tokens. (bf16 on an AVX2-only CPU, which `auto` never picks, took
-    five minutes a case: every bf16 product is converted there.)"""
+@pytest.mark.parametrize("served", ["deterministic", "as served"])
+def test_the_whole_set_on_the_default_model(sampling, served):
+    """SmolLM2-135M in the dtype `auto` serves it in on this CPU, W's chat prompts: one request
+    alone, in W's batch of 32, with its prefill chunked, after a prefix-cache hit, with prompt
+    lookup, and continued after 9 tokens.
+    - deterministic: its float weights (the GGUF dequantized) in the mode (bf16 with panel_linear
+      where the CPU computes bf16, fp32 on the library's matmul in fixed tiles on an AVX2-only one;
+      the tiny-model tests above run both paths on every CPU);
+    - as served: what `make run` serves, with no mode: the GGUF kept quantized, on the quantized
+      kernels of this CPU's ISA (int8 activations with AVX-512 VNNI). Skipped where the default
+      does not compute each token alone (bf16 on a CPU with AMX).
+    (bf16 on an AVX2-only CPU, which `auto` never picks, took five minutes a case: every bf16
+    product is converted there.)"""
     import json
     from pathlib import Path
 
     from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
-    from worker.model_loader import pick_dtype
+    from worker.model_loader import load_weights, pick_dtype
 
     settings = WorkerSettings(_env_file=None, model="default")
     prepare_model(settings)
     folder = weights_dir(settings)
     dtype = pick_dtype("auto", CPU)
+    tok = Tokenizer(folder)
 
     def engine(**options) -> Engine:
-        return make(folder, blocks=4096, dtype=dtype, **options)
-    tok = engine().tokenizer
+        if served == "deterministic":
+            return make(folder, blocks=4096, dtype=dtype, **options)
+        model = load_weights(settings, CPU, dtype)
+        return engine_on(model, tok, deterministic=False, ops=kernels.load(settings.step), blocks=4096, **options)
     workload = json.loads((Path(__file__).parents[2] / "benchmarks" / "workload_w.json").read_text())
     w = [tok.encode_chat(m) for m in workload["messages"]]
     mine = w.pop(17)

@@ -90,6 +90,47 @@ def test_paged_attention_reads_each_tokens_own_blocks_up_to_its_position(ops, dt
     assert not out[[1, 4]].any()  # tokens not listed are left alone
 
 
+@pytest.mark.parametrize("dim", [16, 20])  # 20: a head dimension that is not a multiple of 16 lanes
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_gives_a_token_the_same_bits_alone_or_in_any_chunk(ops, dtype, window, dim):
+    """A token attended alone (a decode), in a prefill chunk of any length starting anywhere (a
+    cached prefix, a chunked prefill, a failover's replay), or among other sequences' tokens gets
+    the same bits: the kernel's sums for a token do not depend on what it shares the call with."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, blocks, block, length = 6, 2, 40, 4, 70
+    k_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+    v_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+    tables = torch.tensor([list(range(20, 38)), [3, 9, 1, 0] + [0] * 14])
+    q = _randn(length, heads, dim, dtype=dtype, gen=gen)
+
+    def attend(positions: list[int], other: int = 0) -> torch.Tensor:
+        """Tokens at `positions` of sequence 0 (q row = position), after `other` tokens of sequence 1."""
+        out = torch.zeros_like(q)
+        theirs = list(range(other))
+        tokens = torch.tensor(theirs + positions)
+        rows = torch.tensor([1] * other + [0] * len(positions))
+        context = torch.tensor([p + 1 for p in theirs] + [p + 1 for p in positions])
+        ops.paged_attention(q, out, tokens, rows, context, tables, k_cache, v_cache, 0.3, window)
+        return out
+
+    alone = torch.stack([attend([p])[p] for p in range(length)])
+    keys = k_cache[:, tables[0]].reshape(kv_heads, -1, dim).double()
+    values = v_cache[:, tables[0]].reshape(kv_heads, -1, dim).double()
+    for p in range(length):  # and right: softmax(q k / sqrt) v over the token's own keys, in float64
+        first = max(0, p + 1 - window) if window else 0
+        query = q[p].double().view(kv_heads, heads // kv_heads, dim)
+        weights = torch.softmax(query @ keys[:, first:p + 1].transpose(-1, -2) * 0.3, -1)
+        want = (weights @ values[:, first:p + 1]).reshape(heads, dim)
+        torch.testing.assert_close(alone[p].double(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-5 if dtype == torch.float32 else 1e-2)
+    for start, end in [(0, length), (0, 33), (13, 70), (31, 32), (40, 57)]:
+        chunk = attend(list(range(start, end)))
+        assert torch.equal(chunk[start:end], alone[start:end]), (start, end)
+    mixed = attend(list(range(20, 45)), other=9)  # after another sequence's tokens in the same call
+    assert torch.equal(mixed[20:45], alone[20:45])
+
+
 def test_the_kernels_give_transformers_tokens_in_fp32(tiny_llama):
     texts = prompts(12, seed=7)
     with_kernels = run(_engine(tiny_llama, fuse=True, kernels=True, dtype=torch.float32), texts, arrive_every=2)

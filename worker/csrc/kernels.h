@@ -14,6 +14,10 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 2, name, " must be a contiguous 2-d CPU tensor");
 }
 
+// paged_attention.cpp: each listed query token over its sequence's cached keys, read in place.
+void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
+                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window);
+
 // panel_linear.cpp: float weights in panels of 32 columns.
 bool panels_for(at::ScalarType dtype, Isa isa);
 std::vector<std::string> panel_dtypes(const std::string& isa);

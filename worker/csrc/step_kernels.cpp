@@ -6,6 +6,7 @@
 //   add_rms_norm   residual add and RMSNorm            (transformers' LlamaRMSNorm, op for op)
 //   rope_cache     rotary on q and k, k and v written to their cache slots
 //   paged_attention each query token over its sequence's cached keys, through the block table
+//                  (paged_attention.cpp)
 //   panel_linear   a projection over a weight packed in 32-column panels (panel_linear.cpp)
 //   quant_linear   a projection over 4- or 8-bit codes with group-wise scales (quant_linear.cpp)
 //
@@ -40,25 +41,6 @@ template <> inline c10::BFloat16 round_to<c10::BFloat16>(float x) { return c10::
 
 // x rounded to T and back: the value an eager op in dtype T would have stored.
 template <typename T> inline float as_stored(float x) { return to_float(round_to<T>(x)); }
-
-// e^x for x <= 0 (softmax after the max is taken off), vectorisable: Cody-Waite range reduction
-// and a degree-6 polynomial, within 2 ulp of expf; below e^-87 it returns ~1e-38, not 0.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * (r * r) + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * __builtin_bit_cast(float, bits);
-}
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -207,102 +189,6 @@ at::Tensor rope_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
     rope_cache_impl<decltype(type)>(qkv, cos, sin, slots, k_cache, v_cache, q, heads, kv_heads);
   });
   return q;
-}
-
-template <typename T>
-void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows,
-                          const at::Tensor& context, const at::Tensor& tables, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, double scale, int64_t window) {
-  const int64_t heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block = k_cache.size(2);
-  const int64_t group = heads / kv_heads, n = tokens.numel(), table_width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* ctx = context.data_ptr<int64_t>();
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / kv_heads, kvh = item % kv_heads;
-      const int64_t t = tok[i];
-      // Keys first .. ctx[i]-1: the whole context, or the last `window` positions of it.
-      const int64_t first = window > 0 && ctx[i] > window ? ctx[i] - window : 0, length = ctx[i] - first;
-      const int64_t* table = tab + row[i] * table_width;
-      scores.resize(group * length);
-      for (int64_t g = 0; g < group; ++g) load_row(qp + (t * heads + kvh * group + g) * dim, qf.data() + g * dim, dim);
-      // Scores: each key once, against the query heads that share its kv head.
-      for (int64_t j = 0; j < length; ++j) {
-        const int64_t p = first + j;
-        const T* k = kc + ((kvh * num_blocks + table[p / block]) * block + p % block) * dim;
-        load_row(k, kf.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kf[d];
-          scores[g * length + j] = dot * fscale;
-        }
-      }
-      std::vector<float> total(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * length;
-        float top = sg[0];
-        for (int64_t j = 1; j < length; ++j) top = sg[j] > top ? sg[j] : top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < length; ++j) {
-          sg[j] = exp_nonpositive(sg[j] - top);
-          sum += sg[j];
-        }
-        total[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < length; ++j) {
-        const int64_t p = first + j;
-        const T* v = vc + ((kvh * num_blocks + table[p / block]) * block + p % block) * dim;
-        load_row(v, kf.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * length + j];
-          float* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * kf[d];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = op + (t * heads + kvh * group + g) * dim;
-        const float inv = 1.0f / total[g];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) o[d] = round_to<T>(acc[g * dim + d] * inv);
-      }
-    }
-  });
-}
-
-// For each listed query token tokens[i] of q [T, H, D]: attention over keys 0 .. context[i]-1 of
-// the sequence whose block table is tables[rows[i]], read in place from the layer's cache
-// [Hkv, blocks, block_size, D]; the result goes to out[tokens[i]]. window > 0: over the last
-// `window` of those keys only (a sliding-window layer: a query at position p sees p-window+1 .. p).
-void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
-                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
-              "q and out must be contiguous [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(0) == 0,
-              "caches must be contiguous [Hkv, blocks, block_size, D], H a multiple of Hkv");
-  for (const auto& t : {tokens, rows, context})
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == tokens.numel(),
-                "tokens, rows and context: [N] int64");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2, "tables: [R, B] int64");
-  for (const auto& t : {out, k_cache, v_cache})
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "every tensor must have q's dtype");
-  float_or_bfloat16(q.scalar_type(), "paged_attention", [&](auto type) {
-    paged_attention_impl<decltype(type)>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window);
-  });
 }
 
 // oneDNN's matmul over a prepacked weight, the op worker/fused_layers.py's Weight calls.
