@@ -1,16 +1,17 @@
 """Deterministic mode's cost: the built-in engine with the mode off and on, in one run.
 
-    .venv/bin/python benchmarks/deterministic.py [--dtype bfloat16] [--rounds 3]
+    .venv/bin/python benchmarks/deterministic.py [--dtype bfloat16] [--rounds 3] [--weights as-served] [--modes off]
 
 In this process, on the default model, as benchmarks/engine.py does:
 - **W**: workload W's 32 chat prompts at once, 64 new tokens each, greedy (tok/s over the whole
   run, prefill included);
 - **one stream**: 4 of W's prompts one after another, 64 tokens each (tok/s);
 - **long prefill**: 8 prompts of about 1,000 tokens at once, 1 new token each (prompt tok/s), where
-  the mode's one change to the work shows most: a long chunk attends through the paged kernel,
-  row by row, instead of torch's SDPA.
-Rounds alternate the order of off and on; medians, and on/off per workload. The engines share
-one model and one runner (the mode is the runner's flag), so both see the same weights.
+  the paged attention kernel computes the most there.
+Rounds alternate the order of off and on; medians, and on/off per workload. The engines of a mode
+share one model. `--weights`: `float` (the default model's float weights, the GGUF dequantized)
+or `as-served` (what `make run` serves: the GGUF kept quantized on this CPU's quantized kernels).
+`--modes off` measures the default alone (benchmarks/ab.py runs it in two checkouts, in turns).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from worker import kernels  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
 
 
@@ -65,12 +66,22 @@ def main() -> None:
     parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
                         choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weights", default="float", choices=["float", "as-served"])
+    parser.add_argument("--modes", default="off,on", help="comma-separated: off (the default), on (the mode)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
     settings = WorkerSettings()
     tok = Tokenizer(prepare_model(settings))
-    model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, args.dtype))
-    runners = {mode: PagedRunner(model, torch.device("cpu"), 4096, 16, kernels.load(), deterministic=mode == "on")
-               for mode in ("off", "on")}
+    dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")
+
+    def runner(mode: str) -> PagedRunner:
+        """Each mode on its own model: the runner fuses and packs the model's weights."""
+        if args.weights == "float":
+            model = load_model(weights_dir(settings), cpu, dtype)
+        else:
+            model = load_weights(settings, cpu, dtype)
+        return PagedRunner(model, cpu, 4096, 16, kernels.load(settings.step), deterministic=mode == "on")
+    runners = {mode: runner(mode) for mode in modes}
     workload = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
     w = [tok.encode_chat(m) for m in workload["messages"]]
     filler = tok.encode(" ".join(m[-1]["content"] for m in workload["messages"]))
@@ -81,22 +92,25 @@ def main() -> None:
 
     def engine(mode: str) -> Engine:
         return Engine(runners[mode], tok, Batcher(BlockManager(4096, 16, False), 32, 2048))
-    for mode in ("off", "on"):  # warm-up
+    for mode in modes:  # warm-up
         timed(engine(mode), w[:2], 4)
     results: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             for name, measure in runs.items():
                 results.setdefault((name, mode), []).append(measure(engine(mode)))
                 print(f"# round {r + 1}: {name}, mode {mode}: {results[(name, mode)][-1]:.1f} tok/s", file=sys.stderr)
     rows = []
     for name in runs:
-        off, on = (statistics.median(results[(name, mode)]) for mode in ("off", "on"))
-        rows.append({"workload": name, "off_tok_per_s": round(off, 1), "on_tok_per_s": round(on, 1),
-                     "on_vs_off": round(on / off, 3),
-                     "rounds_off": " / ".join(f"{x:.1f}" for x in results[(name, "off")]),
-                     "rounds_on": " / ".join(f"{x:.1f}" for x in results[(name, "on")])})
-    report = {"machine": machine(args.dtype, torch.get_num_threads()), "rows": rows}
+        row = {"workload": name}
+        for mode in modes:
+            row[f"{mode}_tok_per_s"] = round(statistics.median(results[(name, mode)]), 1)
+        if len(modes) == 2:
+            row["on_vs_off"] = round(row["on_tok_per_s"] / row["off_tok_per_s"], 3)
+        for mode in modes:
+            row[f"rounds_{mode}"] = " / ".join(f"{x:.1f}" for x in results[(name, mode)])
+        rows.append(row)
+    report = {"machine": machine(args.dtype, torch.get_num_threads(), weights=args.weights), "rows": rows}
     print(json.dumps(report, indent=1))
     print_table(list(rows[0]), [list(r.values()) for r in rows])
     print_machine(report["machine"])

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/exactness.py                      # bf16 where the CPU has it, and fp32
     .venv/bin/python benchmarks/exactness.py --dtypes float32 --prompts 4
+    .venv/bin/python benchmarks/exactness.py --weights as-served   # the GGUF as `make run` serves it
 
 Prompts: the first --prompts chat prompts of benchmarks/workload_w.json (64 new tokens,
 ignore_eos) and copy-style ones of benchmarks/workload_lookup.json (128 new tokens at most),
@@ -14,6 +15,10 @@ how many prompts' token ids differ between:
   takeover  greedy continued after the first --delivered tokens (prompt and those tokens
             prefilled in one forward, as a worker taking over a request does) vs undisturbed,
             all prompts in one batch either way
+  prefix    greedy, the same prompts sent again to the same engine, whose prefix cache now holds
+            their blocks (only each prompt's last tokens are computed again) vs the first time
+--weights: `float` (the default model's float weights, the GGUF dequantized) or `as-served` (the
+GGUF kept quantized, on this CPU's quantized kernels, as `make run` serves it).
 Prints a JSON report (with the CPU's model and its avx512/amx flags) and a markdown table.
 """
 from __future__ import annotations
@@ -43,15 +48,19 @@ from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker import kernels
 from worker.model_runner import PagedRunner  # noqa: E402
-from worker.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402
 
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 
 
 def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], speculate: bool = False,
-        resumed: list[list[TokenEvent]] | None = None) -> tuple[list[list[int]], list[list[TokenEvent]]]:
-    """All prompts in one batch, to the end: each one's output ids and token events."""
+        resumed: list[list[TokenEvent]] | None = None, again: bool = False
+        ) -> tuple[list[list[int]], list[list[TokenEvent]]]:
+    """All prompts in one batch, to the end: each one's output ids and token events. `again`: then
+    the same batch once more on the same engine (its prefix cache warm), whose outputs are returned.
+    `model`: a function that loads the model (a runner packs the weights of the model it is given)."""
+    model = model()
     settings = WorkerSettings.model_fields
     k = settings["num_speculative_tokens"].default
     spec = Speculator(NgramProposer(k, settings["ngram_min"].default, settings["ngram_max"].default), k) \
@@ -66,7 +75,13 @@ def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], spec
         for out in engine.step():
             if out.token is not None:
                 events[out.request_id].append(out.token)
-    return [s.output_ids for s in seqs], [events[s.id] for s in seqs]
+    if again:
+        seqs = [engine.add(RequestPayload(id=f"again{i}", model="m", prompt_token_ids=p, params=q))
+                for i, (p, q) in enumerate(zip(prompts, params))]
+        while engine.has_work():
+            engine.step()
+        assert engine.batcher.blocks.prefix_hits > 0
+    return [s.output_ids for s in seqs], [events.get(s.id, []) for s in seqs]
 
 
 def differing(a: list[list[int]], b: list[list[int]]) -> int:
@@ -83,12 +98,13 @@ def measure(model, tok, prompts: list[list[int]], greedy: SamplingParams, delive
     # A takeover continues after tokens already delivered (half of a short output).
     cut = [min(delivered, len(e) // 2) for e in events]
     taken_over, _ = run(model, tok, prompts, [greedy] * n, resumed=[e[:c] for e, c in zip(events, cut)])
+    cached, _ = run(model, tok, prompts, [greedy] * n, again=True)
     return {"prompts": n, "lookup": differing(plain, lookup), "seed": differing(together, alone),
-            "takeover": differing(plain, taken_over), "delivered": cut,
+            "takeover": differing(plain, taken_over), "prefix": differing(plain, cached), "delivered": cut,
             "first_difference": {name: [_first_difference(x, y) for x, y in zip(plain if name != "seed" else together,
                                                                                  other)]
                                  for name, other in (("lookup", lookup), ("seed", alone),
-                                                     ("takeover", taken_over))}}
+                                                     ("takeover", taken_over), ("prefix", cached))}}
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -113,6 +129,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts of each set")
     parser.add_argument("--delivered", type=int, default=16, help="tokens delivered before the takeover")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--weights", default="float", choices=["float", "as-served"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,11 +141,14 @@ def main() -> None:
         data = json.loads((ROOT / "benchmarks" / f"workload_{workload}.json").read_text())
         prompts = [tok.encode_chat(m) for m in data["messages"]][:args.prompts]
         sets[name] = (prompts, SamplingParams(temperature=0, max_tokens=data["max_tokens"], ignore_eos=name == "chat"))
-    report = {"cpu": cpu(), "torch": torch.__version__, "results": []}
+    report = {"cpu": cpu(), "torch": torch.__version__, "weights": args.weights, "results": []}
     dtypes = dict.fromkeys(str(pick_dtype(d, torch.device("cpu"))).removeprefix("torch.")
                            for d in args.dtypes.split(","))
     for dtype in dtypes:
-        model = load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, dtype))
+        def model(dtype: str = dtype):
+            if args.weights == "float":
+                return load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, dtype))
+            return load_weights(settings, torch.device("cpu"), getattr(torch, dtype))
         for name, (prompts, greedy) in sets.items():
             start = time.perf_counter()
             row = {"dtype": dtype, "set": name, **measure(model, tok, prompts, greedy, args.delivered),
@@ -139,10 +159,11 @@ def main() -> None:
     print(json.dumps(report, indent=1))
     print()
     print_table(["dtype", "prompts", "lookup vs plain (greedy)", "seeded: alone vs batched",
-                 "takeover vs undisturbed (greedy)"],
+                 "takeover vs undisturbed (greedy)", "prefix cached vs not (greedy)"],
                 [(r["dtype"], r["set"], f"{r['lookup']}/{r['prompts']} differ", f"{r['seed']}/{r['prompts']} differ",
-                  f"{r['takeover']}/{r['prompts']} differ") for r in report["results"]])
-    print_machine(machine(", ".join(dtypes), torch.get_num_threads()))
+                  f"{r['takeover']}/{r['prompts']} differ", f"{r['prefix']}/{r['prompts']} differ")
+                 for r in report["results"]])
+    print_machine(machine(", ".join(dtypes), torch.get_num_threads(), weights=args.weights))
 
 
 if __name__ == "__main__":

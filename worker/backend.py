@@ -62,6 +62,11 @@ class Backend(Protocol):
     def kv_blocks(self) -> tuple[int, int] | None:
         """(free, total) KV-cache blocks, when the backend knows them."""
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's result depends on its own sequence only, so that a continuation after
+        a failover gives the undisturbed tokens (PagedRunner.batch_invariant)."""
+
     def counts(self) -> Counts:
         """Its running totals, read after each step."""
 
@@ -126,6 +131,10 @@ class Threaded:
 
     def kv_blocks(self) -> tuple[int, int] | None:
         return self.engine.kv_blocks()
+
+    @property
+    def batch_invariant(self) -> bool:
+        return getattr(getattr(self.engine, "runner", None), "batch_invariant", False)  # the paged engine's
 
     def counts(self) -> Counts:
         return self.engine.counts()

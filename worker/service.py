@@ -307,7 +307,8 @@ class WorkerService:
         beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                 "capacity": self.backend.batch_size, "running": len(self.backend.running),
                 "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
-                "deterministic": self.settings.step.deterministic, **self._kv_blocks(),
+                "deterministic": self.settings.step.deterministic, "batch_invariant": self.backend.batch_invariant,
+                **self._kv_blocks(),
                 "at": round(now(), 3), **self.metrics.totals()}  # at: when the totals were read
         try:
             await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name), json.dumps(beat),

@@ -111,7 +111,8 @@ def batch_invariant() -> None:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int):
+    def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
+                 deterministic: bool = False):
         from vllm import SamplingParams as VllmSamplingParams  # noqa: PLC0415 - only with backend=vllm
         from vllm import TokensPrompt  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: PLC0415
@@ -120,6 +121,7 @@ class VllmBackend:
         self._structured_class = StructuredOutputsParams
         self.engine = engine
         self.tokenizer = tokenizer
+        self.deterministic = deterministic  # vLLM's batch-invariant mode on (a GPU worker only)
         self.batch_size = batch_size
         self.context_length = context_length
         self.last_step_size = 0
@@ -151,7 +153,7 @@ class VllmBackend:
         # Construction takes tens of seconds of blocking work: off the event loop.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         context = engine.model_config.max_model_len
-        return cls(engine, tokenizer, settings.batch_size, context)
+        return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic)
 
     # -- the Backend protocol ------------------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -210,6 +212,10 @@ class VllmBackend:
 
     def kv_blocks(self) -> tuple[int, int] | None:
         return None
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.deterministic
 
     async def close(self) -> None:
         for _, task in list(self._active.values()):
