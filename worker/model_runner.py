@@ -199,11 +199,14 @@ class PagedRunner:
         if self.kernels is None or self.arch != "llama":
             raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
                              "a llama-like model); this worker has none")
-        weights = [p for layer in self.fused for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        for w in [*weights, self.lm_head]:
+        for w in self._weights():
             w.compute_rows_alone(DETERMINISTIC_TILE)
-        if not all(w.row_independent for w in [*weights, self.lm_head]):
+        if not all(w.row_independent for w in self._weights()):
             self.one_token = None  # it calls the library's matmul on one row
+
+    def _weights(self) -> list[Weight]:
+        """Every fused projection of every layer, and the head."""
+        return [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     @property
     def batch_invariant(self) -> bool:
@@ -215,22 +218,20 @@ class PagedRunner:
         run on oneDNN, nor without panels for the dtype, unless in deterministic mode."""
         if self.kernels is None or self.arch != "llama" or self.fused is None:
             return False
-        weights = [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return all(w.row_independent or w.tile for w in [*weights, self.lm_head])
+        return all(w.row_independent or w.tile for w in self._weights())
 
     def weight_bytes(self) -> int:
         """Bytes of weights the step reads from: the fused projections and head in every form they
         are held, the embedding (its quantized table, or its float rows) and the norms."""
         if self.fused is None:
             return sum(p.numel() * p.element_size() for p in self.model.parameters())
-        projections = [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         embed = self.model.model.embed_tokens
         if isinstance(embed, quant_model.QuantizedEmbedding):
             table = embed.table.nbytes() if embed.table is not None else 0  # tied: the head's table
         else:
             table = embed.weight.numel() * embed.weight.element_size()
         norms = sum(w.ln1.numel() + w.ln2.numel() for w in self.fused) * self.fused[0].ln1.element_size()
-        return sum(w.nbytes() for w in [*projections, self.lm_head]) + table + norms
+        return sum(w.nbytes() for w in self._weights()) + table + norms
 
     def _one_token_layers(self):
         """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)."""
