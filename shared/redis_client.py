@@ -138,6 +138,25 @@ def _connect_cluster(url: str) -> RedisCluster:
     return client
 
 
+def connect_blocking(url: str, timeout_s: float):
+    """A blocking client for `url` (any URL connect takes), answers as bytes, each command given
+    up after `timeout_s`: for a thread that must not wait on a slow Redis (the worker's model
+    thread, through worker/kv_tier.py)."""
+    import redis
+    import redis.cluster
+    from redis.connection import parse_url as parse_blocking_url
+
+    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **timeouts)
+    cluster = parse_cluster_url(url)
+    nodes = [parse_blocking_url(cluster.node_url(host, port)) for host, port in cluster.nodes]
+    options = {k: v for k, v in nodes[0].items() if k not in ("host", "port", "db", "connection_class")}
+    return redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(n.get("host", "localhost"), int(n.get("port", 6379))) for n in nodes],
+        ssl=cluster.tls, **options, **timeouts)
+
+
 class _SnapshotDict(dict):
     """A dict whose values() is a list taken now: safe to iterate while others change the dict."""
 

@@ -74,6 +74,20 @@ def model_commit(prefix: str, repo: str, revision: str) -> str:
     return f"{prefix}:model:{repo}:commit:{revision}"
 
 
+def kv_block(prefix: str, space: str, block_hash: int) -> str:
+    """String with TTL: one full KV-cache block of the shared tier (worker/kv_tier.py), keyed by
+    its space (model, dtype, quantization and numerics: only workers that compute the same bits
+    share) and the stable hash of its tokens' chain. No hash tag: on a cluster the blocks spread
+    over every slot."""
+    return f"{prefix}:kv:{space}:{block_hash:032x}"
+
+
+def kv_blocks_lru(prefix: str, space: str) -> str:
+    """Sorted set: the space's block keys by last use (ms); the tier evicts its oldest past
+    its byte budget, and drops those older than the blocks' TTL (expired by Redis already)."""
+    return f"{prefix}:kv:{space}:lru"
+
+
 def request_record(prefix: str, request_id: str) -> str:
     """Hash: status, params, timestamps, worker, usage, finish reason, error."""
     return f"{prefix}:req:{{{request_id}}}"

@@ -100,6 +100,11 @@ class CacheSettings(_Section):
     num_kv_blocks: int | None  # None: sized from kv_cache_gb
     kv_cache_gb: float
     prefix_caching: bool
+    kv_tier: bool  # the shared KV tier (worker/kv_tier.py)
+    kv_redis_url: str | None  # None: the queue's Redis
+    kv_tier_gb: float
+    kv_tier_ttl_s: float
+    kv_tier_timeout_ms: int
 
 
 class StepSettings(_Section):
@@ -203,6 +208,19 @@ class WorkerSettings(CommonSettings):
     num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
     kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
     prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
+    kv_tier: bool = Field(True, description="Share full KV-cache blocks between workers through Redis (the shared "
+                                            "tier, docs/scaling.md): offloaded as computed, fetched where this "
+                                            "worker's prefix cache misses; a takeover recomputes only the last "
+                                            "partial block. Needs prefix_caching.")
+    kv_redis_url: str | None = Field(None, description="The Redis (or redis+cluster://) of the shared KV tier; "
+                                                       "unset: the queue's (REDIS_URL).")
+    kv_tier_gb: float = Field(1.0, gt=0, le=1_000_000, description="Most KV blocks the tier keeps per model space, "
+                                                                   "in GiB; the least recently used go first.")
+    kv_tier_ttl_s: float = Field(3600.0, ge=1, le=30 * 86_400,
+                                 description="A block of the tier is dropped this long after its last use.")
+    kv_tier_timeout_ms: int = Field(500, ge=1, le=60_000,
+                                    description="Longest a tier fetch may hold a step; past it (or on any Redis "
+                                                "error) the tier rests 5 s and prefixes are computed.")
 
     # -- how a step computes (StepSettings) --------------------------------------------------------
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

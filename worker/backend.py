@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.messages import RequestPayload, TokenEvent
+from worker.kv_tier import TierCounts
 from worker.sequence import Sequence, StepOutput
 
 
@@ -29,6 +30,7 @@ class Counts:
     spec_drafts: int = 0  # decodes that carried proposed tokens
     spec_proposed: int = 0
     spec_accepted: int = 0
+    kv_tier: TierCounts | None = None  # the shared KV tier's, where it is on
 
 
 class Backend(Protocol):

@@ -6,9 +6,15 @@ requests with the same prefix share the same physical blocks (reference counted)
 whose count drops to zero goes to the end of the free list but keeps its key, so a later
 request with that prefix can take it back; allocation takes the least recently freed block
 and forgets its key then (LRU eviction).
+
+The hash is stable (the same in every process and machine), so the shared KV tier
+(worker/kv_tier.py) keys blocks by it: a block this worker filled is listed for offloading
+(take_filled), and one fetched from the tier joins the cache as if freed here (adopt).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,6 +38,13 @@ class NoFreeBlocks(RuntimeError):
     pass
 
 
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """A 128-bit hash of a block's tokens and of the chain before it (`parent`, its hash), the
+    same in every process: Python's own hash() differs between builds and versions."""
+    head = b"root" if parent is None else parent.to_bytes(16, "little")
+    return int.from_bytes(hashlib.blake2b(head + array("q", tokens).tobytes(), digest_size=16).digest(), "little")
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -44,6 +57,7 @@ class BlockManager:
         self._tables: dict[str, _Table] = {}
         self.prefix_queries = 0  # blocks looked up in the prefix cache
         self.prefix_hits = 0  # ... and found
+        self._filled: list[int] = []  # blocks keyed since the last take_filled: computed here
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -73,7 +87,7 @@ class BlockManager:
         usable = (len(token_ids) - 1) // self.block_size
         for i in range(usable):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             self.prefix_queries += 1
             block_id = self._cached.get(h)
             if block_id is None or self.blocks[block_id].key != (parent, tokens):
@@ -119,10 +133,11 @@ class BlockManager:
         parent = self.blocks[table.blocks[table.hashed - 1]].hash if table.hashed else None
         for i in range(table.hashed, full):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             block = self.blocks[table.blocks[i]]
             block.key, block.hash = (parent, tokens), h
-            self._cached.setdefault(h, block.id)
+            if self._cached.setdefault(h, block.id) == block.id:
+                self._filled.append(block.id)
             parent = h
         table.hashed = max(table.hashed, full)
 
@@ -138,11 +153,51 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
+    def missing_prefix(self, token_ids: Sequence[int]) -> list[tuple[int | None, tuple[int, ...]]]:
+        """The full blocks of `token_ids`' prefix (as allocate_prefix would take them) from the
+        first that is not in the cache on, each as (its parent's hash, its tokens). The cached ones
+        before it that are free move to the recently-freed end, so that adopting the missing ones
+        does not evict them."""
+        if not self.prefix_caching:
+            return []
+        parent: int | None = None
+        missing: list[tuple[int | None, tuple[int, ...]]] = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = None if missing else self._cached.get(block_hash(parent, tokens))
+            if block_id is None or self.blocks[block_id].key != (parent, tokens):
+                missing.append((parent, tokens))
+            elif self.blocks[block_id].ref_count == 0:
+                self._free.move_to_end(block_id)
+            parent = block_hash(parent, tokens)
+        return missing
+
+    def adopt(self, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+        """Take the least recently freed block for a block computed elsewhere (the shared tier's),
+        keyed as if computed here and freed just now; its id (the caller writes its keys and
+        values), or None where no block is free."""
+        if not self._free:
+            return None
+        block_id = next(iter(self._free))
+        self._forget(block_id)
+        h = block_hash(parent, tokens)
+        block = self.blocks[block_id]
+        block.key, block.hash = (parent, tokens), h
+        self._cached[h] = block_id
+        self._free.move_to_end(block_id)
+        return block_id
+
+    def take_filled(self) -> list[Block]:
+        """The blocks keyed since the last call (filled by this worker's steps), once each."""
+        filled, self._filled = self._filled, []
+        return [self.blocks[i] for i in filled if self.blocks[i].hash is not None]
+
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (after a failed step, whose blocks may hold garbage)."""
         for block in self.blocks:
             block.key = block.hash = None
         self._cached.clear()
+        self._filled.clear()
         for table in self._tables.values():
             table.hashed = 0
 

@@ -24,6 +24,7 @@ from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
 from worker.model_runner import PagedRunner
 from worker.engine_base import BaseEngine
+from worker.kv_tier import KVTier
 from worker.random_streams import make_generator, replay_draws
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.sequence import Sequence, Status, StepOutput, new_sequence
@@ -43,10 +44,11 @@ STEP_PHASES = ("admit", "schedule", "forward", "sample")
 
 class Engine(BaseEngine):
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, tier: KVTier | None = None):
         super().__init__(batcher.max_num_seqs)
         self.runner = runner
         self.speculator = speculator
+        self.tier = tier  # the shared KV tier, where on: blocks offloaded as filled, fetched on a miss
         self.tokenizer = tokenizer
         self.batcher = batcher
         self.compiler = Compiler(Grammars(tokenizer, runner.vocab_size))
@@ -94,7 +96,7 @@ class Engine(BaseEngine):
     def counts(self) -> Counts:
         blocks, stats = self.batcher.blocks, self.speculator.stats if self.speculator else SpecStats()
         return Counts(blocks.prefix_queries, blocks.prefix_hits, self.batcher.num_preemptions,
-                      stats.drafts, stats.proposed, stats.accepted)
+                      stats.drafts, stats.proposed, stats.accepted, self.tier.counts if self.tier else None)
 
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -116,6 +118,7 @@ class Engine(BaseEngine):
                 logits = self.runner.execute(scheduled)
             finally:
                 batch.settle_masks()  # a failed step's fail_all must find the matchers at rest
+            self._offload()
             forwarded = clock()
             outputs += self._postprocess(scheduled, logits, batch)
         self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting)
@@ -163,11 +166,31 @@ class Engine(BaseEngine):
                 raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
         except ValueError as exc:  # GrammarError included
             return self._end([seq], FinishReason.ERROR, str(exc))[0]
+        self._fetch_prefix(seq)
         generator = make_generator(seq.params, self.runner.device)
         replay_draws(generator, self.runner.vocab_size, len(seq.output_ids))  # tokens delivered before a failover
         self._sampling[seq.id] = SamplingRow.of(seq, generator, matcher)
         seq.status = Status.WAITING
         return None
+
+    def _fetch_prefix(self, seq: Sequence) -> None:
+        """The blocks of the request's prefix that this worker's cache lacks, from the shared tier
+        where it has them: they join the prefix cache, and the batcher's admission takes them."""
+        if self.tier is None:
+            return
+        blocks = self.batcher.blocks
+        missing = blocks.missing_prefix(seq.token_ids)[:blocks.num_free]  # more would evict the first ones
+        for (parent, tokens), kv in zip(missing, self.tier.fetch(missing)):
+            self.runner.write_block(blocks.adopt(parent, tokens), kv)
+
+    def _offload(self) -> None:
+        """The blocks this step's forward filled go to the shared tier (read out now: the next
+        step's schedule may reuse a block)."""
+        filled = self.batcher.blocks.take_filled()
+        if self.tier is not None:
+            for block in filled:
+                parent, tokens = block.key
+                self.tier.offload(parent, tokens, self.runner.read_block(block.id))
 
     def _fitting(self, seq: Sequence, proposed: list[int]) -> int:
         """How many leading proposed tokens the request's grammar allows (all, without one)."""

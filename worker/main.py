@@ -10,7 +10,8 @@ from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, unt
 
 from shared import tokenizer_files, tracing
 from shared.logs import route_transformers
-from shared.model_paths import ModelNotFound, model_dir, prepare_model, served_name, weights_dir
+from shared.model_paths import ModelNotFound, gguf_file, model_dir, prepare_model, served_name, weights_dir
+from shared.redis_client import connect_blocking
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer, served_context
 from worker import kernels, quant_model
@@ -19,6 +20,7 @@ from worker.batcher import Batcher
 from worker.block_manager import BlockManager
 from worker.drafter import DraftProposer
 from worker.engine import Engine
+from worker.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
 from worker.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.model_loader import load_model, load_weights, pick_device, pick_dtype
 from worker.null_engine import NullEngine
@@ -89,7 +91,30 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
              "undisturbed text at a near-tie (STREAMQ_DETERMINISTIC=true makes it exact; docs/reliability.md)")
     blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
-    return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer))
+    return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer),
+                  build_tier(settings, runner))
+
+
+def build_tier(settings: WorkerSettings, runner: PagedRunner) -> KVTier | None:
+    """The shared KV tier, where on, in the space of the workers that compute the same bits: the
+    same weights, quantization, block size, dtype and kernels (PagedRunner.numerics)."""
+    cache, step = settings.cache, settings.step
+    if not cache.kv_tier:
+        return None
+    if not cache.prefix_caching:
+        log.info("shared KV tier: off (it shares the prefix cache's blocks, and prefix_caching is off)")
+        return None
+    gguf = gguf_file(settings)
+    files = [gguf] if gguf is not None else [p for pattern in WEIGHT_FILES for p in weights_dir(settings).glob(pattern)]
+    space = space_of(weights_fingerprint(files), runner.model.config.model_type, step.quantization,
+                     step.gguf_weights, cache.block_size, *runner.numerics)
+    url = cache.kv_redis_url or settings.redis_url
+    tier = KVTier(connect_blocking(url, cache.kv_tier_timeout_ms / 1000), settings.prefix, space,
+                  runner.block_kv_bytes, int(cache.kv_tier_gb * 2**30), cache.kv_tier_ttl_s)
+    log.info("shared KV tier: space %s, %.0f KiB a block, up to %.1f GiB for %.0f s after last use%s",
+             space, runner.block_kv_bytes / 1024, cache.kv_tier_gb, cache.kv_tier_ttl_s,
+             "" if cache.kv_redis_url is None else " (its own Redis)")
+    return tier
 
 
 def step_kernels(step: StepSettings, device):

@@ -76,6 +76,17 @@ class WorkerMetrics:
                                      registry=r)
         self.spec_accepted = Counter("streamq:spec_decode_num_accepted_tokens", "Proposed tokens the model kept.",
                                      registry=r)
+        # The shared KV tier's running totals (worker/kv_tier.py TierCounts), where it is on.
+        self.kv_tier = {name: Counter(f"streamq:kv_tier_{name}", doc, registry=r) for name, doc in (
+            ("hits", "KV blocks fetched from the shared tier."),
+            ("misses", "Tier lookups that ended at a block the tier did not have."),
+            ("fetches", "Tier lookups (one per request whose prefix this worker's cache lacked)."),
+            ("fetch_seconds", "Seconds the model thread spent fetching from the tier."),
+            ("bytes_in", "Bytes of KV blocks fetched from the tier."),
+            ("bytes_out", "Bytes of KV blocks offloaded to the tier."),
+            ("offloaded", "KV blocks offloaded to the tier."),
+            ("dropped", "KV blocks not offloaded: the tier's writer was behind, or Redis away."),
+            ("errors", "Redis errors of the tier (each a miss or dropped blocks, never a failed request)."))}
         self._last_token: dict[str, float] = {}  # request id -> when its last token was published
         self._first_token: dict[str, float] = {}  # request id -> when its first token was published
         self._tenant: dict[str, str] = {}  # request id -> its tenant, from taken to finished
@@ -149,8 +160,12 @@ class WorkerMetrics:
             self.kv_used.set(total - free)
             self.kv_free.set(free)
             self.kv_usage.set((total - free) / total)
-        for name, total in asdict(engine.counts()).items():
-            self._advance(self._totals[name], name, total)
+        counts = engine.counts()
+        for name, counter in self._totals.items():
+            self._advance(counter, name, getattr(counts, name))
+        if counts.kv_tier is not None:
+            for name, total in asdict(counts.kv_tier).items():
+                self._advance(self.kv_tier[name], f"kv_tier:{name}", total)
         for phase, total in engine.phase_seconds().items():
             self._advance(self.phases.labels(phase), f"phase:{phase}", total)
 

@@ -166,6 +166,7 @@ class PagedRunner:
         if matmul_rows is None:
             amx = dtype == torch.bfloat16 and device.type == "cpu" and cpu_has("amx_bf16") and not deterministic
             matmul_rows = AMX_MATMUL_ROWS if amx else 0
+        self.matmul_rows = matmul_rows
         self.fused = self._fuse(dtype, matmul_rows) if fused else None
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None and self.arch == "llama":
@@ -219,6 +220,33 @@ class PagedRunner:
         if self.kernels is None or self.arch != "llama" or self.fused is None:
             return False
         return all(w.row_independent or w.tile for w in self._weights())
+
+    @property
+    def numerics(self) -> tuple:
+        """What decides the bits a step computes, besides the weights: the dtype, the device, the
+        kernels' ISA, oneDNN's matmul from how many rows, and whether each token is computed alone."""
+        kernels = self.kernels
+        isa = None if kernels is None else getattr(kernels, "isa", None) or next(iter(kernels.isas), "portable")
+        return str(self.k_cache.dtype), self.device.type, isa, self.matmul_rows, self.batch_invariant
+
+    @property
+    def block_kv_bytes(self) -> int:
+        """Bytes of one cache block's keys and values, all layers (what read_block gives)."""
+        layers, heads, _, size, dim = self.k_cache.shape
+        return 2 * layers * heads * size * dim * self.k_cache.element_size()
+
+    def read_block(self, block_id: int) -> bytes:
+        """One cache block's keys then values, every layer, as the cache holds them."""
+        kv = torch.stack((self.k_cache[:, :, block_id], self.v_cache[:, :, block_id])).cpu()
+        return kv.view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | memoryview) -> None:
+        """Put `data` (read_block's form) in cache block `block_id`."""
+        layers, heads, _, size, dim = self.k_cache.shape
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.k_cache.dtype)
+        kv = kv.view(2, layers, heads, size, dim).to(self.device)
+        self.k_cache[:, :, block_id] = kv[0]
+        self.v_cache[:, :, block_id] = kv[1]
 
     def weight_bytes(self) -> int:
         """Bytes of weights the step reads from: the fused projections and head in every form they

@@ -1,6 +1,6 @@
 import pytest
 
-from worker.block_manager import BlockManager, NoFreeBlocks
+from worker.block_manager import BlockManager, NoFreeBlocks, block_hash
 
 
 def test_blocks_are_allocated_and_freed():
@@ -83,3 +83,35 @@ def test_prefix_caching_can_be_off():
 def test_bad_sizes_name_the_values():
     with pytest.raises(ValueError, match="num_blocks=0"):
         BlockManager(0, 16)
+
+
+def test_the_hash_of_a_block_is_the_same_in_every_process():
+    # Python's hash() of the same tuple differs between builds; the shared tier needs one key.
+    assert block_hash(None, (1, 2, 3, 4)) == 0x91D16FA893D39DA42EDF81E86F5CA30C  # blake2b: fixed for good
+    assert block_hash(None, (1, 2, 3, 4)) != block_hash(block_hash(None, (1, 2, 3, 4)), (1, 2, 3, 4))
+
+
+def test_blocks_filled_here_are_listed_once_and_blocks_from_elsewhere_are_not():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = [1, 2, 3, 4, 5]
+    bm.append_slots("a", 5)
+    bm.register("a", a, 5)
+    assert [b.key[1] for b in bm.take_filled()] == [(1, 2), (3, 4)]
+    assert bm.take_filled() == []
+    missing = bm.missing_prefix([1, 2, 3, 4, 6, 7, 8])  # two cached blocks, then (6, 7) missing
+    assert missing == [(bm.blocks[bm.table("a")[1]].hash, (6, 7))]
+    adopted = bm.adopt(*missing[0])
+    assert bm.take_filled() == []  # computed elsewhere: not offloaded again
+    bm.free("a")
+    assert bm.allocate_prefix("b", [1, 2, 3, 4, 6, 7, 8]) == 6 and bm.table("b")[2] == adopted
+
+
+def test_adopting_evicts_the_least_recently_freed_block_and_not_the_prefix_in_use():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    bm.append_slots("a", 4)
+    bm.register("a", [1, 2, 3, 4], 4)
+    bm.free("a")  # both cached blocks free, at the front of the free list
+    missing = bm.missing_prefix([1, 2, 3, 4, 5, 6, 7])  # moves the cached two to the recent end
+    assert [tokens for _, tokens in missing] == [(5, 6)]
+    bm.adopt(*missing[0])  # takes the third block, never yet used
+    assert bm.allocate_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 6
