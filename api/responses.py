@@ -240,7 +240,7 @@ class ResponseEvents:
         if self.message is not None:
             out += self._close_message("incomplete" if status != "completed" else "completed")
         self.status = status
-        self.usage = _usage(final.usage.prompt_tokens, final.usage.completion_tokens)
+        self.usage = _usage(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens)
         if status == "incomplete":
             self.incomplete = {"reason": "max_output_tokens"}
         if status == "failed":
@@ -281,8 +281,8 @@ class ResponseEvents:
                                       for item in self.output]))
 
 
-def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 

@@ -80,6 +80,7 @@ class RequestPayload(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cache (the prefix cache, the shared tier)
 
     @property
     def total_tokens(self) -> int:

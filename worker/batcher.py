@@ -112,6 +112,8 @@ class Batcher:
                 self.blocks.free(seq.id)  # not now: give back the shared prefix
                 break
             seq.num_computed = computed
+            if seq.reused_tokens is None:  # its first admission: a preempted one's own blocks are no reuse
+                seq.reused_tokens = computed
             self.waiting.pop()
             self.running.append(seq)
             seq.status = Status.RUNNING

@@ -49,11 +49,13 @@ class Publisher:
     def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
         end = out.end
         record = redis_keys.request_record(self.prefix, out.request_id)
-        usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens)
+        usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
+                      cached_tokens=min(end.reused_tokens, end.prompt_tokens))
         status = STATUS_OF_FINISH[end.finish_reason]
         final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error))
         fields = {"status": status.value, "finish_reason": end.finish_reason.value,
-                  "completion_tokens": usage.completion_tokens, "finished_at": stamp, "text": end.text}
+                  "completion_tokens": usage.completion_tokens, "finished_at": stamp, "text": end.text,
+                  "reused_tokens": end.reused_tokens}
         if end.error:
             fields["error"] = end.error
         pipe.hset(record, mapping=fields)

@@ -38,6 +38,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt then output: what the model has seen or will
     num_computed: int = 0  # leading token_ids whose keys and values are in the KV cache
+    reused_tokens: int | None = None  # of its tokens at admission here, those whose KV came from a cache
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -120,6 +121,7 @@ class RequestEnd:
     text: str  # the whole output text
     prompt_tokens: int
     completion_tokens: int
+    reused_tokens: int = 0  # tokens (prompt, and on a continuation those delivered before) taken from a cache
 
 
 @dataclass(frozen=True)
@@ -141,5 +143,6 @@ def step_output(seq: Sequence, token: TokenEvent | None, finished: bool) -> Step
     """The record of `seq`'s new token (or none), and of its end where `finished`."""
     end = None
     if finished:
-        end = RequestEnd(seq.finish_reason, seq.error, seq.detokenizer.text, len(seq.prompt_ids), len(seq.output_ids))
+        end = RequestEnd(seq.finish_reason, seq.error, seq.detokenizer.text, len(seq.prompt_ids), len(seq.output_ids),
+                         seq.reused_tokens or 0)
     return StepOutput(seq.id, token, finished, seq.created_at, seq.scheduled_at, seq.lane, end)

@@ -104,9 +104,12 @@ async def _collect(generation: Generation, payloads: list[RequestPayload]) -> li
     return choices
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, finals: list[FinalEvent | None]) -> dict:
+    """OpenAI's usage; its cached_tokens are the prompt tokens a worker took from a cache (the
+    prefix cache or the shared KV tier), the most of the request's samples."""
+    cached = max((f.usage.cached_tokens for f in finals if f is not None), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _build(generation: Generation, body, prompt_ids: list[int], samples: int, max_tokens: int | None,
@@ -179,7 +182,7 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Tenant
         c = choices[i]
         lp = _completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
         out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
-    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
+    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": usage}
 
 
@@ -188,7 +191,7 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     offsets = [0] * len(payloads)
-    completion_tokens = 0
+    completion_tokens, finals = 0, []
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
@@ -202,12 +205,13 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             offsets[i] += len(event.text)
             choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
+            finals.append(event)
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": _stream_reason(event)}
         if choice is not None:
             yield json_frame({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
         prompt_tokens = len(payloads[0].prompt_token_ids)
-        yield json_frame({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield json_frame({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, finals)})
     yield DONE
 
 
@@ -236,7 +240,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
         out.append({"index": i, "message": _message(reply),
                     "logprobs": _chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
-    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices))
+    usage = _usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage}
 
@@ -261,7 +265,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
 
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
-    completion_tokens, held = 0, _HeldReplies(body, len(payloads))
+    completion_tokens, held, finals = 0, _HeldReplies(body, len(payloads)), []
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
@@ -272,6 +276,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
             if text or (events and logprobs is not None):
                 yield frame(i, {"content": text}, _chat_logprobs(tokenizer, events) if logprobs is not None else None)
         elif isinstance(event, FinalEvent):
+            finals.append(event)
             reason = _stream_reason(event)
             if held.holding(i):  # read whole, as the reply without stream is
                 reply = body.reply(held.text(i), reason)
@@ -280,7 +285,8 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                 reason = reply.finish_reason
             yield frame(i, {}, None, reason)
     if usage_on:
-        yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens)})
+        yield json_frame({**base, "choices": [], "usage": _usage(len(payloads[0].prompt_token_ids), completion_tokens,
+                                                                 finals)})
     yield DONE
 
 

@@ -34,7 +34,9 @@ def test_a_batch_runs_and_its_results_match_direct_calls(with_scheduler):
             direct = client.post(f"{api}/v1/chat/completions", json=_chat(i)).json()
             body = line["response"]["body"]
             assert body["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
-            assert body["usage"] == direct["usage"]
+            # The same counts; the direct call may find the batch's prompt in a cache (cached_tokens).
+            assert {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == \
+                {k: direct["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 def test_a_bad_request_fails_the_whole_batch_up_front(with_scheduler):

@@ -28,7 +28,7 @@ from shared.messages import (
 
 RID = "9a7c2a8e-1111-4222-8333-444455556666"
 FINAL = FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
-                   usage=Usage(prompt_tokens=3, completion_tokens=2))
+                   usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1))
 
 
 class _Tokenizer:
@@ -150,7 +150,7 @@ async def test_native_stream_bytes_ids_and_keepalive():
         'id: 5\nevent: token\ndata: {"index": 5, "token_id": 8, "text": "é😀", "logprob": -0.5, '
         '"top_logprobs": [[8, -0.5], [9, -1.25]]}\n\n'
         'event: final\ndata: {"status": "done", "finish_reason": "length", '
-        '"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "error": null}\n\n')
+        '"usage": {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1}, "error": null}\n\n')
 
 
 async def test_submitted_stream_names_its_request_and_leaving_cancels_it():
@@ -200,7 +200,8 @@ async def test_completion_stream_frames_and_done():
         [{"index": 0, "text": "é", "logprobs": None, "finish_reason": None}],
         [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
         []]
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 1}}
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", chunks[1]["id"]) and chunks[1]["object"] == "text_completion"
 
 
