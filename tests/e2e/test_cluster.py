@@ -20,6 +20,7 @@ from tests.e2e.helpers import batch_results, events_of, hf_greedy, submit, wait_
 from tests.e2e.test_auth import bearer, keys_cli
 from tests.redis_cluster import RedisCluster
 from tests.stack import ROOT, Stack, stream_events, stream_posted
+from tests.waiting import until_sync
 
 ENV = {"STREAMQ_AUTH": "on", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1",
        "STREAMQ_RECLAIM_INTERVAL_S": "1", "STREAMQ_NUM_KV_BLOCKS": "512"}
@@ -68,6 +69,13 @@ def test_requests_run_and_their_keys_spread_over_the_masters(stack, client, clus
     assert all(wait_done(client, first, rid)["status"] == "done" for rid in ids)
     masters = {cluster.master_of(redis_keys.request_record(stack.prefix, rid)).port for rid in ids}
     assert len(masters) >= 2  # six request slots over three masters (all on one: (1/3)^5)
+    # The shared KV tier's blocks (the first stream's 7 full ones, offloaded as filled) spread too.
+    redis = stack.redis()
+
+    def tier_blocks() -> list[str]:
+        return [key for key in redis.scan_iter(f"{stack.prefix}:kv:*") if not key.endswith(":lru")]
+    until_sync(lambda: len(tier_blocks()) >= 7, what="the first stream's blocks in the tier")
+    assert len({cluster.master_of(key).port for key in tier_blocks()}) >= 2
 
 
 def test_a_stream_resumes_on_the_other_replica(stack, client, tiny_llama):
