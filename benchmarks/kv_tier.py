@@ -45,7 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from benchmarks.spread import wait_for_workers  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
 
 WORDS = ("the service keeps every request in order and answers with care while the model reads a long "
@@ -75,7 +74,22 @@ class Stack:
         self.others.append(subprocess.Popen(self.cli + ["api"], env={**self.env, "STREAMQ_PORT": str(port)},
                                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.url = f"http://127.0.0.1:{port}"
-        wait_for_workers(self.url, workers)
+        try:
+            self.wait_for_workers(workers)
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_for_workers(self, count: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if len(httpx.get(f"{self.url}/readyz", timeout=5).json().get("workers", [])) >= count:
+                    return
+            except httpx.HTTPError:
+                pass  # the api is still starting
+            time.sleep(0.5)  # start-up polling only
+        raise SystemExit(f"{self.name}: fewer than {count} live workers after {timeout_s} s")
 
     def spawn_worker(self) -> None:
         name = f"{self.name}-w{self.spawned}"
@@ -97,13 +111,13 @@ class Stack:
         proc.kill()
         proc.wait()
         self.spawn_worker()
-        wait_for_workers(self.url, len(self.workers))
+        self.wait_for_workers(len(self.workers))
 
     def close(self) -> None:
-        for proc in [*self.workers.values(), *self.others]:
+        for proc in [*self.workers.values(), *getattr(self, "others", [])]:
             proc.send_signal(signal.SIGCONT)
             proc.terminate()
-        for proc in [*self.workers.values(), *self.others]:
+        for proc in [*self.workers.values(), *getattr(self, "others", [])]:
             proc.wait(30)
         self.redis.stop()
 
@@ -194,8 +208,9 @@ def main() -> None:
     args = parser.parse_args()
     settings = {"STREAMQ_MODEL_CACHE_DIR": os.environ.get("STREAMQ_MODEL_CACHE_DIR", "")}
     settings = {k: v for k, v in settings.items() if v}
-    stacks = {"on": Stack("on", settings, 2), "off": Stack("off", {**settings, "STREAMQ_KV_TIER": "false"}, 2),
-              "ref": Stack("ref", {**settings, "STREAMQ_KV_TIER": "false", "STREAMQ_PREFIX_CACHING": "false"}, 1)}
+    stacks: dict[str, Stack] = {}
+    plan = {"on": (settings, 2), "off": ({**settings, "STREAMQ_KV_TIER": "false"}, 2),
+            "ref": ({**settings, "STREAMQ_KV_TIER": "false", "STREAMQ_PREFIX_CACHING": "false"}, 1)}
     ttft: dict[str, list[float]] = {"tier, other worker": [], "recompute, other worker": [],
                                     "local cache, same worker": []}
     reused: dict[str, list[int]] = {k: [] for k in ttft}
@@ -203,6 +218,8 @@ def main() -> None:
     exact = {"on": 0, "off": 0}
     w: dict[str, list[float]] = {"on": [], "off": []}
     try:
+        for name, (extra, count) in plan.items():
+            stacks[name] = Stack(name, extra, count)
         with httpx.Client(timeout=600) as client:
             for r in range(args.rounds):
                 modes = [("tier, other worker", "on", False), ("recompute, other worker", "off", False),
