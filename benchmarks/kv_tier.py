@@ -190,8 +190,8 @@ def takeover(client: httpx.Client, stack: Stack, prompt: str) -> dict:
             "reused": _reused(stack, rid), "worker": rec["worker"], "victim": name}
 
 
-def throughput(client: httpx.Client, stack: Stack, seed: str, streams: int) -> float:
-    bodies = [{"prompt": words(f"{seed}-{i}", 300), "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+def throughput(client: httpx.Client, stack: Stack, seed: str, streams: int, tokens: int) -> float:
+    bodies = [{"prompt": words(f"{seed}-{i}", 300), "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
               for i in range(streams)]
     began = time.monotonic()
     with ThreadPoolExecutor(streams) as pool:
@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--history", type=int, default=1500)
     parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--w-tokens", type=int, default=48, help="output tokens of each W request")
+    parser.add_argument("--parts", nargs="+", default=["turn2", "takeover", "w"], choices=["turn2", "takeover", "w"])
     args = parser.parse_args()
     settings = {"STREAMQ_MODEL_CACHE_DIR": os.environ.get("STREAMQ_MODEL_CACHE_DIR", "")}
     settings = {k: v for k, v in settings.items() if v}
@@ -219,51 +221,70 @@ def main() -> None:
     w: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for name, (extra, count) in plan.items():
-            stacks[name] = Stack(name, extra, count)
+            if name != "ref" or "takeover" in args.parts:
+                stacks[name] = Stack(name, extra, count)
         with httpx.Client(timeout=600) as client:
             for r in range(args.rounds):
                 modes = [("tier, other worker", "on", False), ("recompute, other worker", "off", False),
                          ("local cache, same worker", "off", True)]
-                for label, name, same in (modes if r % 2 == 0 else modes[::-1]):
+                for label, name, same in (modes if r % 2 == 0 else modes[::-1]) if "turn2" in args.parts else ():
                     seconds, hits = turn2(client, stacks[name], f"{r}-{label}", args.history, same)
                     ttft[label].append(seconds)
                     reused[label].append(hits)
-                prompt = history(f"takeover-{r}", args.history)
-                reference = run(client, stacks["ref"].url, {"prompt": prompt, "max_tokens": TAKEOVER_TOKENS,
-                                                            "temperature": 0, "ignore_eos": True})
-                ref_ids = _token_ids(client, stacks["ref"].url, reference["id"])
-                for name in (["on", "off"] if r % 2 == 0 else ["off", "on"]):
-                    result = takeover(client, stacks[name], prompt)
-                    takeovers[name].append(result)
-                    exact[name] += result["tokens"] == ref_ids
-                for name in (["on", "off"] if r % 2 == 0 else ["off", "on"]):
-                    w[name].append(throughput(client, stacks[name], f"w-{r}-{name}", args.streams))
-                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in ttft.items())
+                if "takeover" in args.parts:
+                    _takeovers(client, stacks, r, args.history, takeovers, exact)
+                for name in (["on", "off"] if r % 2 == 0 else ["off", "on"]) if "w" in args.parts else ():
+                    w[name].append(throughput(client, stacks[name], f"w-{r}-{name}", args.streams, args.w_tokens))
+                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in ttft.items() if v)
                       + "; " + ", ".join(f"takeover {k} gap {v[-1]['gap']:.2f} s resume {v[-1]['resume']:.2f} s"
-                                         for k, v in takeovers.items())
-                      + "; " + ", ".join(f"W {k} {v[-1]:.1f} tok/s" for k, v in w.items()), flush=True)
+                                         for k, v in takeovers.items() if v)
+                      + "; " + ", ".join(f"W {k} {v[-1]:.1f} tok/s" for k, v in w.items() if v), flush=True)
     finally:
         for stack in stacks.values():
             stack.close()
+    report(args, ttft, reused, takeovers, exact, w)
+
+
+def _takeovers(client: httpx.Client, stacks: dict, r: int, tokens: int, takeovers: dict, exact: dict) -> None:
+    """One takeover on each of ON and OFF (in turns), and REF's undisturbed text of the same prompt."""
+    prompt = history(f"takeover-{r}", tokens)
+    reference = run(client, stacks["ref"].url, {"prompt": prompt, "max_tokens": TAKEOVER_TOKENS,
+                                                "temperature": 0, "ignore_eos": True})
+    ref_ids = _token_ids(client, stacks["ref"].url, reference["id"])
+    for name in (["on", "off"] if r % 2 == 0 else ["off", "on"]):
+        result = takeover(client, stacks[name], prompt)
+        takeovers[name].append(result)
+        exact[name] += result["tokens"] == ref_ids
+
+
+def report(args, ttft: dict, reused: dict, takeovers: dict, exact: dict, w: dict) -> None:
     med = statistics.median
-    base = med(ttft["recompute, other worker"])
-    print(f"\nTurn 2 of a chat, {args.history}-token history ({args.rounds} rounds, medians):\n")
-    print_table(["turn 2", "TTFT p50 (s)", "each round (s)", "reused tokens", "vs recompute"],
-                [[k, f"{med(v):.3f}", " ".join(f"{x:.3f}" for x in v), int(med(reused[k])), f"{med(v) / base:.2f}x"]
-                 for k, v in ttft.items()])
-    print(f"\nTakeover after kill -9 at token {KILL_AT}, {args.history}-token prompt:\n")
-    rows = []
-    for name in ("on", "off"):
-        runs = takeovers[name]
-        rows.append([f"tier {name}", *(f"{med([t[k] for t in runs]):.2f}" for k in ("gap", "detect", "resume")),
-                     int(med([t["reused"] for t in runs])), f"{exact[name]}/{len(runs)}"])
-    print_table(["", "gap (s)", "detect (s)", "resume (s)", "reused tokens", "text = undisturbed"], rows)
-    ratio = {k: med([t[k] for t in takeovers["on"]]) / med([t[k] for t in takeovers["off"]]) for k in ("gap", "resume")}
-    print(f"\non/off: gap {ratio['gap']:.2f}x, resume {ratio['resume']:.2f}x")
-    print(f"\nW, {args.streams} streams of their own prompts (nothing to reuse):\n")
-    print_table(["tier", "tok/s p50", "each round"],
-                [[k, f"{med(v):.1f}", " ".join(f"{x:.1f}" for x in v)] for k, v in w.items()])
-    print(f"\non/off: {med(w['on']) / med(w['off']):.3f}x")
+    if "turn2" in args.parts:
+        base = med(ttft["recompute, other worker"])
+        print(f"\nTurn 2 of a chat, {args.history}-token history ({args.rounds} rounds, medians):\n")
+        print_table(["turn 2", "TTFT p50 (s)", "each round (s)", "reused tokens", "vs recompute"],
+                    [[k, f"{med(v):.3f}", " ".join(f"{x:.3f}" for x in v), int(med(reused[k])),
+                      f"{med(v) / base:.2f}x"] for k, v in ttft.items()])
+    if "takeover" in args.parts:
+        print(f"\nTakeover after kill -9 at token {KILL_AT}, {args.history}-token prompt:\n")
+        rows = []
+        for name in ("on", "off"):
+            runs = takeovers[name]
+            rows.append([f"tier {name}", *(f"{med([t[k] for t in runs]):.2f}" for k in ("gap", "detect", "resume")),
+                         " ".join(f"{t['gap']:.2f}" for t in runs), int(med([t["reused"] for t in runs])),
+                         f"{exact[name]}/{len(runs)}"])
+        print_table(["", "gap (s)", "detect (s)", "resume (s)", "each gap (s)", "reused tokens", "text = undisturbed"],
+                    rows)
+        ratio = {k: med([t[k] for t in takeovers["on"]]) / med([t[k] for t in takeovers["off"]])
+                 for k in ("gap", "resume")}
+        print(f"\non/off: gap {ratio['gap']:.2f}x, resume {ratio['resume']:.2f}x")
+    if "w" in args.parts:
+        print(f"\nW, {args.streams} streams of their own prompts, {args.w_tokens} tokens each (nothing to reuse):\n")
+        print_table(["tier", "tok/s p50", "each round"],
+                    [[k, f"{med(v):.1f}", " ".join(f"{x:.1f}" for x in v)] for k, v in w.items()])
+        rounds = [on / off for on, off in zip(w["on"], w["off"])]
+        print(f"\non/off: {med(w['on']) / med(w['off']):.3f}x (medians); each round's ratio "
+              f"{' '.join(f'{x:.2f}' for x in rounds)}, median {med(rounds):.3f}x")
     print_machine(machine("auto (the workers')", len(os.sched_getaffinity(0)), model="default (as served)"))
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -237,3 +238,39 @@ def stream_posted(client: httpx.Client, url: str, body: dict, at_token: int = 0,
             if events and events[-1]["event"] == "final":
                 break
     return events
+
+
+def kill_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, headers=dict,
+                    attempts: int = 5) -> tuple[list[dict], dict, str, str]:
+    """Stream `body` (POSTed to `url` with `headers()`), hold every worker at the client's
+    `at_token`-th token and SIGKILL the one running the request, the others resumed; the stream's
+    events, the headers sent, the request's id and the killed worker's name. A worker runs ahead
+    of its client, and on a loaded machine may end a short request before the client saw that
+    token: then the workers go on, and a new request (with new headers) is tried, so that the
+    kill always lands mid-request (its record still `running`)."""
+    for _ in range(attempts):
+        held, seen, result, sent = threading.Event(), [], [], headers()
+
+        def watch(request_id: str) -> None:
+            if not held.is_set():
+                stack.pause_workers()
+                seen.append(request_id)
+                held.set()
+
+        def stream() -> None:
+            with httpx.Client(timeout=120, headers=sent) as client:
+                result.append(stream_posted(client, url, body, at_token, watch))
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        if not held.wait(120):
+            raise AssertionError(f"no token {at_token} within 120 s:\n{stack.logs()}")
+        record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, seen[0]))
+        if record.get("status") == "running":
+            stack.kill_paused_worker(record["worker"])
+            runner.join(120)
+            return result[0], sent, seen[0], record["worker"]
+        for i in range(stack.n_workers):
+            stack.resume_worker(i)
+        runner.join(120)
+    raise AssertionError(f"the request ended before its worker was held, {attempts} times")

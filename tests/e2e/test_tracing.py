@@ -6,16 +6,14 @@ span on the other worker in that same trace."""
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from shared import redis_keys
 from tests.otlp_receiver import Receiver, Span, timeline_svg
-from tests.stack import Stack, stream_posted
+from tests.stack import Stack, kill_mid_stream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,27 +88,11 @@ def test_one_request_is_one_trace_from_the_api_through_redis_to_the_worker(trace
 
 def test_a_failover_continuation_joins_the_same_trace(traced):
     stack, receiver = traced
-    header, trace_id, _ = _traceparent()
-    started = threading.Event()
-    seen: list[str] = []
-
-    def watch(request_id: str) -> None:
-        if not started.is_set():
-            stack.pause_workers()  # at its first token: it cannot end before the kill
-            seen.append(request_id)
-            started.set()
-
     body = {"prompt": "Once", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120, headers={"traceparent": header}) as client:
-        result: list = []
-        runner = threading.Thread(target=lambda: result.append(
-            stream_posted(client, f"{stack.urls[0]}/v1/requests", body, 1, watch)))
-        runner.start()
-        assert started.wait(60)
-        victim = stack.redis().hget(redis_keys.request_record(stack.prefix, seen[0]), "worker")
-        stack.kill_paused_worker(victim)
-        runner.join(120)
-    assert result and result[0][-1]["data"]["finish_reason"] == "length"
+    events, sent, _, victim = kill_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body,
+                                              headers=lambda: {"traceparent": _traceparent()[0]})
+    assert events[-1]["data"]["finish_reason"] == "length"
+    trace_id = sent["traceparent"].split("-")[1]
 
     def continued(spans: list[Span]) -> bool:
         return any(s.trace_id == trace_id and s.name == "streamq.worker" for s in spans) and \
