@@ -187,7 +187,7 @@ class Engine(BaseEngine):
         """The blocks this step's forward filled go to the shared tier (read out now: the next
         step's schedule may reuse a block)."""
         filled = self.batcher.blocks.take_filled()
-        if self.tier is not None:
+        if self.tier is not None and filled and self.tier.accepting(len(filled)):
             for block in filled:
                 parent, tokens = block.key
                 self.tier.offload(parent, tokens, self.runner.read_block(block.id))

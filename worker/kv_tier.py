@@ -153,9 +153,17 @@ class KVTier:
             self._put(("touch", keys[:len(found)]))
         return found
 
+    def accepting(self, blocks: int) -> bool:
+        """Whether `blocks` blocks offloaded now would be written (else they are counted dropped,
+        and the caller need not copy them out)."""
+        if self._away() or self._queue.qsize() + blocks > self._queue.maxsize:
+            self.counts.dropped += blocks
+            return False
+        return True
+
     def offload(self, parent: int | None, tokens: Sequence[int], kv: bytes) -> None:
         """Store a block this worker computed (in the background; dropped where the writer is behind)."""
-        if self._away() or not self._put(("set", self.key(parent, tokens), pack(parent, tokens, kv))):
+        if not self._put(("set", self.key(parent, tokens), pack(parent, tokens, kv))):
             self.counts.dropped += 1
 
     def flush(self) -> None:
