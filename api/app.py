@@ -24,7 +24,7 @@ from api.hub import PubSubHub
 from api.relay import Relay
 from api.tracing import TraceRequests
 from api.responses import ResponseStore
-from api.routes import batches, health, openai, playground, requests, responses, seed
+from api.routes import batches, health, messages, openai, playground, requests, responses, seed
 from shared import redis_keys, tracing
 from shared.api_keys import KeyStore
 from shared.model_paths import model_dir, served_name
@@ -54,8 +54,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await metrics.sample_fleet(replica.store.redis, settings.prefix, replica.model_name)
         return metrics.response()
 
-    for router in (requests.router, openai.router, responses.router, seed.router, batches.router, health.router,
-                   playground.router):
+    for router in (requests.router, openai.router, responses.router, messages.router, seed.router, batches.router,
+                   health.router, playground.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
     _handle_errors(app)
@@ -103,7 +103,10 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
 
 def _error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error in the path's family's body: OpenAI's on the OpenAI paths, {"detail"} elsewhere."""
+    """An error in the path's family's body: OpenAI's on the OpenAI paths, Anthropic's on the
+    Messages paths, {"detail"} elsewhere."""
+    if path.startswith(messages.PATHS):
+        return JSONResponse(status_code=status, headers=headers, content=messages.anthropic_error(status, message))
     if path.startswith(OPENAI_FAMILY):
         return JSONResponse(status_code=status, headers=headers,
                             content=openai.openai_error(status, message, param, code))
@@ -114,8 +117,8 @@ def _handle_errors(app: FastAPI) -> None:
     """ApiError, Redis away (503) and invalid bodies, each in its path's family's body."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        openai_path = request.url.path.startswith(OPENAI_FAMILY)
-        status = 400 if exc.status == 422 and openai_path else exc.status  # OpenAI answers every invalid request 400
+        openai_path = request.url.path.startswith(OPENAI_FAMILY + messages.PATHS)
+        status = 400 if exc.status == 422 and openai_path else exc.status  # both answer every invalid request 400
         return _error(request.url.path, status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RedisConnectionError)
@@ -126,7 +129,7 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path.startswith(OPENAI_FAMILY):
+        if request.url.path.startswith(OPENAI_FAMILY + messages.PATHS):
             errors = exc.errors()
             loc = _field(errors[0]) if errors else []
             message = "; ".join(_openai_message(e) for e in errors)

@@ -1,4 +1,4 @@
-"""Who is calling: the tenant of the Bearer key, when auth is on.
+"""Who is calling: the tenant of the Bearer key (or the `x-api-key` header's), when auth is on.
 
 Auth is on whenever the api binds beyond loopback (`auth=auto`), unless the operator turns it
 off explicitly (`STREAMQ_AUTH=off`). With auth off every caller is the anonymous tenant "".
@@ -31,9 +31,11 @@ async def tenant(request: Request, replica: ReplicaDep) -> str:
         return ""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
+    if not header and request.headers.get("x-api-key"):  # Anthropic's clients send their key so
+        scheme, key = "bearer", request.headers["x-api-key"]
     if scheme.lower() != "bearer" or not key.strip():
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     found = await store.tenant_for(key.strip())
     if found is None:
         raise ApiError(401, "invalid or revoked API key", code="invalid_api_key",

@@ -50,7 +50,7 @@ async def models(served: ModelsDep, tenant: TenantDep):
 
 
 @dataclass
-class _Choice:
+class Choice:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     final: FinalEvent | None = None
@@ -60,7 +60,7 @@ class _Choice:
         return sum(t.logprob or 0.0 for t in self.tokens)
 
 
-def _finish_reason(final: FinalEvent) -> str:
+def finish_reason(final: FinalEvent) -> str:
     if final.finish_reason == FinishReason.ERROR:
         raise ApiError(500, f"generation failed: {final.error}")
     if final.finish_reason == FinishReason.EXPIRED:
@@ -93,8 +93,8 @@ def _chat_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent]) -> dict:
                         for t in tokens]}
 
 
-async def _collect(generation: Generation, payloads: list[RequestPayload]) -> list[_Choice]:
-    choices = [_Choice() for _ in payloads]
+async def collect(generation: Generation, payloads: list[RequestPayload]) -> list[Choice]:
+    choices = [Choice() for _ in payloads]
     async for i, event in generation.follow([p.id for p in payloads]):
         if isinstance(event, TokenEvent):
             choices[i].text.append(event.text)
@@ -172,8 +172,8 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Tenant
     if body.stream:
         events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
         return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
-    choices = await _collect(generation, payloads)
-    reasons = [_finish_reason(c.final) for c in choices]
+    choices = await collect(generation, payloads)
+    reasons = [finish_reason(c.final) for c in choices]
     order = list(range(samples))
     if ranking:
         order = sorted(order, key=lambda i: choices[i].cumulative_logprob, reverse=True)[:body.n]
@@ -206,7 +206,7 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
             finals.append(event)
-            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": _stream_reason(event)}
+            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
         if choice is not None:
             yield json_frame({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
@@ -215,9 +215,9 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
     yield DONE
 
 
-def _stream_reason(final: FinalEvent) -> str:
+def stream_reason(final: FinalEvent) -> str:
     try:
-        return _finish_reason(final)
+        return finish_reason(final)
     except ApiError:
         return "error"
 
@@ -233,10 +233,10 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     if body.stream:
         events = _stream_chat(generation, tokenizer, body, payloads, rid, created, model, logprobs)
         return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
-    choices = await _collect(generation, payloads)
+    choices = await collect(generation, payloads)
     out = []
     for i, c in enumerate(choices):
-        reply = body.reply("".join(c.text), _finish_reason(c.final))
+        reply = body.reply("".join(c.text), finish_reason(c.final))
         out.append({"index": i, "message": _message(reply),
                     "logprobs": _chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
@@ -265,7 +265,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
 
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
-    completion_tokens, held, finals = 0, _HeldReplies(body, len(payloads)), []
+    completion_tokens, held, finals = 0, HeldReplies(body, len(payloads)), []
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
@@ -277,7 +277,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                 yield frame(i, {"content": text}, _chat_logprobs(tokenizer, events) if logprobs is not None else None)
         elif isinstance(event, FinalEvent):
             finals.append(event)
-            reason = _stream_reason(event)
+            reason = stream_reason(event)
             if held.holding(i):  # read whole, as the reply without stream is
                 reply = body.reply(held.text(i), reason)
                 for delta in _tool_deltas(reply):
@@ -290,7 +290,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     yield DONE
 
 
-class _HeldReplies:
+class HeldReplies:
     """With tools, a reply is read whole (ChatCompletionRequest.reply): its tokens are held to the
     end. In the Hermes format a reply that does not open with "<" is a plain answer to its end
     (hermes.parse reads it so), so it streams from there on. Its first character decides, once:

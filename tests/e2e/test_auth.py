@@ -40,6 +40,20 @@ def test_requests_need_a_key(secured):
             assert client.get(f"{api}{path}").status_code == 401, path
 
 
+def test_anthropic_clients_send_their_key_as_x_api_key(secured):
+    import anthropic
+
+    key = keys_cli(secured, "create", "--tenant", "claude").stdout.strip()
+    client = anthropic.Anthropic(base_url=secured.urls[0], api_key=key, max_retries=0, timeout=60)
+    message = client.messages.create(model=secured.model_name, max_tokens=3,
+                                     messages=[{"role": "user", "content": "x"}])
+    assert message.type == "message" and message.usage.output_tokens <= 3
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=secured.urls[0], api_key="sq-wrong", max_retries=0).messages.create(
+            model=secured.model_name, max_tokens=3, messages=[{"role": "user", "content": "x"}])
+    assert refused.value.body["error"]["type"] == "authentication_error"
+
+
 def test_metrics_need_a_key_like_every_route_but_health(secured):
     api = secured.urls[0]
     key = keys_cli(secured, "create", "--tenant", "prometheus").stdout.strip()

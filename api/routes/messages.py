@@ -1,0 +1,165 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A Messages request runs as the chat request it reads as (api/anthropic_schemas.py), through the
+same queue, relay and failover, and answers in Anthropic's shapes: a `message` object, or a
+stream of its named events (message_start, content_block_start / _delta / _stop, ping,
+message_delta, message_stop; an `error` event for a request that fails). Errors take
+Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, with the HTTP status.
+Keys come as `x-api-key` or `Authorization: Bearer` (api/auth.py).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter
+
+from api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from api.auth import TenantDep
+from api.deps import ModelsDep
+from api.errors import ApiError
+from api.generation import Generation
+from api.json_body import StrictJSONRoute
+from api.openai_schemas import ChatCompletionRequest
+from api.routes.openai import Choice, HeldReplies, collect, finish_reason, plan_chat
+from api.sse import EventStreamResponse, json_frame
+from api.tools import Reply
+from shared.messages import FinalEvent, RequestPayload, TokenEvent
+from shared.tokenizer import Tokenizer
+
+router = APIRouter(tags=["anthropic"], route_class=StrictJSONRoute)
+PATHS = ("/v1/messages",)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _chat(read) -> ChatCompletionRequest:
+    try:
+        return read()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
+    """The prompt's tokens as the model's chat template renders it, tools included."""
+    generation = await served.get(body.model)
+    payloads, _ = await plan_chat(_chat(lambda: body.chat_request(max_tokens=1)), generation)
+    return {"input_tokens": len(payloads[0].prompt_token_ids)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    chat = _chat(body.chat)
+    payloads, _ = await plan_chat(chat, generation)
+    await generation.submit(payloads, owner=tenant)
+    mid = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        events = _stream(generation, chat, body, payloads[0], mid)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choice = (await collect(generation, payloads))[0]
+    reply = chat.reply("".join(choice.text), finish_reason(choice.final))
+    stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
+    return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
+            "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens))}
+
+
+def _blocks(reply: Reply) -> list[dict[str, Any]]:
+    """A reply's content blocks: its text, then a tool_use block per call."""
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
+    return blocks + [_tool_use(call) for call in reply.tool_calls]
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"] or "{}")}
+
+
+def _stop(reply: Reply, choice: Choice, stops: list[str] | None, tokenizer: Tokenizer) -> tuple[str, str | None]:
+    """Anthropic's stop_reason, and the stop sequence that ended the reply, if one did."""
+    if reply.tool_calls:
+        return "tool_use", None
+    if reply.finish_reason == "length":
+        return "max_tokens", None
+    # The worker cut the text before the stop string it met: the tokens' whole text goes on with it.
+    tail = tokenizer.decode([t.token_id for t in choice.tokens])[len("".join(choice.text)):]
+    matched = next((s for s in stops or [] if tail.startswith(s)), None)
+    return ("stop_sequence", matched) if matched else ("end_turn", None)
+
+
+def _usage(final: FinalEvent | None, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are those computed, cache_read_input_tokens those a worker
+    took from its prefix cache or the shared KV tier (their sum is the prompt)."""
+    cached = final.usage.cached_tokens if final is not None else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _event(kind: str, **data: Any) -> str:
+    return json_frame({"type": kind, **data}, kind)
+
+
+async def _stream(generation: Generation, chat: ChatCompletionRequest, body: MessagesRequest,
+                  payload: RequestPayload, mid: str) -> AsyncIterator[str]:
+    prompt_tokens = len(payload.prompt_token_ids)
+    yield _event("message_start", message={
+        "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0)})
+    held, choice, index, text_open = HeldReplies(chat, 1), Choice(), 0, False
+    async for _, event in generation.follow([payload.id]):
+        if event is None:  # the hub's keepalive tick: Anthropic's ping
+            yield _event("ping")
+        elif isinstance(event, TokenEvent):
+            choice.tokens.append(event)
+            choice.text.append(event.text)
+            text = "".join(e.text for e in held.release(0, event))
+            if text:
+                if not text_open:
+                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+        elif isinstance(event, FinalEvent):
+            choice.final = event
+            try:
+                reason = finish_reason(event)
+            except ApiError as exc:
+                yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+                return
+            reply = chat.reply("".join(choice.text), reason)
+            if held.holding(0):  # a held reply (tools): its text and calls, whole, now
+                for frame in _held_blocks(reply, index):
+                    yield frame
+                index += len(_blocks(reply))
+            elif text_open:
+                yield _event("content_block_stop", index=index)
+            stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
+            # Cumulative counts: the cache's share of the prompt is known only now.
+            yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                         usage=_usage(event, prompt_tokens, len(choice.tokens)))
+            yield _event("message_stop")
+
+
+def _held_blocks(reply: Reply, first: int) -> list[str]:
+    frames = []
+    for index, block in enumerate(_blocks(reply), start=first):
+        if block["type"] == "text":
+            frames.append(_event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
+            frames.append(_event("content_block_delta", index=index, delta={"type": "text_delta",
+                                                                            "text": block["text"]}))
+        else:
+            frames.append(_event("content_block_start", index=index,
+                                 content_block={**block, "input": {}}))
+            frames.append(_event("content_block_delta", index=index, delta={
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+        frames.append(_event("content_block_stop", index=index))
+    return frames
