@@ -21,6 +21,7 @@ from api.generation import Generation
 from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.tool_stream import CallDelta, ToolCallStream
 from api.tools import Reply
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
@@ -266,12 +267,16 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
     completion_tokens, held, finals = 0, HeldReplies(body, len(payloads)), []
+    calls = [ToolCallStream() for _ in payloads]  # a held reply's calls, sent as they are written
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield KEEPALIVE
         elif isinstance(event, TokenEvent):
             completion_tokens += 1
             events = held.release(i, event)
+            if held.holding(i):
+                for call in calls[i].feed(event.text):
+                    yield frame(i, call_delta(call))
             text = "".join(e.text for e in events)
             if text or (events and logprobs is not None):
                 yield frame(i, {"content": text}, _chat_logprobs(tokenizer, events) if logprobs is not None else None)
@@ -280,8 +285,9 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
             reason = stream_reason(event)
             if held.holding(i):  # read whole, as the reply without stream is
                 reply = body.reply(held.text(i), reason)
-                for delta in _tool_deltas(reply):
-                    yield frame(i, delta)
+                if not calls[i].calls:  # its calls went out as written; else its answer, whole, now
+                    for delta in _tool_deltas(reply):
+                        yield frame(i, delta)
                 reason = reply.finish_reason
             yield frame(i, {}, None, reason)
     if usage_on:
@@ -291,10 +297,10 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
 
 
 class HeldReplies:
-    """With tools, a reply is read whole (ChatCompletionRequest.reply): its tokens are held to the
-    end. In the Hermes format a reply that does not open with "<" is a plain answer to its end
-    (hermes.parse reads it so), so it streams from there on. Its first character decides, once:
-    None until then."""
+    """With tools, a reply's text is held to the end and read whole (ChatCompletionRequest.reply);
+    its tool calls meanwhile stream as they are written (api/tool_stream.py). In the Hermes format
+    a reply that does not open with "<" is a plain answer to its end (hermes.parse reads it so),
+    so it streams from there on. Its first character decides, once: None until then."""
 
     def __init__(self, body: ChatCompletionRequest, n: int):
         self.tools = body.calls_tools
@@ -318,6 +324,14 @@ class HeldReplies:
 
     def text(self, i: int) -> str:
         return "".join(e.text for e in self.held[i])
+
+
+def call_delta(call: CallDelta) -> dict:
+    """A tool call's delta as OpenAI streams it: its id and name first, then its arguments' characters."""
+    if call.name is not None:
+        return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}]}
+    return {"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]}
 
 
 def _tool_deltas(reply: Reply) -> list[dict]:

@@ -86,30 +86,43 @@ def _valid(calls: list[tuple[str, str]]) -> None:
         SCHEMAS[name].model_validate_json(arguments)
 
 
-def _streamed(client, **ask) -> tuple[str, list[tuple[str, str]], str]:
+def _streamed(client, deltas: dict | None = None, **ask) -> tuple[str, list[tuple[str, str]], str]:
     """A streamed reply's content, its tool calls (name, arguments) added up from the deltas, and
-    its finish reason, the last chunk's."""
+    its finish reason, the last chunk's; `deltas` gets each call's count of argument deltas.
+    Arguments that are whole JSON come in one layout (_layout), as the model wrote them or not."""
     content, calls, reasons = "", {}, []
     for chunk in client.chat.completions.create(**ask, stream=True):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": "", "deltas": 0})
                 entry["id"] = delta.id or entry["id"]
                 if delta.function:
                     entry["name"] += delta.function.name or ""
                     entry["arguments"] += delta.function.arguments or ""
+                    entry["deltas"] += bool(delta.function.arguments)
     assert all(e["id"].startswith("call_") for e in calls.values())
     assert all(r is None for r in reasons[:-1])
-    return content, [(e["name"], e["arguments"]) for _, e in sorted(calls.items())], reasons[-1]
+    if deltas is not None:
+        deltas.update({i: e["deltas"] for i, e in calls.items()})
+    return content, [(e["name"], _layout(e["arguments"])) for _, e in sorted(calls.items())], reasons[-1]
 
 
 def _whole(client, **ask) -> tuple[str, list[tuple[str, str]], str]:
     """The same, without stream."""
     choice = client.chat.completions.create(**ask).choices[0]
-    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    calls = [(c.function.name, _layout(c.function.arguments)) for c in choice.message.tool_calls or []]
     return choice.message.content or "", calls, choice.finish_reason
+
+
+def _layout(arguments: str) -> str:
+    """Whole JSON arguments in one layout (a stream sends the model's own characters); a cut
+    call's as they are."""
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        return arguments
 
 
 def test_required_gives_tool_calls_whose_arguments_validate(client, model):
@@ -205,10 +218,14 @@ def test_a_two_turn_tool_conversation(client, model):
 
 def test_streamed_tool_call_deltas_add_up(client, model):
     ask = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
-    content, calls, reason = _streamed(client, **ask)
+    deltas: dict = {}
+    content, calls, reason = _streamed(client, deltas, **ask)
     assert reason == "tool_calls" and content == ""
     _valid(calls)
     assert _whole(client, **ask) == (content, calls, reason)
+    # The arguments stream as the model writes them: a call of 20 characters or more in pieces.
+    for (_, arguments), pieces in zip(calls, (deltas[i] for i in sorted(deltas))):
+        assert pieces >= (2 if len(arguments) >= 20 else 1), (arguments, pieces)
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -256,9 +273,10 @@ def test_required_streams_tool_call_deltas_or_says_it_was_cut_never_raw_json(cli
         assert content == "", (seed, content)
         if reason == "tool_calls":
             _valid(calls)
-        else:
-            assert reason == "length" and not calls, (seed, reason, calls)
-        assert _whole(client, **ask) == (content, calls, reason), seed
+            assert _whole(client, **ask) == (content, calls, reason), seed
+        else:  # cut: a call streamed so far stays (never taken back), unclosed; without stream, none
+            assert reason == "length" and all(name in SCHEMAS for name, _ in calls), (seed, reason, calls)
+            assert _whole(client, **ask) == ("", [], "length"), seed
         reasons.add(reason)
     assert reasons == ({"length"} if max_tokens == 6 else {"length", "tool_calls"})
 
@@ -271,8 +289,12 @@ def test_auto_streams_what_it_answers_without_stream(client, model):
             ask = dict(model=model, messages=ASK, tools=TOOLS + [ADD], max_tokens=max_tokens, temperature=1.0,
                        seed=seed)
             content, calls, reason = _streamed(client, **ask)
-            assert _whole(client, **ask) == (content, calls, reason), (seed, max_tokens)
-            assert reason in ("stop", "length", "tool_calls") and (reason == "tool_calls") == bool(calls)
+            whole = _whole(client, **ask)
+            if reason == "length" and calls:  # a call cut as it streamed: without stream, none
+                assert whole == ("", [], "length"), (seed, max_tokens)
+            else:
+                assert whole == (content, calls, reason), (seed, max_tokens)
+            assert reason in ("stop", "length", "tool_calls") and (reason != "tool_calls" or calls)
 
 
 def test_a_responses_function_call_round_trip_in_either_format(client, model):
