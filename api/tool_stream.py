@@ -36,7 +36,7 @@ class ToolCallStream:
         self.pos = 0  # where the scan goes on
         self.calls = 0  # calls started
         self.open = False  # inside a call's arguments
-        self.depth, self.in_string, self.escaped = 0, False, False
+        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas that `text`, the reply's next characters, completes."""
@@ -48,12 +48,15 @@ class ToolCallStream:
                 if found is None:
                     return out
                 self.open, self.pos = True, found.end()
-                self.depth, self.in_string, self.escaped = 0, False, False
+                self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
                 out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{found[1]}"')))
                 self.calls += 1
             start, end = self.pos, self._scan()
             piece = self.text[start:end if end is not None else len(self.text)]
             self.pos = end if end is not None else len(self.text)
+            if not self.started:  # the value opens past any spacing the pattern could not see yet
+                piece = piece.lstrip()
+                self.started = bool(piece)
             if piece or end is not None:
                 out.append(CallDelta(self.calls - 1, piece, closed=end is not None))
             if end is None:

@@ -3,7 +3,8 @@
 A Messages request runs as the chat request it reads as (api/anthropic_schemas.py), through the
 same queue, relay and failover, and answers in Anthropic's shapes: a `message` object, or a
 stream of its named events (message_start, content_block_start / _delta / _stop, ping,
-message_delta, message_stop; an `error` event for a request that fails). Errors take
+message_delta, message_stop; an `error` event for a request that fails); a tool call's input
+streams as `input_json_delta` pieces as the model writes it (api/tool_stream.py). Errors take
 Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, with the HTTP status.
 Keys come as `x-api-key` or `Authorization: Bearer` (api/auth.py).
 """
@@ -24,6 +25,7 @@ from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest
 from api.routes.openai import Choice, HeldReplies, collect, finish_reason, plan_chat
 from api.sse import EventStreamResponse, json_frame
+from api.tool_stream import ToolCallStream
 from api.tools import Reply
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
@@ -116,6 +118,7 @@ async def _stream(generation: Generation, chat: ChatCompletionRequest, body: Mes
         "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0)})
     held, choice, index, text_open = HeldReplies(chat, 1), Choice(), 0, False
+    calls, call_open = ToolCallStream(), False  # a held reply's calls, sent as they are written
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping
             yield _event("ping")
@@ -123,6 +126,17 @@ async def _stream(generation: Generation, chat: ChatCompletionRequest, body: Mes
             choice.tokens.append(event)
             choice.text.append(event.text)
             text = "".join(e.text for e in held.release(0, event))
+            for call in calls.feed(event.text) if held.holding(0) else ():
+                if call.name is not None:
+                    yield _event("content_block_start", index=index, content_block={
+                        "type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+                    call_open = True
+                if call.arguments:
+                    yield _event("content_block_delta", index=index,
+                                 delta={"type": "input_json_delta", "partial_json": call.arguments})
+                if call.closed:
+                    yield _event("content_block_stop", index=index)
+                    index, call_open = index + 1, False
             if text:
                 if not text_open:
                     yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
@@ -136,10 +150,11 @@ async def _stream(generation: Generation, chat: ChatCompletionRequest, body: Mes
                 yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
                 return
             reply = chat.reply("".join(choice.text), reason)
-            if held.holding(0):  # a held reply (tools): its text and calls, whole, now
+            if call_open:  # a call cut by max_tokens: its input stays as far as it got
+                yield _event("content_block_stop", index=index)
+            elif held.holding(0) and not calls.calls:  # a held answer (tools, none called): whole, now
                 for frame in _held_blocks(reply, index):
                     yield frame
-                index += len(_blocks(reply))
             elif text_open:
                 yield _event("content_block_stop", index=index)
             stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)

@@ -77,12 +77,17 @@ def test_a_tool_round_trip(stack, client, stream):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     create = dict(model=stack.model_name, max_tokens=200, extra_body=GREEDY, tools=[WEATHER],
                   tool_choice={"type": "tool", "name": "get_weather"}, messages=ask)
+    pieces = []
     if stream:
         with client.messages.stream(**create) as events:
+            pieces = [e.delta.partial_json for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
             first = events.get_final_message()
     else:
         first = client.messages.create(**create)
     assert first.stop_reason == "tool_use"
+    if stream:  # the input streamed as the model wrote it: 20 characters or more in pieces
+        assert len(pieces) >= (2 if len("".join(pieces)) >= 20 else 1), pieces
     calls = [b for b in first.content if b.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and isinstance(calls[0].input["city"], str)
     follow = client.messages.create(model=stack.model_name, max_tokens=16, extra_body=GREEDY, tools=[WEATHER], messages=[

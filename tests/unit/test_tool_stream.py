@@ -51,3 +51,10 @@ def test_a_long_call_streams_in_several_deltas_and_a_cut_one_stays_open():
 def test_an_answer_that_quotes_a_call_is_no_call():
     answer = json.dumps({"response": 'write {"name": "f", "arguments": {"a": 1}} to call'})
     assert _read(answer, 0) == []
+
+
+def test_the_arguments_open_with_their_value_whatever_spacing_comes_first():
+    stream = ToolCallStream()
+    deltas = stream.feed('{"name": "f", "arguments":') + stream.feed(" ") + stream.feed(' {"a"') + stream.feed(": 1}")
+    pieces = [d.arguments for d in deltas if d.arguments]
+    assert pieces[0].startswith("{") and "".join(pieces) == '{"a": 1}'
