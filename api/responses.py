@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 from api import hermes
 from api import tools as tool_format
 from api.responses_schemas import InputItem, dump_items, load_items
+from api.tool_stream import CallDelta, ToolCallStream
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, decode_event
 from shared.store import RequestStore
@@ -157,9 +158,10 @@ def whole_seconds(value: str | None) -> int | None:
 class ResponseEvents:
     """The events of one response, numbered from 0, made from its request's events in order:
     `start` once, `token` for each token, `final` at the end; `response` is the response object
-    as it stands. Text streams token by token; a reply in a tool format is parsed whole at the
-    end into function calls or a message. Every id is made from the response's, so a replay
-    makes exactly the same events."""
+    as it stands. Text streams token by token; in a tool format, each function call streams as
+    the model writes it (api/tool_stream.py: its item once the name is whole, then its arguments'
+    pieces), and the rest of the reply is read whole at the end (an answer becomes a message).
+    Every id is made from the response's, so a replay makes exactly the same events."""
 
     def __init__(self, record: ResponseRecord):
         self.record = record
@@ -170,6 +172,8 @@ class ResponseEvents:
         self.text: list[str] = []
         self.holding = record.tools != "none"
         self.message: dict[str, Any] | None = None  # the message item being streamed
+        self.calls = ToolCallStream()  # a tool reply's calls, as they are written
+        self.call: dict[str, Any] | None = None  # the function call item being streamed
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.incomplete: dict[str, Any] | None = None
@@ -201,7 +205,7 @@ class ResponseEvents:
             return []
         self.text.append(token.text)
         if self.holding:
-            return []
+            return [event for call in self.calls.feed(token.text) for event in self._call_delta(call)]
         out = self._open_message()
         return out + [self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
                                   content_index=0, delta=token.text, logprobs=[])]
@@ -227,13 +231,15 @@ class ResponseEvents:
             parse = hermes.parse if self.record.tools == "hermes" else tool_format.parse
             reply = tool_format.read_reply(text, final.finish_reason.value, parse)
             content, calls = reply.content, reply.tool_calls
-            if content:
+            if self.call is not None:  # cut by max_output_tokens: as far as it got
+                out += self._close_call("incomplete")
+            if content and not self.calls.calls:
                 self.holding, self.text = False, []
                 out += self._open_message()
                 self.text = [content]
                 out.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
                                        content_index=0, delta=content, logprobs=[]))
-            for i, call in enumerate(calls):
+            for i, call in enumerate(calls[self.calls.calls:], start=self.calls.calls):  # none streamed: whole
                 out += self._function_call(i, call["function"]["name"], call["function"]["arguments"])
         elif status in ("completed", "incomplete"):
             out += self._open_message()
@@ -261,6 +267,31 @@ class ResponseEvents:
                 self._event("response.content_part.done", item_id=message["id"], output_index=index,
                             content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=json.loads(json.dumps(message)))]
+
+    def _call_delta(self, call: CallDelta) -> list[dict[str, Any]]:
+        """A streamed call's events: its item at its name, its arguments' pieces, done at its close."""
+        out: list[dict[str, Any]] = []
+        if call.name is not None:
+            self.call = {"id": f"fc_{self.stem}_{call.index}", "type": "function_call", "status": "in_progress",
+                         "call_id": f"call_{self.stem[:24]}_{call.index}", "name": call.name, "arguments": ""}
+            self.output.append(self.call)
+            out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                   item=dict(self.call)))
+        if call.arguments:
+            self.call["arguments"] += call.arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                   output_index=self.output.index(self.call), delta=call.arguments))
+        if call.closed:
+            out += self._close_call("completed")
+        return out
+
+    def _close_call(self, status: str) -> list[dict[str, Any]]:
+        item, self.call = self.call, None
+        item["status"] = status
+        index = self.output.index(item)
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _function_call(self, i: int, name: str, arguments: str) -> list[dict[str, Any]]:
         item = {"id": f"fc_{self.stem}_{i}", "type": "function_call", "status": "in_progress",

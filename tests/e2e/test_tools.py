@@ -312,6 +312,9 @@ def test_a_responses_function_call_round_trip_in_either_format(client, model):
     Weather.model_validate_json(calls[0].arguments)
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [calls[0].arguments]
+    # The arguments streamed as the model wrote them, and their pieces add up to the item's.
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == calls[0].arguments and len(pieces) >= (2 if len(calls[0].arguments) >= 20 else 1)
     assert client.responses.retrieve(final.id).output == final.output
     answered = client.responses.create(model=model, previous_response_id=final.id, tools=tools, tool_choice="none",
                                        temperature=0, max_output_tokens=5,
