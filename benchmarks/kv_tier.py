@@ -13,8 +13,8 @@ Each round, in turns:
   tier (ON), without it (OFF: recomputed), or on the SAME worker without the tier (OFF, the other
   held: what prefix-aware routing gives at best). TTFT = the record's accepted → first token.
 - a takeover: a stream with a prompt of `--history` tokens, its worker SIGKILLed at its 8th
-  token, the scheduler requeues it (heartbeat TTL 1 s, reclaim every 1 s) and the other worker
-  continues. gap = kill → next token at the client; detect = kill → claimed again (the record's
+  token; the other worker (at its heartbeat, every 0.25 s) or the scheduler (every 1 s) puts it
+  back once the dead one's heartbeat expired (TTL 1 s), and the other worker continues. gap = kill → next token at the client; detect = kill → claimed again (the record's
   started_at); resume = claimed → next token: the continuation's prefill, which the tier cuts.
   Reused = the continuation's tokens taken from a cache. Its text is compared with REF's. A new
   worker replaces the dead one before the next round.

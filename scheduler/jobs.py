@@ -6,9 +6,7 @@ import logging
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
-from scheduler.requeue import Requeue
 from shared import redis_keys
 from shared.messages import FINISHED, RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
@@ -47,55 +45,6 @@ async def _trim(queue: RequestQueue, stream: str) -> int:
 def _entry_order(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-async def reclaim_dead_workers(redis: Redis, prefix: str, model: str, heartbeat_ttl_s: float,
-                               max_attempts: int) -> dict[str, int]:
-    """Put back the requests of workers whose heartbeat expired; returns counts by outcome.
-
-    An entry is taken only if it has been pending longer than the heartbeat TTL on a consumer
-    with no heartbeat (XCLAIM's min-idle-time makes the take atomic). It is queued again with
-    status `queued`, and the next worker continues it after the tokens already in its log. A
-    request that took down `max_attempts` workers goes to the dead-letter stream and fails.
-    Every lane is looked at; a request goes back to its own lane, in the two one-slot steps of
-    scheduler/requeue.py.
-    """
-    requeue = Requeue(redis, prefix, max_attempts)
-    outcomes: dict[str, int] = {}
-    for stream in await RequestQueue(redis, prefix, model).streams():
-        for outcome, count in (await _reclaim(redis, requeue, prefix, stream, heartbeat_ttl_s)).items():
-            outcomes[outcome] = outcomes.get(outcome, 0) + count
-    return outcomes
-
-
-async def _reclaim(redis: Redis, requeue: Requeue, prefix: str, stream: str, heartbeat_ttl_s: float
-                   ) -> dict[str, int]:
-    try:
-        consumers = await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)
-    except ResponseError:  # no stream or group yet
-        return {}
-    ttl_ms = int(heartbeat_ttl_s * 1000)
-    outcomes: dict[str, int] = {}
-    for consumer in consumers:
-        name = consumer["name"]
-        if not consumer["pending"] or await redis.exists(redis_keys.worker_heartbeat(prefix, name)):
-            continue
-        pending = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=1000,
-                                             consumername=name)
-        ids = [p["message_id"] for p in pending if p["time_since_delivered"] >= ttl_ms]
-        if not ids:
-            continue
-        for entry_id, fields in await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, ttl_ms, ids):
-            outcome = await requeue(stream, entry_id, fields)
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-            log.warning("request entry %s of dead worker %s: %s", entry_id, name, outcome)
-        # Deleting a consumer drops its pending entries: only once none is left. An entry the
-        # worker read within the TTL before it died is still pending; the next round takes it.
-        left = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=1,
-                                          consumername=name)
-        if name != redis_keys.RECLAIMER and not left:
-            await redis.xgroup_delconsumer(stream, redis_keys.WORKER_GROUP, name)
-    return outcomes
 
 
 async def expire_waiting(redis: Redis, prefix: str, model: str) -> int:

@@ -17,7 +17,8 @@ from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings
 from shared.redis_client import BACKOFF, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
-from scheduler.jobs import expire_waiting, keep_responses, reclaim_dead_workers, trim_request_stream
+from scheduler.jobs import expire_waiting, keep_responses, trim_request_stream
+from shared.reclaim import reclaim_dead_workers
 from shared import redis_keys
 from shared.model_paths import served_name
 from shared.settings import SchedulerSettings

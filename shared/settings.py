@@ -27,6 +27,9 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="STREAMQ_", extra="ignore", protected_namespaces=())
 
+    max_attempts: int = Field(3, ge=1, le=100,
+                              description="Workers a request may take down before it goes to the dead-letter stream "
+                                          "(the scheduler and the workers put dead workers' requests back).")
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("REDIS_URL", "STREAMQ_REDIS_URL", "redis_url"),
@@ -321,5 +324,3 @@ class SchedulerSettings(CommonSettings):
     reclaim_interval_s: int = Field(2, ge=1, le=30,
                                     description="Seconds between searches for requests of dead workers (a divisor of 60).")
     batch_concurrency: int = Field(4, ge=1, le=1024, description="Requests of one offline batch in flight at once.")
-    max_attempts: int = Field(3, ge=1, le=100,
-                              description="Workers a request may take down before it goes to the dead-letter stream.")

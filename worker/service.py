@@ -26,6 +26,7 @@ from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event
 from shared.prefix_affinity import PrefixAffinity
 from shared.pubsub import MESSAGE, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
 from shared.queue import RequestQueue
+from shared.reclaim import reclaim_dead_workers
 from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
@@ -316,6 +317,21 @@ class WorkerService:
             self._beat_at = time.monotonic()
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
+            return
+        if self.backend.free_slots > 0 and not self._stopping.is_set():
+            await self._reclaim()
+
+    async def _reclaim(self) -> None:
+        """A worker with room puts back the requests of dead workers itself, as the scheduler does
+        at its cron tick: a takeover then waits a heartbeat TTL and one beat at most. Never fatal:
+        the scheduler's tick is there too."""
+        try:
+            await reclaim_dead_workers(self.redis, self.settings.prefix, self.model, self.settings.heartbeat_ttl_s,
+                                       self.settings.max_attempts)
+        except REDIS_DOWN as exc:
+            log.warning("dead workers' requests not looked for (%s)", exc)
+        except Exception:  # a bug here must not stop the heartbeat
+            log.exception("looking for dead workers' requests failed")
 
     def _kv_blocks(self) -> dict[str, int]:
         blocks = self.backend.kv_blocks()

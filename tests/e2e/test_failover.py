@@ -11,7 +11,7 @@ import pytest
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
-from tests.stack import Stack, parse_sse, stream_posted
+from tests.stack import Stack, kill_mid_stream, parse_sse, stream_posted
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
 TOKENS = 200
@@ -112,3 +112,18 @@ def test_a_poison_request_is_dead_lettered_and_the_rest_are_served(redis_url, ti
         assert state["status"] == "failed" and "dead-letter" in state["error"]
         other = client.post(f"{api}/v1/requests", json={"prompt": "fine", "max_tokens": 3}).json()["id"]
         assert events_of(client, api, other)[-1]["data"]["status"] == "done"
+
+
+def test_a_worker_with_room_takes_over_without_the_scheduler(redis_url, tiny_llama, tmp_path):
+    """No scheduler runs: the other worker, idle, finds the dead one's request at its heartbeat
+    and puts it back (shared/reclaim.py), and the stream ends with the undisturbed tokens."""
+    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1"}
+    body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=False, env=env) as stack:
+        events, _, rid, victim = kill_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
+        record = stack.redis().hgetall(f"{stack.prefix}:req:{{{rid}}}")
+    tokens = [e for e in events if e["event"] == "token"]
+    assert [int(e["id"]) for e in tokens] == list(range(120))
+    assert record["worker"] != victim and record["status"] == "done" and int(record["attempts"]) == 1
+    assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
+                                                                ignore_eos=True)

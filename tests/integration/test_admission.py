@@ -10,7 +10,7 @@ from api.errors import ApiError
 from api.generation import Generation
 from api.limits import Limits
 from api.metrics import ApiMetrics
-from scheduler.jobs import reclaim_dead_workers
+from shared.reclaim import reclaim_dead_workers
 from shared import redis_keys
 from shared.messages import RequestPayload
 from shared.queue import RequestQueue

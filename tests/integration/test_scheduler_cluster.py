@@ -11,9 +11,9 @@ import pytest
 import redis
 from arq.worker import create_worker
 
-from scheduler.jobs import reclaim_dead_workers
+from shared.reclaim import reclaim_dead_workers
 from scheduler.main import supervise, worker_settings
-from scheduler.requeue import Requeue
+from shared.requeue import Requeue
 from shared import redis_keys
 from shared.arq_cluster import ArqSlot, arq_pool, parse_cluster_url
 from shared.messages import RequestPayload

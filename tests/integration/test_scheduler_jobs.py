@@ -1,8 +1,9 @@
 """Scheduler jobs against a real Redis stream and consumer group."""
 import asyncio
 
-from scheduler.jobs import expire_waiting, reclaim_dead_workers
-from scheduler.requeue import Requeue
+from scheduler.jobs import expire_waiting
+from shared.reclaim import reclaim_dead_workers
+from shared.requeue import Requeue
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event, now
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
