@@ -294,17 +294,8 @@ class ResponseEvents:
                 self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _function_call(self, i: int, name: str, arguments: str) -> list[dict[str, Any]]:
-        item = {"id": f"fc_{self.stem}_{i}", "type": "function_call", "status": "in_progress",
-                "call_id": f"call_{self.stem[:24]}_{i}", "name": name, "arguments": ""}
-        self.output.append(item)
-        index = len(self.output) - 1
-        out = [self._event("response.output_item.added", output_index=index, item=dict(item)),
-               self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=arguments)]
-        item.update(arguments=arguments, status="completed")
-        return out + [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=name, arguments=arguments),
-                      self._event("response.output_item.done", output_index=index, item=dict(item))]
+        """A call read whole at the end: the streamed call's events, in one go."""
+        return self._call_delta(CallDelta(i, "", name=name)) + self._call_delta(CallDelta(i, arguments, closed=True))
 
     def output_items(self) -> list[InputItem]:
         """The response's output as input items of a later turn."""

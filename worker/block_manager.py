@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
 @dataclass
@@ -36,6 +37,14 @@ class _Table:
 
 class NoFreeBlocks(RuntimeError):
     pass
+
+
+class ChainBlock(NamedTuple):
+    """A full block of a token sequence: its hash, its parent's hash (None for the first), its tokens."""
+
+    hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -83,19 +92,14 @@ class BlockManager:
         assert not table.blocks, f"{seq_id} already has blocks"
         if not self.prefix_caching:
             return 0
-        parent: int | None = None
-        usable = (len(token_ids) - 1) // self.block_size
-        for i in range(usable):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
+        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
             self.prefix_queries += 1
-            block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].key != (parent, tokens):
+            block_id = self._cached_id(link)
+            if block_id is None:
                 break
             self.prefix_hits += 1
             self._take(block_id)
             table.blocks.append(block_id)
-            parent = h
         table.hashed = len(table.blocks)
         return len(table.blocks) * self.block_size
 
@@ -131,14 +135,11 @@ class BlockManager:
         table = self._tables[seq_id]
         full = min(num_computed // self.block_size, len(table.blocks))
         parent = self.blocks[table.blocks[table.hashed - 1]].hash if table.hashed else None
-        for i in range(table.hashed, full):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
+        for i, link in enumerate(self._chain(token_ids, full, table.hashed, parent), start=table.hashed):
             block = self.blocks[table.blocks[i]]
-            block.key, block.hash = (parent, tokens), h
-            if self._cached.setdefault(h, block.id) == block.id:
+            block.key, block.hash = (link.parent, link.tokens), link.hash
+            if self._cached.setdefault(link.hash, block.id) == block.id:
                 self._filled.append(block.id)
-            parent = h
         table.hashed = max(table.hashed, full)
 
     def free(self, seq_id: str) -> None:
@@ -153,26 +154,22 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def missing_prefix(self, token_ids: Sequence[int]) -> list[tuple[int | None, tuple[int, ...]]]:
+    def missing_prefix(self, token_ids: Sequence[int]) -> list[ChainBlock]:
         """The full blocks of `token_ids`' prefix (as allocate_prefix would take them) from the
-        first that is not in the cache on, each as (its parent's hash, its tokens). The cached ones
-        before it that are free move to the recently-freed end, so that adopting the missing ones
-        does not evict them."""
+        first that is not in the cache on. The cached ones before it that are free move to the
+        recently-freed end, so that adopting the missing ones does not evict them."""
         if not self.prefix_caching:
             return []
-        parent: int | None = None
-        missing: list[tuple[int | None, tuple[int, ...]]] = []
-        for i in range((len(token_ids) - 1) // self.block_size):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_id = None if missing else self._cached.get(block_hash(parent, tokens))
-            if block_id is None or self.blocks[block_id].key != (parent, tokens):
-                missing.append((parent, tokens))
+        missing: list[ChainBlock] = []
+        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+            block_id = None if missing else self._cached_id(link)
+            if block_id is None:
+                missing.append(link)
             elif self.blocks[block_id].ref_count == 0:
                 self._free.move_to_end(block_id)
-            parent = block_hash(parent, tokens)
         return missing
 
-    def adopt(self, parent: int | None, tokens: tuple[int, ...]) -> int | None:
+    def adopt(self, link: ChainBlock) -> int | None:
         """Take the least recently freed block for a block computed elsewhere (the shared tier's),
         keyed as if computed here and freed just now; its id (the caller writes its keys and
         values), or None where no block is free."""
@@ -180,10 +177,9 @@ class BlockManager:
             return None
         block_id = next(iter(self._free))
         self._forget(block_id)
-        h = block_hash(parent, tokens)
         block = self.blocks[block_id]
-        block.key, block.hash = (parent, tokens), h
-        self._cached[h] = block_id
+        block.key, block.hash = (link.parent, link.tokens), link.hash
+        self._cached[link.hash] = block_id
         self._free.move_to_end(block_id)
         return block_id
 
@@ -200,6 +196,22 @@ class BlockManager:
         self._filled.clear()
         for table in self._tables.values():
             table.hashed = 0
+
+    def _chain(self, token_ids: Sequence[int], end: int, first: int = 0,
+               parent: int | None = None) -> Iterator[ChainBlock]:
+        """Full blocks first .. end-1 of `token_ids`, each hashed once; `parent`: block first-1's hash."""
+        for i in range(first, end):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, tokens)
+            yield ChainBlock(h, parent, tokens)
+            parent = h
+
+    def _cached_id(self, link: ChainBlock) -> int | None:
+        """The cached block holding `link`, if any (its key compared too, not the hash alone)."""
+        block_id = self._cached.get(link.hash)
+        if block_id is None or self.blocks[block_id].key != (link.parent, link.tokens):
+            return None
+        return block_id
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -22,6 +22,7 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer
 from worker.backend import Counts
 from worker.batcher import Batcher, SchedulerOutput
+from worker.block_manager import ChainBlock
 from worker.model_runner import PagedRunner
 from worker.engine_base import BaseEngine
 from worker.kv_tier import KVTier
@@ -180,8 +181,8 @@ class Engine(BaseEngine):
             return
         blocks = self.batcher.blocks
         missing = blocks.missing_prefix(seq.token_ids)[:blocks.num_free]  # more would evict the first ones
-        for (parent, tokens), kv in zip(missing, self.tier.fetch(missing)):
-            self.runner.write_block(blocks.adopt(parent, tokens), kv)
+        for link, kv in zip(missing, self.tier.fetch(missing)):
+            self.runner.write_block(blocks.adopt(link), kv)
 
     def _offload(self) -> None:
         """The blocks this step's forward filled go to the shared tier (read out now: the next
@@ -189,8 +190,7 @@ class Engine(BaseEngine):
         filled = self.batcher.blocks.take_filled()
         if self.tier is not None and filled and self.tier.accepting(len(filled)):
             for block in filled:
-                parent, tokens = block.key
-                self.tier.offload(parent, tokens, self.runner.read_block(block.id))
+                self.tier.offload(ChainBlock(block.hash, *block.key), self.runner.read_block(block.id))
 
     def _fitting(self, seq: Sequence, proposed: list[int]) -> int:
         """How many leading proposed tokens the request's grammar allows (all, without one)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from shared import redis_keys
-from worker.block_manager import block_hash
+from worker.block_manager import ChainBlock
 
 log = logging.getLogger("streamq.kv_tier")
 
@@ -120,16 +120,16 @@ class KVTier:
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier", daemon=True)
         self._writer.start()
 
-    def key(self, parent: int | None, tokens: Sequence[int]) -> str:
-        return redis_keys.kv_block(self.prefix, self.space, block_hash(parent, tuple(tokens)))
+    def key(self, link: ChainBlock) -> str:
+        return redis_keys.kv_block(self.prefix, self.space, link.hash)
 
     # -- the model thread -------------------------------------------------------------------
-    def fetch(self, blocks: Sequence[tuple[int | None, Sequence[int]]]) -> list[memoryview]:
-        """The keys and values of the leading `blocks` (each its parent's hash and its tokens)
-        that the tier holds, in order, up to the first it does not."""
+    def fetch(self, blocks: Sequence[ChainBlock]) -> list[memoryview]:
+        """The keys and values of the leading `blocks` that the tier holds, in order, up to the
+        first it does not."""
         if not blocks or self._away():
             return []
-        keys = [self.key(parent, tokens) for parent, tokens in blocks]
+        keys = [self.key(link) for link in blocks]
         began = time.perf_counter()
         try:
             values = self.redis.mget_nonatomic(keys) if hasattr(self.redis, "mget_nonatomic") else \
@@ -138,8 +138,8 @@ class KVTier:
             self._failed("fetch", exc)
             return []
         found = []
-        for (parent, tokens), value in zip(blocks, values):
-            kv = unpack(value, parent, tokens, self.kv_bytes)
+        for link, value in zip(blocks, values):
+            kv = unpack(value, link.parent, link.tokens, self.kv_bytes)
             if kv is None:
                 break
             found.append(kv)
@@ -161,9 +161,9 @@ class KVTier:
             return False
         return True
 
-    def offload(self, parent: int | None, tokens: Sequence[int], kv: bytes) -> None:
+    def offload(self, link: ChainBlock, kv: bytes) -> None:
         """Store a block this worker computed (in the background; dropped where the writer is behind)."""
-        if not self._put(("set", self.key(parent, tokens), pack(parent, tokens, kv))):
+        if not self._put(("set", self.key(link), pack(link.parent, link.tokens, kv))):
             self.counts.dropped += 1
 
     def flush(self) -> None:

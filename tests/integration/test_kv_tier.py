@@ -101,7 +101,7 @@ def test_the_tier_keeps_its_byte_budget_least_recently_used_first(tiny_llama, re
     assert len(kept) == 5 and all(client.exists(key) for key in kept)
     assert len(client.keys(f"{prefix}:kv:space:*")) == 5 + 1  # the blocks and the index: the rest evicted
     first = request(small.tokenizer, "again", "one two three " * 8).prompt_token_ids
-    oldest = [small.tier.key(parent, tokens) for parent, tokens in BlockManager(64, BLOCK).missing_prefix(first)]
+    oldest = [small.tier.key(link) for link in BlockManager(64, BLOCK).missing_prefix(first)]
     assert not set(oldest) & set(kept)  # the least recently used went first
 
 

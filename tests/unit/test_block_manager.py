@@ -99,8 +99,8 @@ def test_blocks_filled_here_are_listed_once_and_blocks_from_elsewhere_are_not():
     assert [b.key[1] for b in bm.take_filled()] == [(1, 2), (3, 4)]
     assert bm.take_filled() == []
     missing = bm.missing_prefix([1, 2, 3, 4, 6, 7, 8])  # two cached blocks, then (6, 7) missing
-    assert missing == [(bm.blocks[bm.table("a")[1]].hash, (6, 7))]
-    adopted = bm.adopt(*missing[0])
+    assert [(link.parent, link.tokens) for link in missing] == [(bm.blocks[bm.table("a")[1]].hash, (6, 7))]
+    adopted = bm.adopt(missing[0])
     assert bm.take_filled() == []  # computed elsewhere: not offloaded again
     bm.free("a")
     assert bm.allocate_prefix("b", [1, 2, 3, 4, 6, 7, 8]) == 6 and bm.table("b")[2] == adopted
@@ -112,6 +112,6 @@ def test_adopting_evicts_the_least_recently_freed_block_and_not_the_prefix_in_us
     bm.register("a", [1, 2, 3, 4], 4)
     bm.free("a")  # both cached blocks free, at the front of the free list
     missing = bm.missing_prefix([1, 2, 3, 4, 5, 6, 7])  # moves the cached two to the recent end
-    assert [tokens for _, tokens in missing] == [(5, 6)]
-    bm.adopt(*missing[0])  # takes the third block, never yet used
+    assert [link.tokens for link in missing] == [(5, 6)]
+    bm.adopt(missing[0])  # takes the third block, never yet used
     assert bm.allocate_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 6
