@@ -49,25 +49,37 @@ def stack(redis_url, tiny_llama, tmp_path_factory):
         yield running
 
 
-def _until_first_delta(stream, stack: Stack) -> list:
-    """Events up to the first text delta; then every worker is paused, so nothing is finished yet."""
-    seen = []
-    for event in stream:
-        seen.append(event)
-        if event.type == "response.output_text.delta":
-            stack.pause_workers()
-            return seen
-    raise AssertionError(f"the stream ended before any text: {seen}")
+def _held_mid_response(client: openai.OpenAI, stack: Stack, attempts: int = 5):
+    """A background response streamed up to its first text delta, then every worker paused while
+    its request still runs: (the created response, its open stream, the events so far). A worker
+    runs ahead of its client, and on a loaded machine may end the response before the client saw
+    a delta; then the workers go on and a new response is tried, so the pause is mid-response."""
+    for _ in range(attempts):
+        created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS, background=True)
+        stream = client.responses.retrieve(created.id, stream=True)
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta":
+                stack.pause_workers()
+                break
+        else:
+            raise AssertionError(f"the stream ended before any text: {seen}")
+        record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
+        if record.get("status") == "running":
+            return created, stream, seen
+        for i in range(stack.n_workers):
+            stack.resume_worker(i)
+        list(stream)
+    raise AssertionError(f"the response ended before its workers were paused, {attempts} times")
 
 
 def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
     """First in this module: it kills replica 0 (the next test uses replica 1)."""
     client, other = _client(stack.urls[0]), _client(stack.urls[1])
     reference = _undisturbed(other)
-    created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS, background=True)
-    stream = client.responses.retrieve(created.id, stream=True)
+    created, stream, events = _held_mid_response(client, stack)
     try:
-        events = _until_first_delta(stream, stack)
         stack.kill_replica(0)
         # The dead replica's connection ends in an error, or (seen under load) as a plain end of
         # the body: either way, what it had written before it died is all it gives.
@@ -85,9 +97,7 @@ def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
 def test_a_worker_killed_mid_response(stack):
     client = _client(stack.urls[1])
     reference = _undisturbed(client)
-    created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS, background=True)
-    stream = client.responses.retrieve(created.id, stream=True)
-    events = _until_first_delta(stream, stack)
+    created, stream, events = _held_mid_response(client, stack)
     record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
     assert record["status"] == "running", record
     stack.kill_paused_worker(record["worker"])
@@ -105,10 +115,7 @@ def test_a_redis_restart_under_aof_mid_response(tiny_llama, tmp_path):
         with Stack(url, tiny_llama, tmp_path / "stack") as stack:
             client = _client(stack.urls[0])
             reference = _undisturbed(client)
-            created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS,
-                                              background=True)
-            stream = client.responses.retrieve(created.id, stream=True)
-            events = _until_first_delta(stream, stack)
+            created, stream, events = _held_mid_response(client, stack)
             redis.crash_and_restart()
             stack.resume_worker(0)
             events += list(stream)  # the same connection: the stream waited for Redis
