@@ -24,7 +24,7 @@ from api.hub import PubSubHub
 from api.relay import Relay
 from api.tracing import TraceRequests
 from api.responses import ResponseStore
-from api.routes import batches, health, messages, openai, playground, requests, responses, seed
+from api.routes import batches, health, lora, messages, openai, playground, pooling, requests, responses, seed
 from shared import redis_keys, tracing
 from shared.api_keys import KeyStore
 from shared.model_paths import model_dir, served_name
@@ -34,7 +34,7 @@ from shared.tokenizer import Tokenizer
 
 
 # Paths whose errors take OpenAI's body (and 400 for every invalid request).
-OPENAI_FAMILY = openai.OPENAI_PATHS + responses.PATHS
+OPENAI_FAMILY = openai.OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -54,8 +54,8 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await metrics.sample_fleet(replica.store.redis, settings.prefix, replica.model_name)
         return metrics.response()
 
-    for router in (requests.router, openai.router, responses.router, messages.router, seed.router, batches.router,
-                   health.router, playground.router):
+    for router in (requests.router, openai.router, responses.router, messages.router, pooling.router, lora.router,
+                   seed.router, batches.router, health.router, playground.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
     _handle_errors(app)

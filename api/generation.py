@@ -4,6 +4,7 @@ only in the shapes they accept and answer."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import uuid
 from typing import Any, AsyncIterator
@@ -16,6 +17,7 @@ from api.errors import ApiError
 from api.limits import Limits
 from api.relay import Event, Relay
 from shared import tracing
+from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
@@ -25,6 +27,7 @@ from shared.workers import live_workers
 
 
 log = logging.getLogger(__name__)
+LORA_BACKEND = "hf"  # the paged engine's workers: they alone run LoRA adapters (worker/lora.py)
 
 
 class Generation:
@@ -38,7 +41,9 @@ class Generation:
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # what the answers name: the model, or the LoRA adapter asked for
+        self.base_model = model_name  # whose queue and workers run it
+        self.adapter: str | None = None  # the LoRA adapter its requests run with (with_adapter)
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
         self.max_tokens_cap = max_tokens_cap
@@ -47,16 +52,23 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
 
+    def with_adapter(self, name: str) -> "Generation":
+        """This model's Generation for requests that run with the LoRA adapter `name` (the same
+        queue, tokenizer and limits; the answers name the adapter)."""
+        view = copy.copy(self)
+        view.model_name, view.adapter = name, name
+        return view
+
     async def live_backends(self) -> set[str]:
         """The backends of the live workers that serve this model."""
         return {w["backend"] for w in await live_workers(self.store.redis, self.store.prefix)
-                if w.get("model") == self.model_name and w.get("backend")}
+                if w.get("model") == self.base_model and w.get("backend")}
 
     async def check_backend(self, backend: str) -> None:
         """404 unless a live worker of `backend` serves the model (a request for it would wait forever)."""
         live = await self.live_backends()
         if backend not in live:
-            raise ApiError(404, f"no live worker of backend {backend!r} serves {self.model_name!r}; "
+            raise ApiError(404, f"no live worker of backend {backend!r} serves {self.base_model!r}; "
                                 f"live backends: {sorted(live)}", param="backend", code="backend_not_found")
 
     def check_model(self, model: str | None) -> None:
@@ -94,9 +106,10 @@ class Generation:
                                 f"{n + params.max_tokens}, more than the model's context of {context} tokens",
                            param="max_tokens")
         created = now()
-        return RequestPayload(id=str(uuid.uuid4()), model=self.model_name, prompt_token_ids=prompt_ids,
+        return RequestPayload(id=str(uuid.uuid4()), model=self.base_model, prompt_token_ids=prompt_ids,
                               params=params, created_at=created, expires_at=created + self.queue_timeout_s,
-                              priority=priority)
+                              priority=priority, adapter=self.adapter,
+                              backend=LORA_BACKEND if self.adapter is not None else None)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.tokenizer.vocab_size
@@ -117,6 +130,10 @@ class Generation:
         """Queue the requests for tenant `owner`, all or none (past the backlog limit, 503)."""
         if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
             return
+        if self.adapter is not None:
+            await self._check_adapter(owner)
+            if any(p.backend != LORA_BACKEND for p in payloads):
+                raise ApiError(400, f"LoRA adapters run on the {LORA_BACKEND!r} backend only", param="backend")
         if self.affinity is not None:
             await self.affinity.route(payloads)
         weight, tokens = 1.0, 0
@@ -148,6 +165,13 @@ class Generation:
             if self.log_prompts:
                 fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
             log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)
+
+    async def _check_adapter(self, owner: str) -> None:
+        """404 where the adapter is kept to other tenants (/v1/load_lora_adapter's `tenants`), as for
+        a model this tenant cannot see."""
+        entry = await LoraRegistry(self.store.redis, self.store.prefix).entry(self.base_model, self.adapter)
+        if entry is not None and not entry.allows(owner):
+            raise ApiError(404, f"model {self.adapter!r} is not served here", param="model", code="model_not_found")
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:
         for payload in payloads:

@@ -15,6 +15,7 @@ from api.limits import Limits
 from api.metrics import ApiMetrics
 from api.relay import Relay
 from shared import tokenizer_files
+from shared.lora_registry import AdapterEntry, LoraRegistry
 from shared.prefix_affinity import PrefixAffinity
 from shared.queue import RequestQueue
 from shared.settings import ApiSettings
@@ -71,15 +72,41 @@ class Models:
         async with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
-            served = await self.served()
-            folder = None
-            if name in served:
-                folder = await tokenizer_files.fetch(self.store.redis, self.settings.prefix, name,
+            adapters = await self.adapters()
+            if name in adapters:  # a LoRA adapter: its base model's Generation, the adapter on its requests
+                base = adapters[name][0]
+                generation = self._loaded.get(base)
+                if generation is None:
+                    generation = await self._load(base, await self.served())
+                return generation.with_adapter(name)
+            return await self._load(name, await self.served())
+
+    async def _load(self, name: str, served: set[str]) -> Generation:
+        """A served model's Generation, from the tokenizer files its workers published."""
+        folder = None
+        if name in served:
+            folder = await tokenizer_files.fetch(self.store.redis, self.settings.prefix, name,
                                                  self.settings.model_cache_dir)
-            if folder is None:
-                raise ApiError(404, f"model {name!r} is not served here; served models: {sorted(served)}",
-                               param="model", code="model_not_found")
-            return await self.add(name, Tokenizer(folder))
+        if folder is None:
+            raise ApiError(404, f"model {name!r} is not served here; served models: {sorted(served)}",
+                           param="model", code="model_not_found")
+        return await self.add(name, Tokenizer(folder))
+
+    async def adapters(self) -> dict[str, tuple[str, AdapterEntry | None]]:
+        """The LoRA adapters served, name -> (its base model, its run-time entry where it has one):
+        those a live worker lists (STREAMQ_LORA_MODULES, and those loaded at run time once the
+        worker has read them: until then a request would find no worker that knows its folder)."""
+        live = await live_workers(self.store.redis, self.settings.prefix)
+        found: dict[str, tuple[str, AdapterEntry | None]] = {}
+        for worker in live:
+            for name in worker.get("adapters") or []:
+                found.setdefault(name, (worker["model"], None))
+        registry = LoraRegistry(self.store.redis, self.settings.prefix)
+        for model in {model for model, _ in found.values()}:
+            for name, entry in (await registry.entries(model)).items():
+                if name in found:
+                    found[name] = (model, entry)
+        return found
 
     async def served(self) -> set[str]:
         """Models with a live worker. (This api's own model takes requests even before its

@@ -9,7 +9,7 @@ import enum
 import time
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from shared.sampling import SamplingParams
 
@@ -57,6 +57,37 @@ def now() -> float:
 MAX_PRIORITY = 20  # priorities are -20..20: each one a lane (a stream) per tenant
 
 
+MAX_POOL_INPUTS = 256  # inputs of one embeddings or rerank request
+
+
+class PoolSpec(BaseModel):
+    """What makes a request a pooling one (embeddings, rerank) instead of a generation: the worker
+    runs each input's prompt through the model once and answers vectors or scores, no tokens.
+    The inputs lie back to back in the payload's prompt_token_ids, `lengths` long each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: Literal["embed", "score"]
+    lengths: list[int] = Field(min_length=1, max_length=MAX_POOL_INPUTS)
+    # embed: the mean of the final hidden states over the input's tokens, scaled to length 1 where `normalize`
+    normalize: bool = True
+    # score: P(candidates[0]) / (P(candidates[0]) + P(candidates[1])) at the input's last token (yes / no)
+    candidates: list[int] | None = Field(None, min_length=2, max_length=2)
+
+    @field_validator("lengths")
+    @classmethod
+    def _each_input_has_tokens(cls, value: list[int]) -> list[int]:
+        if any(n < 1 for n in value):
+            raise ValueError("every input needs at least one token")
+        return value
+
+    @model_validator(mode="after")
+    def _candidates_for_score(self) -> "PoolSpec":
+        if (self.task == "score") != (self.candidates is not None):
+            raise ValueError("candidates are given for task score, and only for it")
+        return self
+
+
 class RequestPayload(BaseModel):
     """A request to run, as written to the model's request stream."""
 
@@ -75,6 +106,24 @@ class RequestPayload(BaseModel):
     affinity: str | None = Field(None, pattern=r"^[^/]+$")
     # The W3C trace context (traceparent, tracestate) of the api span that queued it, where tracing is on
     trace: dict[str, str] | None = Field(None, max_length=4)
+    # The LoRA adapter to run it with, by the name the worker serves it under (None: the base model)
+    adapter: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\s,=]+$")
+    pool: PoolSpec | None = None  # an embeddings or rerank request (None: a generation)
+
+    @model_validator(mode="after")
+    def _pool_inputs_add_up(self) -> "RequestPayload":
+        if self.pool is not None and sum(self.pool.lengths) != len(self.prompt_token_ids):
+            raise ValueError(f"the pool's lengths add up to {sum(self.pool.lengths)}, "
+                             f"not to the {len(self.prompt_token_ids)} prompt tokens")
+        return self
+
+    def pool_inputs(self) -> list[list[int]]:
+        """The token ids of each input of a pooling request."""
+        inputs, start = [], 0
+        for n in self.pool.lengths:
+            inputs.append(self.prompt_token_ids[start:start + n])
+            start += n
+        return inputs
 
 
 class Usage(BaseModel):
@@ -115,6 +164,9 @@ class FinalEvent(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    # A pooling request's results, one per input: base64 of little-endian float32 values (a
+    # vector for embed, one score for score)
+    pooled: list[str] | None = None
 
 
 Event = Annotated[Union[TokenEvent, StatusEvent, FinalEvent], Field(discriminator="type")]

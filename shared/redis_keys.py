@@ -67,6 +67,13 @@ def model_files(prefix: str, model: str) -> str:
     return f"{prefix}:model:{model}:files"
 
 
+def lora_adapters(prefix: str, model: str) -> str:
+    """Hash: the LoRA adapters loaded at run time for a model (/v1/load_lora_adapter), name -> JSON
+    {path, tenants}. No TTL: they stay served until unloaded; every worker of the model reads it at
+    its heartbeat, every api replica when a request names an adapter."""
+    return f"{prefix}:lora:{{{model}}}"
+
+
 def model_commit(prefix: str, repo: str, revision: str) -> str:
     """String: the commit a hub model's revision (a branch or tag) resolved to, set once (SET NX)
     by the first process of the deployment, so the api and every worker load one snapshot. No

@@ -70,6 +70,8 @@ class ApiSettings(CommonSettings):
     auth: Literal["auto", "on", "off"] = Field(
         "auto", description="API keys required: auto = on whenever the api binds beyond loopback.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    admin_tenant: str = Field("admin", min_length=1, max_length=64,
+                              description="With auth on, the tenant whose keys may load and unload LoRA adapters.")
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
                          description="Name of this replica, unique in the deployment.")
     default_max_tokens: int = Field(256, ge=1, le=1_000_000,
@@ -131,6 +133,31 @@ class SpeculativeSettings(_Section):
     ngram_max: int
     disable_by_batch_size: int = Field(alias="speculative_disable_by_batch_size")
     model: str | None = Field(alias="speculative_model")
+
+
+class LoraSettings(_Section):
+    modules: str = Field(alias="lora_modules")  # name=path,... (parse_lora_modules)
+    enable: bool = Field(alias="enable_lora")
+    max_loras: int
+    max_rank: int = Field(alias="max_lora_rank")
+
+    @property
+    def paths(self) -> dict[str, Path]:
+        return parse_lora_modules(self.modules)
+
+
+def parse_lora_modules(text: str) -> dict[str, Path]:
+    """STREAMQ_LORA_MODULES, `name=path,name2=path2`, as name -> folder; a ValueError naming the
+    entry that is not one."""
+    modules: dict[str, Path] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not path or any(c.isspace() for c in name):
+            raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+        if name in modules:
+            raise ValueError(f"lora_modules names adapter {name!r} twice")
+        modules[name] = Path(path).expanduser()
+    return modules
 
 
 class VllmSettings(_Section):
@@ -265,6 +292,16 @@ class WorkerSettings(CommonSettings):
         None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
                           "as a folder or a Hugging Face id in the local cache.")
 
+    # -- LoRA adapters on the built-in paged engine (LoraSettings; docs/lora.md) ---------------------
+    lora_modules: str = Field("", description="LoRA adapters served, name=folder,name2=folder2 (peft save_pretrained "
+                                              "folders); loaded at start up to max_loras, the rest on first use. A "
+                                              "request names one by its name (payload `adapter`).")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters: those of lora_modules (which turn this on) and "
+                                                 "those loaded at run time through the api's /v1/load_lora_adapter.")
+    max_loras: int = Field(8, ge=1, le=256, description="Most LoRA adapters loaded at once; an idle one is unloaded "
+                                                        "to load another.")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank r served; an adapter over it is refused.")
+
     # -- vLLM's engine, backend=vllm (VllmSettings); max_num_seqs is batch_size, dtype and prefix_caching as above ---
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
     vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
@@ -281,6 +318,7 @@ class WorkerSettings(CommonSettings):
     step: ClassVar[_SectionOf[StepSettings]] = _SectionOf(StepSettings)
     speculative: ClassVar[_SectionOf[SpeculativeSettings]] = _SectionOf(SpeculativeSettings)
     vllm: ClassVar[_SectionOf[VllmSettings]] = _SectionOf(VllmSettings)
+    lora: ClassVar[_SectionOf[LoraSettings]] = _SectionOf(LoraSettings)
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> "WorkerSettings":
@@ -297,6 +335,12 @@ class WorkerSettings(CommonSettings):
         if self.speculative_method != "off" and self.backend == "vllm":
             raise ValueError(f"speculative_method={self.speculative_method!r} is the built-in engine's; "
                              "with backend='vllm' use vllm_speculative_config")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_modules_parse(self) -> "WorkerSettings":
+        if parse_lora_modules(self.lora_modules) and self.backend != "hf":
+            raise ValueError(f"lora_modules are served by the built-in engine (backend='hf'), not backend={self.backend!r}")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,8 @@ class Tokenizer:
             template_file.read_text() if template_file.is_file() else config.get("chat_template")
         )
         self.context_length = served_context(model_config)
+        # The size of the final hidden states (embeddings): OPT's project_out gives word_embed_proj_dim
+        self.hidden_size = int(model_config.get("word_embed_proj_dim") or model_config.get("hidden_size") or 0)
         eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
         ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from shared.messages import RequestPayload, TokenEvent
@@ -36,6 +37,7 @@ class Counts:
 class Backend(Protocol):
     name: str
     batch_size: int
+    pools: bool  # whether it runs pooling requests (RequestPayload.pool: embeddings, rerank)
     last_step_size: int  # requests in the last step, for metrics
 
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -69,6 +71,14 @@ class Backend(Protocol):
         """Whether a token's result depends on its own sequence only, so that a continuation after
         a failover gives the undisturbed tokens (PagedRunner.batch_invariant)."""
 
+    @property
+    def adapters(self) -> list[str] | None:
+        """The LoRA adapters it serves (worker/lora.py), for the heartbeat; None where it serves none
+        (LoRA not enabled, or a backend without it)."""
+
+    def learn_adapters(self, runtime: dict[str, Path]) -> None:
+        """The adapters loaded at run time for its model (Adapters.learn), where it serves LoRA."""
+
     def counts(self) -> Counts:
         """Its running totals, read after each step."""
 
@@ -92,6 +102,7 @@ class Threaded:
         self.engine = engine
         self.name = name
         self.batch_size = engine.batch_size
+        self.pools = engine.pools
         self._thread = thread or model_thread()
 
     @classmethod
@@ -137,6 +148,18 @@ class Threaded:
     @property
     def batch_invariant(self) -> bool:
         return getattr(getattr(self.engine, "runner", None), "batch_invariant", False)  # the paged engine's
+
+    @property
+    def adapters(self) -> list[str] | None:
+        registry = self._registry()
+        return registry.servable() if registry is not None else None
+
+    def learn_adapters(self, runtime: dict[str, Path]) -> None:
+        if (registry := self._registry()) is not None:
+            registry.learn(runtime)
+
+    def _registry(self):
+        return getattr(getattr(self.engine, "runner", None), "adapters", None)  # the paged engine's, where on
 
     def counts(self) -> Counts:
         return self.engine.counts()

@@ -106,7 +106,7 @@ class Batcher:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            computed = self.blocks.allocate_prefix(seq.id, seq.token_ids)
+            computed = self.blocks.allocate_prefix(seq.id, seq.token_ids, seq.kv_root)
             length = min(seq.num_tokens - computed, budget)
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
                 self.blocks.free(seq.id)  # not now: give back the shared prefix

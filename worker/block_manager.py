@@ -10,6 +10,10 @@ and forgets its key then (LRU eviction).
 The hash is stable (the same in every process and machine), so the shared KV tier
 (worker/kv_tier.py) keys blocks by it: a block this worker filled is listed for offloading
 (take_filled), and one fetched from the tier joins the cache as if freed here (adopt).
+
+A request of a LoRA adapter computes other keys and values for the same tokens: its chain starts
+from the adapter's root (`root`, worker/lora.py) instead of none, so its blocks are never shared
+with the base model's or another adapter's; the base model's hashes are those of a chain with no root.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class Block:
 class _Table:
     blocks: list[int] = field(default_factory=list)
     hashed: int = 0  # how many leading blocks are registered in the prefix cache
+    root: int | None = None  # the parent of its first block: its LoRA adapter's root, None for the base model
 
 
 class NoFreeBlocks(RuntimeError):
@@ -82,17 +87,19 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     # -- changes ---------------------------------------------------------------------------
-    def allocate_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
-        """Start a table for `seq_id`, sharing every cached full block of its prefix.
+    def allocate_prefix(self, seq_id: str, token_ids: Sequence[int], root: int | None = None) -> int:
+        """Start a table for `seq_id`, sharing every cached full block of its prefix (the chain
+        from `root`: its LoRA adapter's, None for the base model).
 
         Returns how many tokens are already computed. The last token is never taken from the
         cache: its forward gives the logits of the first new token.
         """
         table = self._tables.setdefault(seq_id, _Table())
         assert not table.blocks, f"{seq_id} already has blocks"
+        table.root = root
         if not self.prefix_caching:
             return 0
-        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size, parent=root):
             self.prefix_queries += 1
             block_id = self._cached_id(link)
             if block_id is None:
@@ -134,7 +141,7 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         full = min(num_computed // self.block_size, len(table.blocks))
-        parent = self.blocks[table.blocks[table.hashed - 1]].hash if table.hashed else None
+        parent = self.blocks[table.blocks[table.hashed - 1]].hash if table.hashed else table.root
         for i, link in enumerate(self._chain(token_ids, full, table.hashed, parent), start=table.hashed):
             block = self.blocks[table.blocks[i]]
             block.key, block.hash = (link.parent, link.tokens), link.hash
@@ -154,14 +161,14 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def missing_prefix(self, token_ids: Sequence[int]) -> list[ChainBlock]:
+    def missing_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[ChainBlock]:
         """The full blocks of `token_ids`' prefix (as allocate_prefix would take them) from the
         first that is not in the cache on. The cached ones before it that are free move to the
         recently-freed end, so that adopting the missing ones does not evict them."""
         if not self.prefix_caching:
             return []
         missing: list[ChainBlock] = []
-        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+        for link in self._chain(token_ids, (len(token_ids) - 1) // self.block_size, parent=root):
             block_id = None if missing else self._cached_id(link)
             if block_id is None:
                 missing.append(link)

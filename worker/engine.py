@@ -26,6 +26,8 @@ from worker.block_manager import ChainBlock
 from worker.model_runner import PagedRunner
 from worker.engine_base import BaseEngine
 from worker.kv_tier import KVTier
+from worker import pooling
+from worker.pooling import PoolJob
 from worker.random_streams import make_generator, replay_draws
 from worker.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.sequence import Sequence, Status, StepOutput, new_sequence
@@ -44,6 +46,7 @@ STEP_PHASES = ("admit", "schedule", "forward", "sample")
 
 
 class Engine(BaseEngine):
+    pools = True
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
                  speculator: Speculator | None = None, tier: KVTier | None = None):
         super().__init__(batcher.max_num_seqs)
@@ -64,9 +67,16 @@ class Engine(BaseEngine):
         self._arrivals_lock = threading.Lock()
         self._running: list[Sequence] = []  # views of the batcher as the last step left it
         self._waiting: list[Sequence] = []
+        self._pool_arrivals: list[PoolJob] = []  # pooling requests (embeddings, rerank) added since the last step
+        self._pools: list[PoolJob] = []  # ... and those the steps run, oldest first (model thread only)
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence | PoolJob:
+        if payload.pool is not None:  # it answers at its end only: a takeover starts it again
+            job = PoolJob.of(payload)
+            with self._arrivals_lock:
+                self._pool_arrivals.append(job)
+            return job
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         if self.compiler.start(seq):
             seq.status = Status.WAITING_FOR_GRAMMAR
@@ -79,9 +89,10 @@ class Engine(BaseEngine):
         return list(self._running)
 
     @property
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[Sequence | PoolJob]:
+        """Requests taken and not in the batch: generations, and pooling requests not done yet."""
         with self._arrivals_lock:
-            return self._waiting + self._arrivals
+            return self._waiting + self._arrivals + self._pools + self._pool_arrivals
 
     @property
     def free_slots(self) -> int:
@@ -103,7 +114,7 @@ class Engine(BaseEngine):
     def step(self) -> list[StepOutput]:
         clock = time.perf_counter
         began = clock()
-        outputs = self._admit() + self._end_cancelled()
+        outputs = self._admit() + self._end_cancelled() + self._pool_step()
         admitted = clock()
         scheduled = self.batcher.schedule()
         _stamp_first_step(scheduled)
@@ -128,6 +139,37 @@ class Engine(BaseEngine):
         for phase, seconds in zip(STEP_PHASES, (admitted - began, planned - admitted, forwarded - planned,
                                                 ended - forwarded)):
             self.phase_seconds[phase] += seconds
+        return outputs
+
+    def fail_all(self, error: str) -> list[StepOutput]:
+        outputs = super().fail_all(error)
+        with self._arrivals_lock:
+            jobs, self._pools, self._pool_arrivals = self._pools + self._pool_arrivals, [], []
+        return outputs + [job.output(FinishReason.ERROR, error) for job in jobs]
+
+    def _pool_step(self) -> list[StepOutput]:
+        """Run the next pooling inputs (embeddings, rerank) that the token budget and the free
+        blocks allow, in one forward before the step's own; end the requests now done. They wait
+        while generation holds every block they need (it gives them back as requests end)."""
+        with self._arrivals_lock:
+            arrivals, self._pool_arrivals = self._pool_arrivals, []
+        outputs, most = [], self.batcher.max_tokens_per_request()
+        for job in arrivals:
+            longest = max(map(len, job.inputs))
+            if longest > most:
+                outputs.append(job.output(FinishReason.ERROR, f"an input of {longest} tokens needs more KV cache "
+                                                              f"than this worker's, which holds {most} tokens"))
+            else:
+                self._pools.append(job)
+        picked = pooling.plan(self._pools, self.batcher.blocks, self.batcher.max_num_batched_tokens)
+        if not picked:
+            return outputs
+        stamp = now()
+        for job, _ in picked:
+            job.scheduled_at = job.scheduled_at or stamp
+        pooling.run(picked, self.batcher.blocks, self.runner.execute)
+        outputs += [job.output() for job in self._pools if job.done]
+        self._pools = [job for job in self._pools if not job.done]
         return outputs
 
     def _admitted(self) -> list[Sequence]:
@@ -159,12 +201,13 @@ class Engine(BaseEngine):
     def _ready(self, seq: Sequence) -> StepOutput | None:
         """Give a queued request its matcher and sampling state and mark it WAITING, so the batcher
         may run it; or end it, with the error, where it cannot run (its constraint does not
-        compile, or it can never fit the cache)."""
+        compile, it can never fit the cache, or its LoRA adapter is not served here)."""
         need, most = len(seq.prompt_ids) + (seq.params.max_tokens or 0), self.batcher.max_tokens_per_request()
         try:
             matcher = self.compiler.matcher(seq)
             if need > most:
                 raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
+            self._hold_adapter(seq)
         except ValueError as exc:  # GrammarError included
             return self._end([seq], FinishReason.ERROR, str(exc))[0]
         self._fetch_prefix(seq)
@@ -174,13 +217,25 @@ class Engine(BaseEngine):
         seq.status = Status.WAITING
         return None
 
+    def _hold_adapter(self, seq: Sequence) -> None:
+        """The request's LoRA adapter, loaded if need be and held until it ends; its chain root
+        keys the request's KV blocks apart from the base model's and other adapters' (a ValueError
+        naming the adapter where this worker cannot serve it)."""
+        if seq.adapter is None:
+            return
+        adapters = self.runner.adapters
+        if adapters is None:
+            raise ValueError(f"adapter {seq.adapter!r}: this worker serves no LoRA adapters (STREAMQ_LORA_MODULES)")
+        seq.kv_root = adapters.acquire(seq.adapter, seq.id).root
+
     def _fetch_prefix(self, seq: Sequence) -> None:
         """The blocks of the request's prefix that this worker's cache lacks, from the shared tier
         where it has them: they join the prefix cache, and the batcher's admission takes them."""
         if self.tier is None:
             return
         blocks = self.batcher.blocks
-        missing = blocks.missing_prefix(seq.token_ids)[:blocks.num_free]  # more would evict the first ones
+        # No more than are free: more would evict the first ones.
+        missing = blocks.missing_prefix(seq.token_ids, seq.kv_root)[:blocks.num_free]
         for link, kv in zip(missing, self.tier.fetch(missing)):
             self.runner.write_block(blocks.adopt(link), kv)
 
@@ -208,6 +263,8 @@ class Engine(BaseEngine):
         self._sampling.pop(seq.id, None)
         if self.speculator:
             self.speculator.forget(seq.id)
+        if self.runner.adapters is not None:
+            self.runner.adapters.release(seq.id)
 
     def _sampling_batch(self, scheduled: SchedulerOutput) -> SamplingBatch:
         sampling = [c for c in scheduled.chunks if c.samples]

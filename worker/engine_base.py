@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class BaseEngine:
+    pools = False  # whether it runs pooling requests (embeddings, rerank): the paged engine only
+
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
         self.cancels = CancelInbox()

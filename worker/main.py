@@ -21,7 +21,8 @@ from worker.block_manager import BlockManager
 from worker.drafter import DraftProposer
 from worker.engine import Engine
 from worker.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
-from worker.model_runner import PagedRunner, blocks_for_bytes, supports
+from worker.lora import Adapters
+from worker.model_runner import DETERMINISTIC_TILE, PagedRunner, blocks_for_bytes, supports
 from worker.model_loader import load_model, load_weights, pick_device, pick_dtype
 from worker.null_engine import NullEngine
 from worker.service import EngineStalled, WorkerService
@@ -66,6 +67,9 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
         if step.deterministic:
             raise ValueError(f"deterministic mode needs the paged engine, which has no runner for "
                              f"model_type={model.config.model_type!r}")
+        if settings.lora.paths:
+            raise ValueError(f"LoRA adapters run on the paged engine, which has no runner for "
+                             f"model_type={model.config.model_type!r}")
         log.warning("no paged runner for %s: using static batches (slower)", model.config.model_type)
         if settings.speculative.method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
@@ -81,6 +85,7 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
                          graph_batch=batch if step.cuda_graphs and device.type == "cuda" else 0,
                          deterministic=step.deterministic)
     quant_model.release_projections(model)  # the runner's Weights hold them packed; a byte a code no more
+    runner.adapters = build_adapters(settings, runner)
     log.info("step: %s%s%s; %s", "CPU step kernels" if runner.kernels is not None else
              "fused eager ops" if runner.fused is not None else "the modules' eager ops",
              f", decode from CUDA graphs (batch buckets {runner.graphs.batches})" if runner.graphs else "",
@@ -93,6 +98,23 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer),
                   build_tier(settings, runner))
+
+
+def build_adapters(settings: WorkerSettings, runner: PagedRunner) -> Adapters | None:
+    """The LoRA adapters of lora_modules, the first max_loras of them loaded now (the rest on
+    first use); None where none are configured. A ValueError names one that cannot be served."""
+    lora = settings.lora
+    paths = lora.paths
+    if not paths and not lora.enable:
+        return None
+    # Deterministic mode: the deltas' matmuls in fixed tiles, as the projections' (batch_invariant holds).
+    adapters = Adapters(runner.model, lora.max_loras, lora.max_rank, paths,
+                        DETERMINISTIC_TILE if runner.deterministic else 0, runner.kernels)
+    for name, path in list(paths.items())[:lora.max_loras]:
+        adapter = adapters.load(name, path)
+        log.info("LoRA adapter %s: r=%d, scale %.3g, on %s (%s)", name, adapter.rank, adapter.scale,
+                 ",".join(sorted(adapter.targets)), path)
+    return adapters
 
 
 def build_tier(settings: WorkerSettings, runner: PagedRunner) -> KVTier | None:

@@ -27,6 +27,7 @@ from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 from worker.kernels import cpu_has
+from worker.lora_step import StepLora
 
 SUPPORTED = quant_model.LLAMA_FAMILY | {"opt", "gemma3_text"}
 
@@ -104,6 +105,8 @@ class StepInputs:
     groups: list[AttentionGroup]  # the chunks attended by torch's ops: none with the kernels
     logits_index: torch.Tensor  # flat index of each token whose logits the step needs, chunk by chunk
     paged: _Paged | None = None
+    lora: StepLora | None = None  # the step's LoRA adapter rows (None: every row is the base model's)
+    hidden: bool = False  # give those tokens' final hidden states (after the last norm), not their logits
 
 
 # Rows of each library matmul call in deterministic mode where panel_linear is not available.
@@ -168,6 +171,7 @@ class PagedRunner:
             matmul_rows = AMX_MATMUL_ROWS if amx else 0
         self.matmul_rows = matmul_rows
         self.fused = self._fuse(dtype, matmul_rows) if fused else None
+        self.adapters = None  # the LoRA adapters served (worker/lora.py Adapters), set by the worker where any
         self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
         if self.kernels is not None and self.arch == "llama":
             self.one_token = self._one_token_layers()
@@ -216,7 +220,10 @@ class PagedRunner:
         cached, with speculation, and continued by another worker after a failover: the llama
         layers on the CPU step kernels (every chunk on the paged kernel), every projection and the
         head computing each row alone. Not so for bf16 on a CPU with AMX, whose calls of many rows
-        run on oneDNN, nor without panels for the dtype, unless in deterministic mode."""
+        run on oneDNN, nor without panels for the dtype, unless in deterministic mode.
+        This is the base model's requests': a row with a LoRA adapter adds a delta computed over
+        the step's rows of its adapter (or of all its adapters, stacked), whose rounding hangs on
+        that count, unless in deterministic mode (fixed tiles); a base row gets no delta at all."""
         if self.kernels is None or self.arch != "llama" or self.fused is None:
             return False
         return all(w.row_independent or w.tile for w in self._weights())
@@ -272,12 +279,17 @@ class PagedRunner:
                           self.scale)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, hidden: bool = False) -> torch.Tensor:
         """Run the step's chunks; return the logits the chunks need (Chunk.num_logits each: a
-        sampling chunk's last token, and one row per proposed token), in chunk order."""
-        if self.graphs is not None and self.graphs.fits(out):
+        sampling chunk's last token, and one row per proposed token), in chunk order; with
+        `hidden`, those tokens' final hidden states instead (pooling: embeddings)."""
+        # CUDA graphs and the one-token layer stack add no deltas: a step with adapter rows runs per layer.
+        lora = StepLora.of(out.chunks, self.adapters, self.device) if self.adapters is not None else None
+        if not hidden and lora is None and self.graphs is not None and self.graphs.fits(out):
             return self.graphs.execute(out)
         step = self._prepare(out)
+        step.lora = lora
+        step.hidden = hidden
         if self.arch == "opt":
             return self._opt(step)
         if self.arch == "gemma3":
@@ -400,21 +412,20 @@ class PagedRunner:
         h = core.embed_tokens(step.input_ids)
         cos, sin = core.rotary_emb(h[None], step.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
-        total = h.shape[0]
+        total, lora = h.shape[0], step.lora or StepLora([])  # no groups: the modules alone
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(total, -1, self.head_dim)
-            k = attn.k_proj(x).view(total, -1, self.head_dim)
-            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            q = lora.project(i, "q_proj", attn.q_proj, x).view(total, -1, self.head_dim)
+            k = lora.project(i, "k_proj", attn.k_proj, x).view(total, -1, self.head_dim)
+            v = lora.project(i, "v_proj", attn.v_proj, x).view(total, -1, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             o = self._attend(i, q, k, v, step, getattr(attn, "scaling", self.head_dim ** -0.5))
-            h = h + attn.o_proj(o.reshape(total, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = core.norm(h[step.logits_index])
-        return self.model.lm_head(h)
+            h = h + lora.project(i, "o_proj", attn.o_proj, o.reshape(total, -1))
+            h = h + lora.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
+        return self._head(core.norm(h[step.logits_index]), step, self.model.lm_head)
 
     def fused_forward(self, step: StepInputs) -> torch.Tensor:
         """A llama-family step on the fused projections (what worker/cuda_graphs.py captures)."""
@@ -424,11 +435,11 @@ class PagedRunner:
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
         eps, scale = self.eps, self.scale
         heads = self.model.config.num_attention_heads
-        for i, w in enumerate(self.fused):
+        for i, w in enumerate(self.fused if step.lora is None else step.lora.layers(self.fused)):
             q, k, v = before_attention(h, w, cos, sin, eps, heads, self.kv_heads, self.head_dim)
             o = self._attend(i, q, k, v, step, scale)
             h = after_attention(h, o, w, eps)
-        return self.lm_head(core.norm(h[step.logits_index]))
+        return self._head(core.norm(h[step.logits_index]), step, self.lm_head)
 
     def _llama_kernels(self, step: StepInputs) -> torch.Tensor:
         """The fused layers with the CPU step kernels: per layer four matmuls and five calls."""
@@ -438,13 +449,14 @@ class PagedRunner:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         eps, scale = self.eps, self.scale
         heads, total = self.model.config.num_attention_heads, h.shape[0]
-        if total == 1 and self.one_token is not None:  # one stream decoding: the layers in one call
+        # One stream decoding: the layers in one call (which adds no LoRA deltas).
+        if total == 1 and self.one_token is not None and step.lora is None:
             h = self.one_token.run(h, cos, sin, step.slots, self.k_cache, self.v_cache, paged.tokens, paged.rows,
                                    paged.context, paged.tables)
-            return self.lm_head(ops.add_rms_norm(h[step.logits_index], None, core.norm.weight.data,
-                                                 core.norm.variance_epsilon))
+            return self._head(ops.add_rms_norm(h[step.logits_index], None, core.norm.weight.data,
+                                               core.norm.variance_epsilon), step, self.lm_head)
         y = None
-        for i, w in enumerate(self.fused):
+        for i, w in enumerate(self.fused if step.lora is None else step.lora.layers(self.fused)):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             x = ops.add_rms_norm(h, y, w.ln1, eps)  # h += y (the last layer's MLP), then the norm
             q = ops.rope_cache(w.qkv(x), cos, sin, step.slots, k_cache.view(self.kv_heads, -1, self.head_dim),
@@ -457,7 +469,8 @@ class PagedRunner:
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             y = w.down(F.silu(gate) * up)
         h = (h + y)[step.logits_index]
-        return self.lm_head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon))
+        return self._head(ops.add_rms_norm(h, None, core.norm.weight.data, core.norm.variance_epsilon), step,
+                          self.lm_head)
 
     def _gemma3(self, step: StepInputs) -> torch.Tensor:
         """Gemma 3 on the fused projections (float on the kernels' panels, or kept quantized), with
@@ -487,7 +500,10 @@ class PagedRunner:
             h = h + layer.post_attention_layernorm(w.o(o.view(total, -1)))
             gate, up = w.gate_up(layer.pre_feedforward_layernorm(h)).chunk(2, dim=-1)
             h = h + layer.post_feedforward_layernorm(w.down(layer.mlp.act_fn(gate) * up))
-        logits = self.lm_head(core.norm(h[step.logits_index]))
+        h = core.norm(h[step.logits_index])
+        if step.hidden:
+            return h
+        logits = self.lm_head(h)
         cap = config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -517,7 +533,13 @@ class PagedRunner:
             h = dec.final_layer_norm(h)
         if getattr(dec, "project_out", None) is not None:
             h = dec.project_out(h)
-        return self.model.lm_head(h)
+        return self._head(h, step, self.model.lm_head)
+
+    @staticmethod
+    def _head(h: torch.Tensor, step: StepInputs, head) -> torch.Tensor:
+        """The step's result from its final hidden states `h`: they themselves where the step
+        asks for them (pooling), else the logits of `head`."""
+        return h if step.hidden else head(h)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -52,7 +52,9 @@ class Publisher:
         usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
                       cached_tokens=min(end.reused_tokens, end.prompt_tokens))
         status = STATUS_OF_FINISH[end.finish_reason]
-        final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error))
+        pooled = list(end.pooled) if end.pooled is not None else None
+        final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error,
+                                        pooled=pooled))
         fields = {"status": status.value, "finish_reason": end.finish_reason.value,
                   "completion_tokens": usage.completion_tokens, "finished_at": stamp, "text": end.text,
                   "reused_tokens": end.reused_tokens}

@@ -44,6 +44,8 @@ class Sequence:
     error: str | None = None
     arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
     scheduled_at: float | None = None  # wall clock of the first step that ran it here (not when claimed)
+    adapter: str | None = None  # its LoRA adapter's name (None: the base model)
+    kv_root: int | None = None  # its adapter's prefix-cache chain root, set at admission (worker/lora.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -52,7 +54,7 @@ class Sequence:
     @classmethod
     def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> "Sequence":
         return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.owner,
-                   payload.priority, payload.weight, payload.created_at, lane_of(payload))
+                   payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter)
 
     @property
     def finished(self) -> bool:
@@ -122,6 +124,7 @@ class RequestEnd:
     prompt_tokens: int
     completion_tokens: int
     reused_tokens: int = 0  # tokens (prompt, and on a continuation those delivered before) taken from a cache
+    pooled: tuple[str, ...] | None = None  # a pooling request's results (FinalEvent.pooled)
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,9 @@ def step_output(seq: Sequence, token: TokenEvent | None, finished: bool) -> Step
         end = RequestEnd(seq.finish_reason, seq.error, seq.detokenizer.text, len(seq.prompt_ids), len(seq.output_ids),
                          seq.reused_tokens or 0)
     return StepOutput(seq.id, token, finished, seq.created_at, seq.scheduled_at, seq.lane, end)
+
+
+def refused(payload: RequestPayload, error: str) -> StepOutput:
+    """The end of a request its worker cannot run at all (its backend lacks what it asks for)."""
+    end = RequestEnd(FinishReason.ERROR, error, "", len(payload.prompt_token_ids), 0)
+    return StepOutput(payload.id, None, True, payload.created_at, None, lane_of(payload), end)

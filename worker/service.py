@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from pydantic import ValidationError
@@ -22,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisClusterException, ResponseError
 
 from shared import redis_keys
+from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.pubsub import MESSAGE, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
@@ -34,6 +36,7 @@ from worker.backend import Backend
 from worker.intake import Intake, Taken
 from worker.metrics import Check, WorkerMetrics
 from worker.publisher import Publisher
+from worker.sequence import refused
 from worker.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -266,8 +269,20 @@ class WorkerService:
         self.metrics.taken(payload)
         self.spans.taken(payload, len(resumed))
         self.publisher.taken(payload.id, entry_id)
+        if (error := self._cannot_run(payload)) is not None:  # queued for this backend by hand
+            await self.publisher.publish([refused(payload, error)])
+            return None
         self.backend.add(payload, resumed)
         return payload
+
+    def _cannot_run(self, payload: RequestPayload) -> str | None:
+        """Why this worker's backend cannot run the request (None: it can)."""
+        if payload.pool is not None and not self.backend.pools:
+            return f"the {self.backend.name} backend does not compute embeddings or scores"
+        if payload.adapter is not None and self.backend.adapters is None:
+            return (f"LoRA adapter {payload.adapter!r}: this worker serves no adapters (the paged engine with "
+                    "STREAMQ_ENABLE_LORA or STREAMQ_LORA_MODULES does)")
+        return None
 
     async def _listen_cancels(self) -> None:
         # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh
@@ -309,6 +324,8 @@ class WorkerService:
                 "capacity": self.backend.batch_size, "running": len(self.backend.running),
                 "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
                 "deterministic": self.settings.step.deterministic, "batch_invariant": self.backend.batch_invariant,
+                "pools": self.backend.pools, "lora": self.backend.adapters is not None,
+                "adapters": self.backend.adapters or [],
                 **self._kv_blocks(),
                 "at": round(now(), 3), **self.metrics.totals()}  # at: when the totals were read
         try:
@@ -318,8 +335,19 @@ class WorkerService:
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
             return
+        if self.backend.adapters is not None:
+            await self._learn_adapters()
         if self.backend.free_slots > 0 and not self._stopping.is_set():
             await self._reclaim()
+
+    async def _learn_adapters(self) -> None:
+        """The LoRA adapters loaded at run time for this model, for the next heartbeat and requests."""
+        try:
+            entries = await LoraRegistry(self.redis, self.settings.prefix).entries(self.model)
+        except REDIS_DOWN as exc:
+            log.warning("run-time LoRA adapters not read (%s)", exc)
+            return
+        self.backend.learn_adapters({name: Path(entry.path) for name, entry in entries.items()})
 
     async def _reclaim(self) -> None:
         """A worker with room puts back the requests of dead workers itself, as the scheduler does

@@ -109,6 +109,7 @@ def batch_invariant() -> None:
 
 
 class VllmBackend:
+    pools = False  # embeddings need a vLLM engine of task embed; this one generates
     name = "vllm"
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
@@ -216,6 +217,13 @@ class VllmBackend:
     @property
     def batch_invariant(self) -> bool:
         return self.deterministic
+
+    @property
+    def adapters(self) -> list[str] | None:
+        return None  # LoRA adapters run on the built-in engine only
+
+    def learn_adapters(self, runtime) -> None:
+        pass
 
     async def close(self) -> None:
         for _, task in list(self._active.values()):

@@ -40,13 +40,17 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 @router.get("/v1/models")
 async def models(served: ModelsDep, tenant: TenantDep):
-    """The models that have a live worker."""
+    """The models that have a live worker, and their LoRA adapters (`parent`: the base model)."""
     data = []
     for name in sorted(await served.served()):
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "streamq"}
         if (loaded := served.loaded(name)) is not None:
             entry["max_model_len"] = loaded.tokenizer.context_length
         data.append(entry)
+    for name, (base, adapter) in sorted((await served.adapters()).items()):
+        if adapter is None or adapter.allows(tenant):  # a tenant sees only the adapters it may use
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": base,
+                         "root": adapter.path if adapter is not None else None})
     return {"object": "list", "data": data}
 
 

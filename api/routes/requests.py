@@ -142,7 +142,8 @@ def _format(event: Event | None) -> str:
         return json_frame(event.model_dump(exclude={"type"}, exclude_none=True), "token", event.index)
     if isinstance(event, StatusEvent):
         return json_frame(event.model_dump(mode="json", exclude={"type"}), "status")
-    return json_frame(event.model_dump(mode="json", exclude={"type"}), "final")
+    # A pooling request's values are in its final event only where it has them (embeddings, rerank).
+    return json_frame(event.model_dump(mode="json", exclude={"type"} if event.pooled else {"type", "pooled"}), "final")
 
 
 async def _sse(relay: Relay, request_id: str, after: int):

@@ -24,6 +24,7 @@ class BlockingEngine:
     """Stands in for the engine: its step blocks until released, as a long forward would."""
 
     batch_size = 4
+    pools = False  # runs no pooling requests
     last_step_size = 0
 
     def __init__(self):

@@ -1,0 +1,79 @@
+"""Request bodies of the pooling endpoints: /v1/embeddings (OpenAI's) and /v1/rerank (the shape
+llama.cpp's server, vLLM, Jina and Cohere share). An unknown field is a 400 naming it."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.messages import MAX_POOL_INPUTS, MAX_PRIORITY
+from shared.sampling import TokenId
+
+MAX_TEXT_CHARS = 1_000_000  # one input's characters; its tokens are checked against the context
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # A string, a list of strings, a list of token ids, or a list of such lists (OpenAI's four forms)
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Only the model's own size: it is not Matryoshka-trained.")
+    user: str | None = Field(None, max_length=256)  # the caller's end user, for its own records: changes nothing
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+    @field_validator("input")
+    @classmethod
+    def _inputs_in_bounds(cls, value):
+        items = [value] if isinstance(value, str) else value
+        if not items:
+            raise ValueError("input is empty: give a string, a list of strings, or token ids")
+        if isinstance(items[0], int):
+            items = [items]  # one input of token ids
+        if len(items) > MAX_POOL_INPUTS:
+            raise ValueError(f"input has {len(items)} items; at most {MAX_POOL_INPUTS} in one request")
+        for i, item in enumerate(items):
+            if not item:
+                raise ValueError(f"input[{i}] is empty")
+            if isinstance(item, str) and len(item) > MAX_TEXT_CHARS:
+                raise ValueError(f"input[{i}] has {len(item)} characters; at most {MAX_TEXT_CHARS}")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input, as text or as token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [list(self.input)]
+        return list(self.input)
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    documents: list[str | Document] = Field(min_length=1, max_length=MAX_POOL_INPUTS)
+    model: str | None = None
+    top_n: int | None = Field(None, ge=1, description="Return the n most relevant documents (all by default).")
+    return_documents: bool = Field(True, description="Include each document's text in its result.")
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+    @field_validator("documents")
+    @classmethod
+    def _texts_not_empty(cls, value: list) -> list:
+        for i, doc in enumerate(value):
+            if isinstance(doc, str) and not doc:
+                raise ValueError(f"documents[{i}] is empty")
+            if isinstance(doc, str) and len(doc) > MAX_TEXT_CHARS:
+                raise ValueError(f"documents[{i}] has {len(doc)} characters; at most {MAX_TEXT_CHARS}")
+        return value
+
+    def texts(self) -> list[str]:
+        return [doc if isinstance(doc, str) else doc.text for doc in self.documents]

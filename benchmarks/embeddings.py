@@ -1,0 +1,131 @@
+"""Embeddings and rerank scores of the default model against transformers on the same weights.
+
+    .venv/bin/python benchmarks/embeddings.py                       # bf16 where the CPU has it, and fp32
+    .venv/bin/python benchmarks/embeddings.py --inputs 32 --rounds 3
+
+The engine (in this process, as a worker runs it) embeds --inputs texts (the chat prompts of
+benchmarks/workload_w.json, user turns) as one pooling request, with the weights as served (the
+GGUF kept quantized, on this CPU's kernels: what `make run` serves; on AVX-512 VNNI also with the
+projections held to fp32 activations, STREAMQ_CPU_ISA=avx512) and as floats (the GGUF dequantized). The reference is transformers' AutoModel in fp32 on the float weights: the mean of
+the last hidden states over each input's tokens, scaled to length 1 (api/pooling.py). Reported
+per dtype and weights: the least and median cosine to the reference, and the engine's inputs and
+tokens per second (median of --rounds). Rerank: the largest difference of a yes-probability
+to transformers' on the same prompts. Prints JSON, then a markdown table and the machine line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from api.pooling import RERANK_INSTRUCTION, floats  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table  # noqa: E402
+from shared.messages import PoolSpec, RequestPayload  # noqa: E402
+from shared.model_paths import prepare_model, weights_dir  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.settings import WorkerSettings  # noqa: E402
+from shared.tokenizer import Tokenizer  # noqa: E402
+from worker import kernels  # noqa: E402
+from worker.batcher import Batcher  # noqa: E402
+from worker.block_manager import BlockManager  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
+from worker.model_runner import PagedRunner  # noqa: E402
+
+BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
+RERANK_QUERY = "How do I keep a service running when a machine fails?"
+
+
+def engine_for(model, tok: Tokenizer, isa: str) -> Engine:
+    runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.with_isa(kernels.load(), isa))
+    return Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), 8, BUDGET))
+
+
+def pool(engine: Engine, inputs: list[list[int]], **spec) -> tuple[np.ndarray, float]:
+    """One pooling request of `inputs` through the engine: its results and the seconds it took."""
+    payload = RequestPayload(id="p", model="m", prompt_token_ids=[t for ids in inputs for t in ids],
+                             params=SamplingParams(max_tokens=1), pool=PoolSpec(lengths=list(map(len, inputs)), **spec))
+    start = time.perf_counter()
+    engine.add(payload)
+    ends = [out.end for _ in iter(engine.has_work, False) for out in engine.step() if out.finished]
+    seconds = time.perf_counter() - start
+    return np.array([floats(v) for v in ends[0].pooled]), seconds
+
+
+def reference(folder: Path, inputs: list[list[int]], rerank: list[list[int]], yes_no: list[int]):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    core = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = [core(torch.tensor([ids])).last_hidden_state[0].mean(dim=0) for ids in inputs]
+        scores = [torch.softmax(lm(torch.tensor([ids])).logits[0, -1, yes_no], dim=0)[0].item() for ids in rerank]
+    return torch.nn.functional.normalize(torch.stack(rows), dim=1).numpy(), np.array(scores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="auto,float32", help="comma-separated: auto, float32, bfloat16")
+    parser.add_argument("--inputs", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    settings = WorkerSettings(_env_file=None)
+    folder = prepare_model(settings)
+    tok = Tokenizer(folder)
+    data = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
+    texts = [next(m["content"] for m in reversed(chat) if m["role"] == "user") for chat in data["messages"]]
+    texts = (texts * (1 + args.inputs // len(texts)))[:args.inputs]
+    inputs = [tok.encode(t) for t in texts]
+    rerank = [tok.encode_chat([{"role": "system", "content": RERANK_INSTRUCTION},
+                               {"role": "user", "content": f"<Query>: {RERANK_QUERY}\n<Document>: {t}"}])
+              for t in texts[:8]]
+    yes_no = [tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")]
+    want, want_scores = reference(weights_dir(settings), inputs, rerank, yes_no)
+    report = {"inputs": len(inputs), "tokens": sum(map(len, inputs)), "results": []}
+    dtypes = dict.fromkeys(str(pick_dtype(d, torch.device("cpu"))).removeprefix("torch.")
+                           for d in args.dtypes.split(","))
+    # As served, the quantized projections round activations to int8 where the CPU has AVX-512 VNNI
+    # (cpu_isa auto); the widest ISA with fp32 activations is measured beside it.
+    fp32_isa = kernels.widest_fp32(kernels.load())
+    runs = [("as-served", "auto"), ("float", "auto")]
+    if fp32_isa != kernels.load().isas[0]:
+        runs.insert(1, ("as-served", fp32_isa))
+    for dtype in dtypes:
+        for weights, isa in runs:
+            model = (load_weights(settings, torch.device("cpu"), getattr(torch, dtype)) if weights == "as-served"
+                     else load_model(weights_dir(settings), torch.device("cpu"), getattr(torch, dtype)))
+            engine = engine_for(model, tok, isa)
+            seconds = []
+            for _ in range(args.rounds):
+                got, took = pool(engine, inputs, task="embed")
+                seconds.append(took)
+            scores, _ = pool(engine, rerank, task="score", candidates=yes_no)
+            cos = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+            median_s = statistics.median(seconds)
+            row = {"dtype": dtype, "weights": weights, "cpu_isa": isa, "cos_min": float(cos.min()), "cos_median": float(np.median(cos)),
+                   "score_max_diff": float(np.abs(scores[:, 0] - want_scores).max()), "seconds": seconds,
+                   "inputs_per_s": len(inputs) / median_s, "tokens_per_s": report["tokens"] / median_s}
+            report["results"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+    print(json.dumps(report, indent=1))
+    print()
+    print_table(["dtype", "weights", "cpu_isa", "cosine to transformers fp32: least", "median", "rerank: largest |diff|",
+                 "inputs/s", "tokens/s"],
+                [(r["dtype"], r["weights"], r["cpu_isa"], f"{r['cos_min']:.6f}", f"{r['cos_median']:.6f}",
+                  f"{r['score_max_diff']:.5f}", f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}")
+                 for r in report["results"]])
+    print_machine(machine(", ".join(dtypes), torch.get_num_threads(), inputs=len(inputs), tokens=report["tokens"]))
+
+
+if __name__ == "__main__":
+    main()

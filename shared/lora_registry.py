@@ -1,0 +1,47 @@
+"""The LoRA adapters an operator loads at run time (/v1/load_lora_adapter), per model, in Redis:
+the api writes them, every worker of the model reads them at its heartbeat and loads one on its
+first request. An entry may name the tenants allowed to use the adapter (none: every tenant)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from shared import redis_keys
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    path: str
+    tenants: tuple[str, ...] | None = None  # who may use it (None: everyone)
+
+    def allows(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+
+class LoraRegistry:
+    def __init__(self, redis: Redis, prefix: str):
+        self.redis = redis
+        self.prefix = prefix
+
+    async def register(self, model: str, name: str, entry: AdapterEntry) -> None:
+        data = {"path": entry.path, "tenants": list(entry.tenants) if entry.tenants is not None else None}
+        await self.redis.hset(redis_keys.lora_adapters(self.prefix, model), name, json.dumps(data))
+
+    async def unregister(self, model: str, name: str) -> bool:
+        return bool(await self.redis.hdel(redis_keys.lora_adapters(self.prefix, model), name))
+
+    async def entry(self, model: str, name: str) -> AdapterEntry | None:
+        data = await self.redis.hget(redis_keys.lora_adapters(self.prefix, model), name)
+        return None if data is None else _entry(data)
+
+    async def entries(self, model: str) -> dict[str, AdapterEntry]:
+        raw = await self.redis.hgetall(redis_keys.lora_adapters(self.prefix, model))
+        return {name: _entry(data) for name, data in raw.items()}
+
+
+def _entry(data: str) -> AdapterEntry:
+    value = json.loads(data)
+    tenants = value.get("tenants")
+    return AdapterEntry(value["path"], tuple(tenants) if tenants is not None else None)

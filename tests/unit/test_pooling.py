@@ -1,0 +1,159 @@
+"""Pooling requests (embeddings, rerank scores) in the paged engine, in-process on the tiny models,
+against transformers on the same weights: on the CPU kernels (where this CPU has them), on the
+portable path (the kernels' portable ISA), and on the eager ops."""
+from __future__ import annotations
+
+import base64
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from shared.messages import FinishReason, PoolSpec, RequestPayload
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from worker import kernels
+from worker.batcher import Batcher
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.model_loader import load_model
+from worker.model_runner import PagedRunner
+from worker.pooling import PoolJob, plan
+
+TEXTS = ["the cat sat on the mat", "a", "streams of tokens flow through the cache of many workers at once",
+         "embeddings are the mean of the last hidden states", "Paris is the capital of France"]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_model(folder: str, causal: bool):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    kind = AutoModelForCausalLM if causal else AutoModel
+    return kind.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def reference_embedding(folder, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        hidden = _reference_model(str(folder), False)(torch.tensor([ids])).last_hidden_state[0]
+    return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
+
+
+def reference_score(folder, ids: list[int], yes: int, no: int) -> float:
+    with torch.no_grad():
+        logits = _reference_model(str(folder), True)(torch.tensor([ids])).logits[0, -1]
+    return torch.softmax(logits[[yes, no]], dim=0)[0].item()
+
+
+def make_engine(folder, path: str, num_blocks=64, block_size=4, budget=32) -> Engine:
+    model = load_model(folder, torch.device("cpu"), torch.float32)
+    ops = None if path == "eager" else kernels.load()
+    if path == "portable":
+        ops = kernels.with_isa(ops, "portable")
+    runner = PagedRunner(model, torch.device("cpu"), num_blocks, block_size, ops)
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(num_blocks, block_size), 8, budget))
+
+
+def pool_payload(rid: str, inputs: list[list[int]], **spec) -> RequestPayload:
+    return RequestPayload(id=rid, model="m", prompt_token_ids=[t for ids in inputs for t in ids],
+                          params=SamplingParams(max_tokens=1),
+                          pool=PoolSpec(lengths=[len(ids) for ids in inputs], **spec))
+
+
+def drain(engine: Engine) -> dict:
+    ends = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                ends[out.request_id] = out.end
+    return ends
+
+
+def floats(encoded: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+
+
+@pytest.fixture(params=["llama", "opt"])
+def model_dir(request, tiny_llama, tiny_opt):
+    return tiny_llama if request.param == "llama" else tiny_opt
+
+
+@pytest.mark.parametrize("path", ["kernels", "portable", "eager"])
+def test_embeddings_equal_transformers_mean_pooled_hidden_states(model_dir, path):
+    if path != "eager" and model_dir.name.endswith("opt"):
+        pytest.skip("the kernels run the llama-family layers only")
+    engine = make_engine(model_dir, path)
+    inputs = [engine.tokenizer.encode(t) for t in TEXTS]
+    engine.add(pool_payload("e", inputs, task="embed"))
+    end = drain(engine)["e"]
+    assert end.finish_reason is FinishReason.STOP and end.prompt_tokens == sum(map(len, inputs))
+    assert len(end.pooled) == len(inputs)
+    for ids, got in zip(inputs, end.pooled):
+        want = reference_embedding(model_dir, ids)
+        vector = floats(got)
+        assert vector.shape == want.shape
+        assert float(np.dot(vector, want)) >= 0.9999  # both unit length: the cosine
+        np.testing.assert_allclose(vector, want, atol=1e-4)
+
+
+def test_scores_equal_transformers_yes_no_probability(tiny_llama):
+    engine = make_engine(tiny_llama, "kernels")
+    inputs = [engine.tokenizer.encode(t) for t in TEXTS]
+    yes, no = 5, 9
+    engine.add(pool_payload("s", inputs, task="score", candidates=[yes, no]))
+    end = drain(engine)["s"]
+    for ids, got in zip(inputs, end.pooled):
+        assert floats(got)[0] == pytest.approx(reference_score(tiny_llama, ids, yes, no), abs=1e-5)
+
+
+def test_unnormalized_embeddings_keep_their_length(tiny_llama):
+    engine = make_engine(tiny_llama, "eager")
+    ids = engine.tokenizer.encode(TEXTS[0])
+    engine.add(pool_payload("u", [ids], task="embed", normalize=False))
+    vector = floats(drain(engine)["u"].pooled[0])
+    with torch.no_grad():
+        hidden = _reference_model(str(tiny_llama), False)(torch.tensor([ids])).last_hidden_state[0]
+    np.testing.assert_allclose(vector, hidden.mean(dim=0).numpy(), atol=1e-4)
+
+
+def test_pooling_beside_generation_changes_no_generated_token(tiny_llama):
+    """Generation alone and with embeddings and scores in the same steps: the same greedy tokens,
+    and every block the pooling took is back."""
+    def generate(with_pooling: bool) -> list[int]:
+        engine = make_engine(tiny_llama, "kernels", budget=16)
+        tok = engine.tokenizer
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        seq = engine.add(RequestPayload(id="g", model="m", prompt_token_ids=tok.encode(TEXTS[2]), params=params))
+        if with_pooling:
+            inputs = [tok.encode(t) for t in TEXTS]
+            engine.add(pool_payload("e", inputs, task="embed"))
+            engine.add(pool_payload("s", inputs, task="score", candidates=[1, 2]))
+        ends = drain(engine)
+        assert set(ends) == ({"g", "e", "s"} if with_pooling else {"g"})
+        assert engine.batcher.blocks.num_free == len(engine.batcher.blocks.blocks)
+        return seq.output_ids
+
+    assert generate(True) == generate(False)
+
+
+def test_an_input_longer_than_the_cache_fails_alone(tiny_llama):
+    engine = make_engine(tiny_llama, "eager", num_blocks=4, block_size=4)
+    tok = engine.tokenizer
+    engine.add(pool_payload("long", [tok.encode(TEXTS[2] * 3)], task="embed"))
+    engine.add(pool_payload("ok", [tok.encode(TEXTS[0])], task="embed"))
+    ends = drain(engine)
+    assert ends["long"].finish_reason is FinishReason.ERROR and "KV cache" in ends["long"].error
+    assert ends["ok"].finish_reason is FinishReason.STOP and len(ends["ok"].pooled) == 1
+
+
+def test_plan_keeps_to_the_budget_the_free_blocks_and_one_task():
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    embed = PoolJob.of(pool_payload("e", [[1] * 8, [2] * 8, [3] * 8], task="embed"))
+    score = PoolJob.of(pool_payload("s", [[1] * 3], task="score", candidates=[1, 2]))
+    picked = plan([embed, score], blocks, max_tokens=12)
+    assert [(job.id, i) for job, i in picked] == [("e", 0)]  # a second input would pass 12 tokens
+    picked = plan([embed, score], blocks, max_tokens=100)
+    assert [(job.id, i) for job, i in picked] == [("e", 0), ("e", 1), ("e", 2)]  # 6 blocks; not the score
+    assert plan([score, embed], blocks, max_tokens=100)[0][0] is score
+    blocks.append_slots("busy", 24)
+    assert plan([embed], blocks, max_tokens=100) == []  # waits for blocks
