@@ -256,6 +256,12 @@ class WorkerService:
             # Cancelled (or otherwise ended) while queued: nothing to run.
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return None
+        if any(seq.id == payload.id for seq in self.backend.running + self.backend.waiting):
+            # Put back while this worker still ran it (its heartbeat came late: a stalled machine, a
+            # long pause): it goes on here, and its end acks the entry it came back as.
+            log.warning("request %s came back to the worker that still runs it; it goes on", payload.id)
+            self.publisher.taken(payload.id, entry_id)
+            return None
         # A request put back after its worker died continues after the tokens already delivered.
         delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
         if any(isinstance(e, FinalEvent) for e in delivered):

@@ -127,3 +127,37 @@ def test_a_worker_with_room_takes_over_without_the_scheduler(redis_url, tiny_lla
     assert record["worker"] != victim and record["status"] == "done" and int(record["attempts"]) == 1
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
                                                                 ignore_eos=True)
+
+
+def test_a_worker_whose_heartbeat_lapsed_takes_its_own_request_back_and_finishes_it(redis_url, tiny_llama, tmp_path):
+    """The only worker pauses mid-request past its heartbeat's TTL: the scheduler puts the request
+    back in the queue, and the worker, going on, takes it again while it still runs it. It must go
+    on with it (not run it twice, which failed the whole batch), and the stream ends undisturbed."""
+    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+    body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    with Stack(redis_url, tiny_llama, tmp_path, scheduler=True, env=env) as stack:
+        paused, seen, result = threading.Event(), [], []
+
+        def pause(request_id: str) -> None:
+            if not paused.is_set():
+                stack.pause_worker()
+                seen.append(request_id)
+                paused.set()
+
+        def stream() -> None:
+            with httpx.Client(timeout=120) as client:
+                result.append(stream_posted(client, f"{stack.urls[0]}/v1/requests", body, 1, pause))
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        assert paused.wait(120), stack.logs()
+        stack.wait_for_record(lambda r: r.get("attempts") == "1")  # put back by the scheduler
+        stack.resume_worker()
+        runner.join(120)
+        record = stack.wait_for_record(lambda r: r.get("status") in ("done", "failed"))
+        logs = stack.logs()
+    tokens = [e for e in result[0] if e["event"] == "token"]
+    assert record["status"] == "done", logs
+    assert [int(e["id"]) for e in tokens] == list(range(120))
+    assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
+                                                                ignore_eos=True)
