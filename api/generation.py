@@ -27,7 +27,6 @@ from shared.workers import live_workers
 
 
 log = logging.getLogger(__name__)
-LORA_BACKEND = "hf"  # the paged engine's workers: they alone run LoRA adapters (worker/lora.py)
 
 
 class Generation:
@@ -44,6 +43,7 @@ class Generation:
         self.model_name = model_name  # what the answers name: the model, or the LoRA adapter asked for
         self.base_model = model_name  # whose queue and workers run it
         self.adapter: str | None = None  # the LoRA adapter its requests run with (with_adapter)
+        self.adapter_backends: frozenset[str] = frozenset()  # ... and the backends of the workers serving it
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
         self.max_tokens_cap = max_tokens_cap
@@ -52,11 +52,11 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
 
-    def with_adapter(self, name: str) -> "Generation":
-        """This model's Generation for requests that run with the LoRA adapter `name` (the same
-        queue, tokenizer and limits; the answers name the adapter)."""
+    def with_adapter(self, name: str, backends: set[str]) -> "Generation":
+        """This model's Generation for requests that run with the LoRA adapter `name`, which workers
+        of `backends` serve (the same queue, tokenizer and limits; the answers name the adapter)."""
         view = copy.copy(self)
-        view.model_name, view.adapter = name, name
+        view.model_name, view.adapter, view.adapter_backends = name, name, frozenset(backends)
         return view
 
     async def live_backends(self) -> set[str]:
@@ -109,7 +109,8 @@ class Generation:
         return RequestPayload(id=str(uuid.uuid4()), model=self.base_model, prompt_token_ids=prompt_ids,
                               params=params, created_at=created, expires_at=created + self.queue_timeout_s,
                               priority=priority, adapter=self.adapter,
-                              backend=LORA_BACKEND if self.adapter is not None else None)
+                              # to the one backend that serves the adapter, where another serves the model too
+                              backend=next(iter(self.adapter_backends)) if len(self.adapter_backends) == 1 else None)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.tokenizer.vocab_size
@@ -132,8 +133,9 @@ class Generation:
             return
         if self.adapter is not None:
             await self._check_adapter(owner)
-            if any(p.backend != LORA_BACKEND for p in payloads):
-                raise ApiError(400, f"LoRA adapters run on the {LORA_BACKEND!r} backend only", param="backend")
+            if bad := sorted({p.backend for p in payloads if p.backend and p.backend not in self.adapter_backends}):
+                raise ApiError(400, f"adapter {self.adapter!r} is served by workers of {sorted(self.adapter_backends)}, "
+                                    f"not of {bad}", param="backend")
         if self.affinity is not None:
             await self.affinity.route(payloads)
         weight, tokens = 1.0, 0

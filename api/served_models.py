@@ -7,6 +7,7 @@ own request queue; requests name the model with `model`, and go to that model's 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from api.backpressure import Backpressure
 from api.errors import ApiError
@@ -22,6 +23,15 @@ from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer
 from shared.workers import live_workers
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter some live worker serves."""
+
+    base: str  # its base model
+    backends: set[str]  # of the workers that list it
+    entry: AdapterEntry | None = None  # where it was loaded at run time (its folder, its tenants)
 
 
 class Models:
@@ -74,11 +84,11 @@ class Models:
                 return self._loaded[name]
             adapters = await self.adapters()
             if name in adapters:  # a LoRA adapter: its base model's Generation, the adapter on its requests
-                base = adapters[name][0]
-                generation = self._loaded.get(base)
+                adapter = adapters[name]
+                generation = self._loaded.get(adapter.base)
                 if generation is None:
-                    generation = await self._load(base, await self.served())
-                return generation.with_adapter(name)
+                    generation = await self._load(adapter.base, await self.served())
+                return generation.with_adapter(name, adapter.backends)
             return await self._load(name, await self.served())
 
     async def _load(self, name: str, served: set[str]) -> Generation:
@@ -92,20 +102,21 @@ class Models:
                            param="model", code="model_not_found")
         return await self.add(name, Tokenizer(folder))
 
-    async def adapters(self) -> dict[str, tuple[str, AdapterEntry | None]]:
-        """The LoRA adapters served, name -> (its base model, its run-time entry where it has one):
+    async def adapters(self) -> dict[str, Adapter]:
+        """The LoRA adapters served, name -> its base model, the backends of the workers that list it,
+        and its run-time entry where it has one:
         those a live worker lists (STREAMQ_LORA_MODULES, and those loaded at run time once the
         worker has read them: until then a request would find no worker that knows its folder)."""
         live = await live_workers(self.store.redis, self.settings.prefix)
-        found: dict[str, tuple[str, AdapterEntry | None]] = {}
+        found: dict[str, Adapter] = {}
         for worker in live:
             for name in worker.get("adapters") or []:
-                found.setdefault(name, (worker["model"], None))
+                found.setdefault(name, Adapter(worker["model"], set())).backends.add(worker.get("backend"))
         registry = LoraRegistry(self.store.redis, self.settings.prefix)
-        for model in {model for model, _ in found.values()}:
+        for model in {adapter.base for adapter in found.values()}:
             for name, entry in (await registry.entries(model)).items():
                 if name in found:
-                    found[name] = (model, entry)
+                    found[name].entry = entry
         return found
 
     async def served(self) -> set[str]:

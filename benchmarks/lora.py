@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/lora.py [--rounds 3] [--streams 16] [--tokens 64] [--dtype bfloat16]
 
-Four adapters made by peft on the default model (ranks 8, 16, 8, 16, all seven projections,
+The default model as `make run` serves it (--weights as-served: the GGUF kept quantized; float: its
+dequantized weights). Four adapters made by peft on the default model (ranks 8, 16, 8, 16, all seven projections,
 random non-zero weights) are served by one engine (worker/lora.py). Each round runs, in turns:
 
 - base: `--streams` chat prompts of workload W (benchmarks/workload_w.json) at once, greedy,
@@ -45,7 +46,7 @@ from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.lora import Adapters  # noqa: E402
-from worker.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
 
 RANKS = (8, 16, 8, 16)
@@ -79,12 +80,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--dtype", default=str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
                         choices=["float32", "bfloat16"], help="default: what dtype=auto picks on this CPU")
+    parser.add_argument("--weights", default="as-served", choices=["as-served", "float"],
+                        help="as-served: the GGUF kept quantized, as `make run` serves it; float: dequantized")
     args = parser.parse_args()
 
     settings = WorkerSettings()
     tok = Tokenizer(prepare_model(settings))
     folder = weights_dir(settings)
-    model = load_model(folder, torch.device("cpu"), getattr(torch, args.dtype))
+    model = (load_weights(settings, torch.device("cpu"), getattr(torch, args.dtype)) if args.weights == "as-served"
+             else load_model(folder, torch.device("cpu"), getattr(torch, args.dtype)))
     runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.load())
     runner.adapters = Adapters(model, len(RANKS), max(RANKS), kernels=runner.kernels)
     with tempfile.TemporaryDirectory() as scratch:
@@ -103,7 +107,7 @@ def main() -> None:
             results[mode].append(run_w(runner, tok, prompts, names, args.tokens))
             print(f"# round {r + 1} {mode}: {results[mode][-1]['tok_per_s']:.1f} tok/s", file=sys.stderr)
     medians = {mode: statistics.median(x["tok_per_s"] for x in runs) for mode, runs in results.items()}
-    report = {"machine": machine(args.dtype, torch.get_num_threads(), step=runner.numerics[2]),
+    report = {"machine": machine(args.dtype, torch.get_num_threads(), step=runner.numerics[2], weights=args.weights),
               "streams": len(prompts), "new_tokens": args.tokens, "rounds": args.rounds, "adapter_ranks": RANKS,
               "results": {mode: [round(x["tok_per_s"], 1) for x in runs] for mode, runs in results.items()},
               "median_tok_per_s": {mode: round(v, 1) for mode, v in medians.items()},

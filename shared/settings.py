@@ -339,8 +339,9 @@ class WorkerSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _lora_modules_parse(self) -> "WorkerSettings":
-        if parse_lora_modules(self.lora_modules) and self.backend != "hf":
-            raise ValueError(f"lora_modules are served by the built-in engine (backend='hf'), not backend={self.backend!r}")
+        if (parse_lora_modules(self.lora_modules) or self.enable_lora) and self.backend == "null":
+            raise ValueError("LoRA adapters are served by the built-in engine (backend='hf') and by vLLM's, "
+                             "not by the null backend")
         return self
 
     @model_validator(mode="after")

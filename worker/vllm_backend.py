@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
@@ -94,6 +95,9 @@ def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
     }
     if vllm.speculative_config:
         kwargs["speculative_config"] = vllm.speculative_config
+    lora = settings.lora
+    if lora.paths or lora.enable:  # vLLM's own LoRA: adapters by request (LoRARequest), batched together
+        kwargs.update(enable_lora=True, max_loras=lora.max_loras, max_lora_rank=lora.max_rank)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -113,7 +117,8 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
-                 deterministic: bool = False):
+                 deterministic: bool = False, lora: dict[str, Path] | None = None):
+        """`lora`: the adapters of lora_modules where LoRA is on (None: off), name -> folder."""
         from vllm import SamplingParams as VllmSamplingParams  # noqa: PLC0415 - only with backend=vllm
         from vllm import TokensPrompt  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: PLC0415
@@ -128,6 +133,9 @@ class VllmBackend:
         self.last_step_size = 0
         self._active: dict[str, tuple[Sequence, asyncio.Task[None]]] = {}
         self._events: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._configured = lora  # STREAMQ_LORA_MODULES, where LoRA is on
+        self._known = dict(lora or {})  # and the adapters loaded at run time: name -> folder
+        self._lora_ids: dict[str, int] = {}  # vLLM's id of each adapter name, from 1
 
     @staticmethod
     def require_vllm() -> None:
@@ -154,7 +162,8 @@ class VllmBackend:
         # Construction takes tens of seconds of blocking work: off the event loop.
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         context = engine.model_config.max_model_len
-        return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic)
+        lora = settings.lora.paths if settings.lora.paths or settings.lora.enable else None
+        return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic, lora)
 
     # -- the Backend protocol ------------------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -220,10 +229,22 @@ class VllmBackend:
 
     @property
     def adapters(self) -> list[str] | None:
-        return None  # LoRA adapters run on the built-in engine only
+        return sorted(self._known) if self._configured is not None else None
 
-    def learn_adapters(self, runtime) -> None:
-        pass
+    def learn_adapters(self, runtime: dict[str, Path]) -> None:
+        self._known = {**runtime, **(self._configured or {})}
+
+    def _lora_request(self, name: str | None):
+        """vLLM's LoRARequest for the adapter `name` (None for the base model); a ValueError naming
+        it where this worker does not serve it."""
+        if name is None:
+            return None
+        if name not in self._known:
+            raise ValueError(f"adapter {name!r} is not served by this worker (served: {sorted(self._known) or 'none'})")
+        from vllm.lora.request import LoRARequest  # noqa: PLC0415 - only with backend=vllm
+
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return LoRARequest(name, lora_id, str(self._known[name]))
 
     async def close(self) -> None:
         for _, task in list(self._active.values()):
@@ -241,7 +262,7 @@ class VllmBackend:
                 kwargs["structured_outputs"] = self._structured_class(**kwargs["structured_outputs"])
             params = self._params_class(output_kind=self._delta, **kwargs)
             async for out in self.engine.generate(self._prompt_class(prompt_token_ids=list(seq.token_ids)), params,
-                                                  seq.id):
+                                                  seq.id, lora_request=self._lora_request(seq.adapter)):
                 completion = out.outputs[0]
                 for i, token in enumerate(completion.token_ids):
                     text = seq.accept(token, eos, context)

@@ -47,10 +47,11 @@ async def models(served: ModelsDep, tenant: TenantDep):
         if (loaded := served.loaded(name)) is not None:
             entry["max_model_len"] = loaded.tokenizer.context_length
         data.append(entry)
-    for name, (base, adapter) in sorted((await served.adapters()).items()):
-        if adapter is None or adapter.allows(tenant):  # a tenant sees only the adapters it may use
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": base,
-                         "root": adapter.path if adapter is not None else None})
+    for name, adapter in sorted((await served.adapters()).items()):
+        entry = adapter.entry
+        if entry is None or entry.allows(tenant):  # a tenant sees only the adapters it may use
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": adapter.base,
+                         "root": entry.path if entry is not None else None})
     return {"object": "list", "data": data}
 
 

@@ -210,3 +210,30 @@ def test_deterministic_mode_on_vllms_cpu_build_is_refused_at_start(redis_url):
                           timeout=300, env={k: v for k, v in {**__import__("os").environ, **env}.items() if v})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no batch-invariant mode" in proc.stderr and "backend=hf" in proc.stderr
+
+
+def test_a_lora_adapter_runs_on_vllm_as_on_the_built_in_engine(redis_url, tmp_path):
+    """The same peft adapter served by both backends (vLLM's own LoRA; the built-in engine's): a
+    request naming it gives the same greedy tokens on either, and not the base model's."""
+    from shared.model_paths import prepare_model, weights_dir
+    from shared.settings import WorkerSettings
+    from tests.lora_adapters import make_adapter
+
+    settings = WorkerSettings(_env_file=None)
+    prepare_model(settings)
+    adapter = make_adapter(weights_dir(settings), tmp_path / "sea", r=8, seed=1, magnitude=0.3)
+    lora = {"STREAMQ_LORA_MODULES": f"sea={adapter}"}
+    env = {"STREAMQ_MODEL_CACHE_DIR": "", "STREAMQ_HEARTBEAT_INTERVAL_S": "1"}
+    with Stack(redis_url, None, tmp_path / "stack", workers=2, env=env,
+               worker_envs=[{**VLLM_ENV, **lora}, {**fp32_activations_env(), **lora}],
+               worker_python=[str(VLLM_PYTHON), None]) as running:
+        wait_for_backend(running, "vllm")
+        models = httpx.get(f"{running.urls[0]}/v1/models", timeout=30).json()["data"]
+        assert any(m["id"] == "sea" and m["parent"] == running.model_name for m in models)
+        with httpx.Client(timeout=300) as client:
+            def tokens(backend: str, model: str) -> list[int]:
+                body = {**chat(backend, 16, stream=True), "model": model}
+                return token_ids(stream_events(client, "POST", f"{running.urls[0]}/v1/requests", json=body))
+            on_vllm, built_in = tokens("vllm", "sea"), tokens("hf", "sea")
+            assert len(on_vllm) == 16 and on_vllm == built_in
+            assert on_vllm != tokens("hf", running.model_name)
