@@ -5,8 +5,8 @@ the paged engine runs in its steps beside generation and answers in its final ev
 Embeddings are the served model's final hidden states, mean-pooled over each input's tokens and
 scaled to length 1 (the model is a generative one, not trained as an embedding model). A rerank
 score is the model's probability of "yes" over "yes" + "no" as the first answer token to a
-prompt asking whether the document is relevant to the query (as LLM-based rerankers such as
-Qwen3-Reranker score).
+prompt asking whether the document is relevant to the question (RERANK_QUESTION), as LLM-based
+rerankers such as Qwen3-Reranker score.
 """
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ from api.errors import ApiError
 from api.generation import Generation
 from shared.messages import FinalEvent, FinishReason, PoolSpec, RequestPayload, now
 from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
 from shared.workers import live_workers
 
 POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling requests (worker/pooling.py)
-RERANK_INSTRUCTION = ('Judge whether the Document is relevant to the Query. Note that the answer can only be '
-                      '"yes" or "no".')
+# The question a rerank score answers. Of five wordings tried on the default model (10 hand-written
+# queries of 4 documents, one relevant: benchmarks/embeddings.py), this one put the relevant document
+# first for 7 (Qwen3-Reranker's system-and-tags prompt: 5; a plain "<Query>/<Document>" one: 3).
+RERANK_QUESTION = "Document: {document}\nQuestion: {query}\nIs this document relevant to the question? Reply with yes or no."
 
 
 async def embed(generation: Generation, inputs: list[str | list[int]], owner: str, priority: int) -> tuple[list[str], int]:
@@ -40,8 +43,7 @@ async def rerank(generation: Generation, query: str, documents: list[str], owner
     prompts = await run_in_threadpool(lambda: [_rerank_prompt(generation, query, doc) for doc in documents])
     for i, ids in enumerate(prompts):
         _check_length(generation, ids, f"documents[{i}]")
-    yes, no = (_first_token(generation, word) for word in ("yes", "no"))
-    spec = PoolSpec(task="score", lengths=[len(x) for x in prompts], candidates=[yes, no])
+    spec = PoolSpec(task="score", lengths=[len(x) for x in prompts], candidates=rerank_candidates(generation.tokenizer))
     pooled, tokens = await _run(generation, prompts, spec, owner, priority)
     return [floats(value)[0] for value in pooled], tokens
 
@@ -120,16 +122,20 @@ def _check_length(generation: Generation, ids: list[int], name: str) -> None:
 
 
 def _rerank_prompt(generation: Generation, query: str, document: str) -> list[int]:
-    """The prompt whose next token answers yes or no: the chat template's, where the model has one."""
-    tok = generation.tokenizer
-    question = f"<Query>: {query}\n<Document>: {document}"
+    return rerank_prompt(generation.tokenizer, query, document)
+
+
+def rerank_prompt(tok: Tokenizer, query: str, document: str) -> list[int]:
+    """The prompt whose next token answers yes or no: a user turn of the chat template, where the
+    model has one."""
+    question = RERANK_QUESTION.format(document=document, query=query)
     if tok.chat_template:
-        return tok.encode_chat([{"role": "system", "content": RERANK_INSTRUCTION},
-                                {"role": "user", "content": question}])
-    return tok.encode(f"{RERANK_INSTRUCTION}\n{question}\nAnswer:")
+        return tok.encode_chat([{"role": "user", "content": question}])
+    return tok.encode(f"{question}\nAnswer:")
 
 
-def _first_token(generation: Generation, word: str) -> int:
-    tok = generation.tokenizer
+def rerank_candidates(tok: Tokenizer) -> list[int]:
+    """The tokens of "yes" and "no" as the answer's first token."""
     spaced = "" if tok.chat_template else " "  # after "Answer:" the word comes with its space
-    return tok.encode(spaced + word, add_special_tokens=False)[0]
+    return [tok.encode(spaced + word, add_special_tokens=False)[0] for word in ("yes", "no")]
+

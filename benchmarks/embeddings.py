@@ -10,7 +10,8 @@ projections held to fp32 activations, STREAMQ_CPU_ISA=avx512) and as floats (the
 the last hidden states over each input's tokens, scaled to length 1 (api/pooling.py). Reported
 per dtype and weights: the least and median cosine to the reference, and the engine's inputs and
 tokens per second (median of --rounds). Rerank: the largest difference of a yes-probability
-to transformers' on the same prompts. Prints JSON, then a markdown table and the machine line.
+to transformers' on the same prompts, and how many of 10 hand-written queries
+(benchmarks/data/rerank_small.json) get their relevant document ranked first (chance: 2.5). Prints JSON, then a markdown table and the machine line.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.pooling import RERANK_INSTRUCTION, floats  # noqa: E402
+from api.pooling import floats, rerank_candidates, rerank_prompt  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from shared.messages import PoolSpec, RequestPayload  # noqa: E402
 from shared.model_paths import prepare_model, weights_dir  # noqa: E402
@@ -61,6 +62,16 @@ def pool(engine: Engine, inputs: list[list[int]], **spec) -> tuple[np.ndarray, f
     return np.array([floats(v) for v in ends[0].pooled]), seconds
 
 
+def top_first(engine: Engine, tok: Tokenizer, labeled: list[dict], yes_no: list[int]) -> int:
+    """How many of the labeled queries get their relevant document (the first) ranked first."""
+    hits = 0
+    for item in labeled:
+        prompts = [rerank_prompt(tok, item["query"], doc) for doc in item["documents"]]
+        scores, _ = pool(engine, prompts, task="score", candidates=yes_no)
+        hits += int(np.argmax(scores[:, 0]) == 0)
+    return hits
+
+
 def reference(folder: Path, inputs: list[list[int]], rerank: list[list[int]], yes_no: list[int]):
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -86,10 +97,9 @@ def main() -> None:
     texts = [next(m["content"] for m in reversed(chat) if m["role"] == "user") for chat in data["messages"]]
     texts = (texts * (1 + args.inputs // len(texts)))[:args.inputs]
     inputs = [tok.encode(t) for t in texts]
-    rerank = [tok.encode_chat([{"role": "system", "content": RERANK_INSTRUCTION},
-                               {"role": "user", "content": f"<Query>: {RERANK_QUERY}\n<Document>: {t}"}])
-              for t in texts[:8]]
-    yes_no = [tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")]
+    rerank = [rerank_prompt(tok, RERANK_QUERY, t) for t in texts[:8]]
+    yes_no = rerank_candidates(tok)
+    labeled = json.loads((ROOT / "benchmarks" / "data" / "rerank_small.json").read_text())["queries"]
     want, want_scores = reference(weights_dir(settings), inputs, rerank, yes_no)
     report = {"inputs": len(inputs), "tokens": sum(map(len, inputs)), "results": []}
     dtypes = dict.fromkeys(str(pick_dtype(d, torch.device("cpu"))).removeprefix("torch.")
@@ -110,19 +120,21 @@ def main() -> None:
                 got, took = pool(engine, inputs, task="embed")
                 seconds.append(took)
             scores, _ = pool(engine, rerank, task="score", candidates=yes_no)
+            top1 = top_first(engine, tok, labeled, yes_no)
             cos = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
             median_s = statistics.median(seconds)
             row = {"dtype": dtype, "weights": weights, "cpu_isa": isa, "cos_min": float(cos.min()), "cos_median": float(np.median(cos)),
-                   "score_max_diff": float(np.abs(scores[:, 0] - want_scores).max()), "seconds": seconds,
+                   "score_max_diff": float(np.abs(scores[:, 0] - want_scores).max()), "rerank_top1": top1,
+                   "seconds": seconds,
                    "inputs_per_s": len(inputs) / median_s, "tokens_per_s": report["tokens"] / median_s}
             report["results"].append(row)
             print(json.dumps(row), file=sys.stderr)
     print(json.dumps(report, indent=1))
     print()
     print_table(["dtype", "weights", "cpu_isa", "cosine to transformers fp32: least", "median", "rerank: largest |diff|",
-                 "inputs/s", "tokens/s"],
+                 f"rerank: relevant first (of {len(labeled)})", "inputs/s", "tokens/s"],
                 [(r["dtype"], r["weights"], r["cpu_isa"], f"{r['cos_min']:.6f}", f"{r['cos_median']:.6f}",
-                  f"{r['score_max_diff']:.5f}", f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}")
+                  f"{r['score_max_diff']:.5f}", r["rerank_top1"], f"{r['inputs_per_s']:.1f}", f"{r['tokens_per_s']:.0f}")
                  for r in report["results"]])
     print_machine(machine(", ".join(dtypes), torch.get_num_threads(), inputs=len(inputs), tokens=report["tokens"]))
 

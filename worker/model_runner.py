@@ -27,6 +27,7 @@ from worker import quant_model
 from worker.cuda_graphs import DecodeGraphs
 from worker.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
 from worker.kernels import cpu_has
+from worker.quant_linear import float_activations_on
 from worker.lora_step import StepLora
 
 SUPPORTED = quant_model.LLAMA_FAMILY | {"opt", "gemma3_text"}
@@ -450,7 +451,7 @@ class PagedRunner:
         eps, scale = self.eps, self.scale
         heads, total = self.model.config.num_attention_heads, h.shape[0]
         # One stream decoding: the layers in one call (which adds no LoRA deltas).
-        if total == 1 and self.one_token is not None and step.lora is None:
+        if total == 1 and self.one_token is not None and step.lora is None and not float_activations_on():
             h = self.one_token.run(h, cos, sin, step.slots, self.k_cache, self.v_cache, paged.tokens, paged.rows,
                                    paged.context, paged.tables)
             return self._head(ops.add_rms_norm(h[step.logits_index], None, core.norm.weight.data,

@@ -1,7 +1,8 @@
 """Pooling requests (embeddings, rerank scores) in the paged engine: each input's prompt runs
 through the model once, in the same steps as generation, and answers a vector or a score.
 
-An input is prefilled whole into cache blocks of its own (no prefix-cache sharing: a mean needs
+Quantized projections compute with fp32 activations here, also where generation rounds them to
+int8 (worker/quant_linear.py float_activations). An input is prefilled whole into cache blocks of its own (no prefix-cache sharing: a mean needs
 every token's hidden state, which a cached prefix would skip), and its blocks go back as soon as
 the step ends. The inputs of a step share its token budget with nothing else: a step runs either
 the generation batch or pooled inputs, whichever the engine picks (Engine._pool_step).
@@ -17,6 +18,7 @@ from shared.messages import FinishReason, RequestPayload
 from shared.queue import lane_of
 from worker.batcher import Chunk, SchedulerOutput
 from worker.block_manager import BlockManager
+from worker.quant_linear import float_activations
 from worker.sequence import RequestEnd, StepOutput
 
 
@@ -99,7 +101,8 @@ def run(picked: list[tuple[PoolJob, int]], blocks: BlockManager, execute) -> Non
         rows = len(tokens) if job.task == "embed" else 1
         chunks.append(Chunk(None, 0, list(tokens), blocks.table(seq_id), rows))
     try:
-        out = execute(SchedulerOutput(chunks), hidden=picked[0][0].task == "embed")
+        with float_activations():  # not int8-rounded: an embedding or a score is read as a value
+            out = execute(SchedulerOutput(chunks), hidden=picked[0][0].task == "embed")
     finally:
         for seq_id in ids:
             blocks.truncate(seq_id, 0)  # never registered: first in line for reuse

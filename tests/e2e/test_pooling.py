@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from api.pooling import RERANK_INSTRUCTION
+from api.pooling import rerank_candidates, rerank_prompt
 from shared import redis_keys
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack
@@ -34,11 +34,10 @@ def reference_scores(folder, query: str, documents: list[str]) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), Tokenizer(folder)
-    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    yes, no = rerank_candidates(tok)
     scores = []
     for doc in documents:
-        ids = tok.encode_chat([{"role": "system", "content": RERANK_INSTRUCTION},
-                               {"role": "user", "content": f"<Query>: {query}\n<Document>: {doc}"}])
+        ids = rerank_prompt(tok, query, doc)
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         scores.append(torch.softmax(logits[[yes, no]], dim=0)[0].item())

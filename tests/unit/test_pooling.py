@@ -157,3 +157,36 @@ def test_plan_keeps_to_the_budget_the_free_blocks_and_one_task():
     assert plan([score, embed], blocks, max_tokens=100)[0][0] is score
     blocks.append_slots("busy", 24)
     assert plan([embed], blocks, max_tokens=100) == []  # waits for blocks
+
+
+@pytest.mark.parametrize("isa", ["auto", "portable"])
+def test_quantized_weights_pool_with_float_activations(tiny_llama, isa):
+    """The weights kept quantized (4- and 8-bit) on the kernels this CPU runs (auto: VNNI's int8
+    activations where it has them, which generation keeps) and on the portable path: embeddings and
+    scores are those of the same model with the weights dequantized to floats."""
+    from worker.quantized import quantize
+
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    model = load_model(tiny_llama, torch.device("cpu"), torch.float32)
+    twin = load_model(tiny_llama, torch.device("cpu"), torch.float32)
+    for layer, twin_layer in zip(model.model.layers, twin.model.layers):
+        for name in names:
+            module = layer.get_submodule(name)
+            q = quantize(module.weight.data, 4 if "attn" in name else 8, 16 if "mlp" in name else 32)
+            twin_layer.get_submodule(name).weight.data = q.dequantize()
+            module.quantized = q
+    ops = kernels.with_isa(kernels.load(), isa)
+    results = []
+    for m in (model, twin):
+        engine = Engine(PagedRunner(m, torch.device("cpu"), 64, 4, ops), Tokenizer(tiny_llama),
+                        Batcher(BlockManager(64, 4), 8, 32))
+        inputs = [engine.tokenizer.encode(t) for t in TEXTS]
+        engine.add(pool_payload("e", inputs, task="embed"))
+        engine.add(pool_payload("s", inputs, task="score", candidates=[5, 9]))
+        ends = drain(engine)
+        results.append(([floats(v) for v in ends["e"].pooled], [floats(v)[0] for v in ends["s"].pooled]))
+    (vectors, scores), (want_vectors, want_scores) = results
+    for got, want in zip(vectors, want_vectors):
+        assert float(np.dot(got, want)) >= 0.9999
+    assert scores == pytest.approx(want_scores, abs=1e-4)

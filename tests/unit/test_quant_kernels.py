@@ -226,3 +226,19 @@ def test_the_isa_setting_takes_the_five_names_only(monkeypatch):
     monkeypatch.setenv("STREAMQ_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="cpu_isa"):
         WorkerSettings()
+
+
+@pytest.mark.parametrize("bits,group,offset", FORMATS)
+def test_float_activations_compute_the_dequantized_matmul_on_every_isa(ops, isa, bits, group, offset):
+    """Within float_activations (pooling), every packing, the int8-activation one included, gives
+    x @ dequantize(w).T with x unrounded; outside it, VNNI's still rounds x to int8."""
+    from worker.quant_linear import float_activations
+
+    gen = torch.Generator().manual_seed(bits * 10 + group + offset)
+    n, k = 70, 96
+    w, b = random_weight(n, k, bits, group, offset, gen), torch.randn(n, generator=gen)
+    weight, reference = Weight(w, b, CPU, kernels.with_isa(ops, isa)), Reference(w, b)
+    x = torch.randn((5, k), generator=gen)
+    with float_activations():
+        reference.check(weight(x), x, "float activations", "avx512")
+    reference.check(weight(x), x, "as served", isa)
