@@ -24,6 +24,8 @@ test: $(STAMP) vllm-env
 	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
 	@scripts/ensure-prometheus.sh
+	@# The linter first ([tool.ruff] in pyproject.toml): a mistake it sees fails the run at once.
+	$(PY) -m ruff check .
 	@# The CPU step kernels, compiled once here: a worker started by a test then loads them at once.
 	$(PY) -c 'from worker import kernels; import sys; sys.exit(kernels.load() is None)'
 	@# The default model, converted once here, not by two test processes at once.

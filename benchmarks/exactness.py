@@ -46,7 +46,7 @@ from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.batcher import Batcher  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker import kernels
+from worker import kernels  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402

@@ -42,7 +42,7 @@ from tests.tiny_models import first_layers  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.drafter import DraftProposer  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker import kernels
+from worker import kernels  # noqa: E402
 from worker.model_runner import PagedRunner  # noqa: E402
 from worker.model_loader import load_model  # noqa: E402
 from worker.speculation import NgramProposer, Speculator  # noqa: E402

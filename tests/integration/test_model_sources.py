@@ -23,7 +23,7 @@ import pytest
 from shared import model_paths
 from shared.settings import CommonSettings
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import CHAT_TEMPLATE, write_tiny_gguf
+from tests.tiny_models import write_tiny_gguf
 
 
 class StandInHub:
