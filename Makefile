@@ -16,7 +16,7 @@ install: $(STAMP)
 ## make run: Redis (unless REDIS_URL is set), a worker with the default model and the api on :8000
 run: $(STAMP)
 	@if [ -z "$$REDIS_URL" ]; then scripts/ensure-redis.sh; fi
-	$(VENV)/bin/streamq serve --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
+	$(VENV)/bin/streamq serve --host $${HOST:-$${STREAMQ_HOST:-127.0.0.1}} --port $${PORT:-$${STREAMQ_PORT:-8000}}
 
 ## make test: the whole test suite (starts its own redis-server on a free port); screenshots go to artifacts/
 test: $(STAMP) vllm-env

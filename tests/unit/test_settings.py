@@ -74,3 +74,17 @@ def test_a_section_is_made_once_and_again_when_a_field_changed():
     assert settings.speculative is section and section.num_tokens != 7
     settings.num_speculative_tokens = 3
     assert settings.speculative.num_tokens == 3
+
+
+def test_the_configuration_page_names_every_setting():
+    """docs/configuration.md lists every process's settings by their environment variable."""
+    from pathlib import Path
+
+    from shared import settings
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    missing = sorted({f"STREAMQ_{(field.alias or name).upper()}"
+                      for cls in (settings.ApiSettings, settings.WorkerSettings, settings.SchedulerSettings)
+                      for name, field in cls.model_fields.items()
+                      if f"STREAMQ_{(field.alias or name).upper()}" not in page})
+    assert not missing, f"docs/configuration.md does not name {missing}"
