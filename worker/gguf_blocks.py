@@ -35,7 +35,10 @@ class TensorReader(GGUFReader):
     """A GGUFReader that skips the values of array metadata: the tokenizer's vocabulary, scores and
     merges, which GGUFReader parses entry by entry into small numpy arrays (seconds, and tens of
     MB of objects, for a vocabulary of 50k to 260k). Scalars, strings and all tensors are read as
-    usual; an array field keeps its header and has no values."""
+    usual; an array field keeps its header and has no values.
+
+    gguf's reader has no public way to skip fields: this overrides its private _get_field_parts,
+    which is why pyproject pins gguf to the version tested (tests/unit/test_gguf_weights.py)."""
 
     def __init__(self, path) -> None:
         super().__init__(path)

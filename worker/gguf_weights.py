@@ -51,7 +51,10 @@ def _empty_model(config, dtype: torch.dtype) -> nn.Module:
 
 def _processor(architecture: str, config):
     """transformers' tensor processor for the architecture, if this loader can reproduce what it
-    does: nothing (most architectures), llama's q/k row order, gemma's norm offset (1-D only)."""
+    does: nothing (most architectures), llama's q/k row order, gemma's norm offset (1-D only).
+    transformers exports no public API for its GGUF name and tensor mapping: this reads its
+    modeling_gguf_pytorch_utils (an internal module, the one its own from_pretrained uses);
+    tests/unit/test_gguf_weights.py checks the result against transformers' own load of the file."""
     from transformers.modeling_gguf_pytorch_utils import (  # noqa: PLC0415
         TENSOR_PROCESSORS,
         Gemma2TensorProcessor,
@@ -119,8 +122,8 @@ def load_gguf(path: str | Path, config=None, dequantize_unsupported: bool = Fals
     a block-quantized weight, a tensor of the file's dtype for an F32/F16/BF16 one; fp32 for 1-D}.
 
     Tensors transformers does not map (e.g. llama.cpp's rope_freqs) are left out as it does; a tied
-    lm_head is not in the dict (build_model ties it). Block types other than Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K raise UnsupportedTensorType unless `dequantize_unsupported`.
+    lm_head is not in the dict (build_model ties it). Block types other than those of
+    gguf_blocks.DECODERS raise UnsupportedTensorType unless `dequantize_unsupported`.
     Every tensor is copied out of the file: nothing keeps it mapped.
 
     `config` skips computing it again (gguf_config parses the whole file's metadata, tokenizer

@@ -5,15 +5,12 @@ A projection's weight [N, K] is stored as small integer codes with, per row and 
 
     w[n, k] = q[n, k] * scale[n, k // group] - offset[n, k // group]
 
-Every block format this project serves maps onto it exactly (the products are of an fp16 and a
-small integer, exact in fp32):
-    Q8_0      bits 8, group 32, offset 0
-    Q4_0      bits 4, group 32, codes 0..15, offset 8 * d
-    Q4_1      bits 4, group 32, offset -m
-    Q4_K      bits 4, group 32, scale d * sc, offset dmin * m
-    Q5_K      bits 8 (codes 0..31), group 32, scale d * sc, offset dmin * m
-    Q6_K      bits 8 (codes -32..31), group 16, scale d * sc, offset 0
-`bits` is the width the codes are stored in: 4 packs two codes a byte, 8 one.
+Every block format this project serves (worker/gguf_blocks.py DECODERS, the one list of them,
+with each one's group and bits) maps onto it exactly: the products are of an fp16 and a small
+integer, exact in fp32. For example Q8_0 (offset 0), Q4_0 (codes 0..15, offset 8 * d), Q4_1
+(offset -m), Q4_K (scale d * sc, offset dmin * m), Q5_0 / Q5_1 / Q5_K (codes 0..31 stored 8 bits
+wide), Q6_K (codes -32..31, group 16). `bits` is the width the codes are stored in: 4 packs two
+codes a byte, 8 one.
 """
 from __future__ import annotations
 
