@@ -64,10 +64,10 @@ class QuantLinear:
             self.scale, self.offset = w.scale, w.offset
         elif self.int8:
             self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, w.bits)
-            self.linear = kernels.quant_linear_int8
+            self.linear, self.read_rows = kernels.quant_linear_int8, kernels.quantized_int8_rows
         else:
             self.packed = kernels.pack_quantized(w.q, w.scale, w.offset, w.bits)
-            self.linear = kernels.quant_linear
+            self.linear, self.read_rows = kernels.quant_linear, kernels.quantized_rows
 
     @property
     def row_independent(self) -> bool:
@@ -82,7 +82,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8:
             if float_activations_on():
-                return self._sliced(x, self._int8_rows)
+                return self._sliced(x, lambda rows: self.rows(torch.arange(rows.start, rows.stop)))
             return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias)
         if self.packed is not None:
             return self.linear(x, self.packed, self.n, self.group, self.bits, self.bias, self.isa)
@@ -90,66 +90,13 @@ class QuantLinear:
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight, dequantized to fp32 [len(index), K]: a tied embedding's
-        lookup reads the head's own packed table, so the model holds the table once."""
+        lookup reads the head's own packed table, so the model holds the table once; the kernels
+        read their own packing back (its layout is written once, in worker/csrc)."""
         if self.packed is None:
             return QuantizedWeight(_unpack_codes(self.codes[index], self.bits), self.scale[index],
                                    None if self.offset is None else self.offset[index], self.group,
                                    self.bits).dequantize()
-        # pack_quantized's layout: [panel, group, bytes]; a group's bytes hold its `group` rows of
-        # 32 codes (8-bit: a byte each; 4-bit: column j in byte j % 16, low nibble for j < 16),
-        # then the 32 columns' fp32 scales, then their offsets where there are some.
-        # pack_quantized_int8's: the codes in quads of k, column j's 4 codes in 4 adjacent bytes
-        # (8-bit: bytes 4j.., stored + 128; 4-bit: bytes 4 (j % 16).., low nibble for j < 16).
-        blocks = self.packed[index // 32]  # [T, G, bytes]
-        column = (index % 32).view(-1, 1, 1, 1)
-        t, groups = blocks.shape[:2]
-        width = 32 * self.bits // 8
-        if self.int8:
-            lanes = 32 if self.bits == 8 else 16
-            codes = blocks[..., :self.group * width].reshape(t, groups * self.group // 4, lanes, 4)
-            lane = (column if self.bits == 8 else column % 16).view(-1, 1, 1, 1)
-            byte = codes.gather(2, lane.expand(t, codes.shape[1], 1, 4)).reshape(t, groups, self.group, 1)
-            if self.bits == 8:
-                q = (byte.to(torch.float32) - 128)
-            else:
-                q = torch.where(column < 16, byte & 15, byte >> 4).to(torch.float32)
-        elif self.bits == 8:
-            codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
-            q = codes.gather(3, column.expand(t, groups, self.group, 1)).view(torch.int8).to(torch.float32)
-        else:
-            codes = blocks[..., :self.group * width].reshape(t, groups, self.group, width)
-            byte = codes.gather(3, (column % 16).expand(t, groups, self.group, 1))
-            q = torch.where(column < 16, byte & 15, byte >> 4).to(torch.float32)
-
-        def per_column(start: int) -> torch.Tensor:  # [T, G, 1]: the index's column of 32 floats
-            floats = blocks[..., start:start + 128].contiguous().view(torch.float32)
-            return floats.gather(2, column.view(-1, 1, 1).expand(t, groups, 1))
-        start = self.group * width
-        value = q.squeeze(-1) * per_column(start)
-        if blocks.shape[2] > start + 128:
-            value = value - per_column(start + 128)
-        return value.reshape(t, -1)
-
-    def _int8_rows(self, rows: slice) -> torch.Tensor:
-        """Rows `rows` (from a multiple of 32) of the weight packed for int8 activations, dequantized
-        to fp32 [len, K] whole panels at a time (rows() reads any rows, one element at a time)."""
-        blocks = self.packed[rows.start // 32:-(-rows.stop // 32)]  # [P, G, bytes]
-        panels, groups = blocks.shape[:2]
-        start = self.group * 32 * self.bits // 8  # the codes, then 32 scales, then 32 offsets where some
-        codes = blocks[..., :start].reshape(panels, groups, self.group // 4, 32 if self.bits == 8 else 16, 4)
-        if self.bits == 8:
-            q = codes.to(torch.float32) - 128  # stored + 128
-        else:  # column j in lane j % 16: the low nibble for j < 16, the high one after
-            q = torch.cat((codes & 15, codes >> 4), dim=3).to(torch.float32)
-        q = q.permute(0, 3, 1, 2, 4).reshape(panels, 32, groups, self.group)  # [P, column, G, group]
-
-        def per_column(at: int) -> torch.Tensor:  # [P, 32, G, 1]
-            return blocks[..., at:at + 128].contiguous().view(torch.float32).permute(0, 2, 1).unsqueeze(-1)
-        value = q * per_column(start)
-        if blocks.shape[2] > start + 128:
-            value = value - per_column(start + 128)
-        first = rows.start % 32
-        return value.reshape(panels * 32, self.k)[first:first + rows.stop - rows.start]
+        return self.read_rows(self.packed, index.to(torch.long), self.group, self.bits)
 
     def projection(self, ops: ModuleType) -> Any | None:
         """This projection for the step kernels' one-token Layers; None on the portable path."""
@@ -170,7 +117,7 @@ class QuantLinear:
         """x @ w.T + bias in fp32, the weight's rows dequantized (`dequantized(rows)`) a bounded slice at a time."""
         xf = x.to(torch.float32)
         bias = None if self.bias is None else self.bias.to(torch.float32)
-        step = max(32, PORTABLE_SLICE_BYTES // (4 * self.k) // 32 * 32)  # whole panels of 32 rows
+        step = max(32, PORTABLE_SLICE_BYTES // (4 * self.k))
         parts = []
         for start in range(0, self.n, step):
             rows = slice(start, min(start + step, self.n))

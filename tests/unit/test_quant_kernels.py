@@ -242,3 +242,17 @@ def test_float_activations_compute_the_dequantized_matmul_on_every_isa(ops, isa,
     with float_activations():
         reference.check(weight(x), x, "float activations", "avx512")
     reference.check(weight(x), x, "as served", isa)
+
+
+@pytest.mark.parametrize("bits,group,offset", FORMATS)
+def test_rows_read_back_from_every_packing_are_the_dequantized_rows(ops, isa, bits, group, offset):
+    """A tied embedding's lookup (QuantLinear.rows) reads the kernels' own packing back: the rows
+    of dequantize(), bit for bit, in any order, the partial last panel's too."""
+    gen = torch.Generator().manual_seed(bits + group + offset)
+    w = random_weight(70, 96, bits, group, offset, gen)
+    quant = Weight(w, None, CPU, kernels.with_isa(ops, isa)).quant
+    index = torch.tensor([69, 0, 33, 33, 64, 5, 31, 32])
+    assert torch.equal(quant.rows(index), w.dequantize()[index])
+    if quant.packed is not None:
+        with pytest.raises(RuntimeError, match="out of range"):
+            quant.rows(torch.tensor([96]))

@@ -40,6 +40,12 @@ using PlaceCode = void (*)(uint8_t* block, int64_t j, const int8_t* codes, int64
 // The checked arguments of a pack_quantized*: codes q [N, K], scale and offset [N, K / group], each
 // group's codes placed by `place` and followed by its scales and offsets.
 at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits, PlaceCode place);
+// Where a packing reads it back: the code of panel column j (0..31), row i of its group.
+using ReadCode = int (*)(const uint8_t* block, int64_t j, int64_t i, int64_t bits);
+// Rows `rows` (int64) of a packed weight in groups of `group`, dequantized to float32 [len(rows), K]:
+// code * scale - offset, as worker/quantized.py's dequantize computes it.
+at::Tensor unpack_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t group, int64_t bits, ReadCode read);
+at::Tensor quantized_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits);
 // The checks of a quant_linear* call (`name`, of the weight packed by `packer`): x float32 or
 // bfloat16, packed in groups of `group` of a weight [n, K], the bias; whether the weight has offsets.
 bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
@@ -49,5 +55,6 @@ bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
 at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits);
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                              c10::optional<at::Tensor> bias);
+at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits);
 
 }  // namespace streamq

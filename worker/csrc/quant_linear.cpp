@@ -209,6 +209,46 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
   });
 }
 
+at::Tensor unpack_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t group, int64_t bits, ReadCode read) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
+              "a packed weight [panels, groups, bytes] of uint8");
+  TORCH_CHECK((bits == 4 || bits == 8) && group > 0, "bits 4 or 8 (not ", bits, "), group > 0");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [T]");
+  const int64_t panels = packed.size(0), groups = packed.size(1), stride = packed.size(2), k = groups * group;
+  const bool offset = stride == group_bytes(group, bits, true);
+  TORCH_CHECK(offset || stride == group_bytes(group, bits, false), "packed is not ", bits, "-bit in groups of ", group);
+  const at::Tensor index = rows.contiguous();
+  const int64_t* rp = index.data_ptr<int64_t>();
+  const int64_t t = index.numel();
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < panels * 32, "row ", rp[r], " is out of range");
+  at::Tensor out = at::empty({t, k}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = rp[r] / 32, j = rp[r] % 32;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = src + (p * groups + g) * stride;
+        const uint8_t* floats = block + group * kPanel * bits / 8;
+        float scale = 0, shift = 0;
+        std::memcpy(&scale, floats + 4 * j, sizeof(float));
+        if (offset) std::memcpy(&shift, floats + 4 * (32 + j), sizeof(float));
+        float* w = dst + r * k + g * group;
+        for (int64_t i = 0; i < group; ++i) w[i] = static_cast<float>(read(block, j, i, bits)) * scale - shift;
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor quantized_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits) {
+  return unpack_rows(packed, rows, group, bits, [](const uint8_t* block, int64_t j, int64_t i, int64_t bits) -> int {
+    if (bits == 8) return static_cast<int8_t>(block[i * 32 + j]);
+    const uint8_t byte = block[i * 16 + j % 16];
+    return j < 16 ? byte & 15 : byte >> 4;
+  });
+}
+
 bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
                       const c10::optional<at::Tensor>& bias, const char* name, const char* packer) {
   check_rows(x, "x");

@@ -210,6 +210,16 @@ at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at:
   });
 }
 
+at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits) {
+  // pack_quantized_int8's layout read back (no VNNI needed to read it).
+  return unpack_rows(packed, rows, group, bits, [](const uint8_t* block, int64_t j, int64_t i, int64_t bits) -> int {
+    const uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
+    if (bits == 8) return static_cast<int>(quad[4 * j + i % 4]) - 128;
+    const uint8_t byte = quad[4 * (j % 16) + i % 4];
+    return j < 16 ? byte & 15 : byte >> 4;
+  });
+}
+
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                              c10::optional<at::Tensor> bias) {
   check_vnni("quant_linear_int8");

@@ -290,6 +290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_int8", &quant_linear_int8, "x @ w.T (+ bias), x rounded to int8 per row and group, w as "
         "pack_quantized_int8(...) and its row count", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"),
         py::arg("bits"), py::arg("bias"));
+  m.def("quantized_rows", &quantized_rows, "rows (int64) of pack_quantized's weight, dequantized to float32 [T, K]",
+        py::arg("packed"), py::arg("rows"), py::arg("group"), py::arg("bits"));
+  m.def("quantized_int8_rows", &quantized_int8_rows, "rows (int64) of pack_quantized_int8's weight, dequantized to "
+        "float32 [T, K]", py::arg("packed"), py::arg("rows"), py::arg("group"), py::arg("bits"));
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias), w as pack_quantized(...) and its row count",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"), py::arg("bits"), py::arg("bias"),
         py::arg("isa") = "auto");
