@@ -147,8 +147,14 @@ def test_lora_modules_parse_and_refuse_what_is_not_name_path(monkeypatch):
     with pytest.raises(ValueError, match="'sql' is not name=path"):
         WorkerSettings()
     monkeypatch.setenv("STREAMQ_LORA_MODULES", "sql=/a")
-    monkeypatch.setenv("STREAMQ_BACKEND", "vllm")
-    with pytest.raises(ValueError, match="backend='vllm'"):
+    monkeypatch.setenv("STREAMQ_BACKEND", "vllm")  # vLLM's own LoRA serves them
+    assert WorkerSettings().lora.paths == {"sql": Path("/a")}
+    monkeypatch.setenv("STREAMQ_BACKEND", "null")
+    with pytest.raises(ValueError, match="not by the null backend"):
+        WorkerSettings()
+    monkeypatch.delenv("STREAMQ_LORA_MODULES")
+    monkeypatch.setenv("STREAMQ_ENABLE_LORA", "true")
+    with pytest.raises(ValueError, match="not by the null backend"):
         WorkerSettings()
 
 
