@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.messages import RequestPayload, TokenEvent
+from worker.execution_plan import ExecutionPlan, plan_of
 from worker.kv_tier import TierCounts
 from worker.sequence import Sequence, StepOutput
 
@@ -78,6 +79,10 @@ class Backend(Protocol):
 
     def learn_adapters(self, runtime: dict[str, Path]) -> None:
         """The adapters loaded at run time for its model (Adapters.learn), where it serves LoRA."""
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """The paths its engine takes (worker/execution_plan.py)."""
 
     def counts(self) -> Counts:
         """Its running totals, read after each step."""
@@ -157,6 +162,10 @@ class Threaded:
     def learn_adapters(self, runtime: dict[str, Path]) -> None:
         if (registry := self._registry()) is not None:
             registry.learn(runtime)
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return plan_of(self.engine)
 
     def _registry(self):
         return getattr(getattr(self.engine, "runner", None), "adapters", None)  # the paged engine's, where on

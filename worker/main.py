@@ -196,6 +196,7 @@ async def serve(settings: WorkerSettings) -> None:
     await until_redis_answers("model files", lambda: tokenizer_files.publish(
         redis, settings.prefix, served_name(settings), model_dir(settings)), log)
     tracing.configure("streamq-worker")
+    log.info("execution plan: %s", engine.plan.describe())
     service = WorkerService(redis, engine, settings, served_name(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

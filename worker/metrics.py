@@ -18,6 +18,8 @@ from dataclasses import asdict
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from worker.execution_plan import ExecutionPlan
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, ThreadingWSGIServer
 
 from shared.messages import RequestPayload
@@ -64,6 +66,8 @@ class WorkerMetrics:
         self.kv_used = Gauge("streamq:kv_cache_blocks_used", "KV-cache blocks held by requests or the prefix cache.",
                              registry=r)
         self.kv_free = Gauge("streamq:kv_cache_blocks_free", "KV-cache blocks free.", registry=r)
+        self.plan = Gauge("streamq:worker_plan_info", "1, labelled with the paths this worker's engine takes "
+                          "(worker/execution_plan.py).", list(ExecutionPlan.__dataclass_fields__), registry=r)
         self.kv_usage = Gauge("streamq:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                               registry=r)
         self.prefix_queries = Counter("streamq:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",

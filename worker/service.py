@@ -65,6 +65,8 @@ class WorkerService:
         self._doorbell_id = "0-0"  # the doorbell's last entry when the lanes were read
         self._announced = -1  # the free slots this worker last told the others of
         self.metrics = WorkerMetrics()
+        self._plan = backend.plan  # decided when the engine was built: read once
+        self.metrics.plan.labels(**self._plan.labels()).set(1)
         self.spans = RequestSpans(self.name)  # where tracing is on (worker/tracing.py)
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
@@ -331,6 +333,7 @@ class WorkerService:
                 "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
                 "deterministic": self.settings.step.deterministic, "batch_invariant": self.backend.batch_invariant,
                 "pools": self.backend.pools, "lora": self.backend.adapters is not None,
+                "plan": self._plan.labels(),
                 "adapters": self.backend.adapters or [],
                 **self._kv_blocks(),
                 "at": round(now(), 3), **self.metrics.totals()}  # at: when the totals were read

@@ -23,6 +23,7 @@ from shared.settings import WorkerSettings
 from shared.structured import JSON_LAYOUT
 from shared.tokenizer import Tokenizer
 from worker.backend import Counts
+from worker.execution_plan import ExecutionPlan, vllm_plan
 from worker.sequence import Logprobs, Sequence, StepOutput, new_sequence, step_output, token_event
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,13 @@ class VllmBackend:
     @property
     def batch_invariant(self) -> bool:
         return self.deterministic
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        from vllm.platforms import current_platform  # noqa: PLC0415 - only with backend=vllm
+
+        dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
+        return vllm_plan(dtype, current_platform.device_type, self.deterministic)
 
     @property
     def adapters(self) -> list[str] | None:

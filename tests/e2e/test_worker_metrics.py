@@ -60,3 +60,13 @@ def test_each_replica_shows_the_models_backlog(stack):
         for url in stack.urls:
             queued = scrape(client, f"{url}/metrics")
             assert queued[("streamq:num_requests_queued", (("model", worker["model"]),))] == 0, url
+
+
+def test_the_worker_says_its_execution_plan_in_readyz_and_its_metrics(stack):
+    with httpx.Client(timeout=60) as client:
+        [worker] = client.get(f"{stack.urls[0]}/readyz").json()["workers"]
+        plan = worker["plan"]
+        samples = scrape(client, f"http://127.0.0.1:{worker['metrics_port']}/metrics")
+    assert plan["engine"] == "paged" and plan["dtype"] == "float32" and plan["device"] == "cpu"
+    assert plan["forward"] in ("llama-kernels", "llama-fused")  # the kernels where they build here
+    assert samples[("streamq:worker_plan_info", tuple(sorted(plan.items())))] == 1.0

@@ -1,0 +1,77 @@
+"""Which paths a worker's engine takes, said once: the forward, the projections' kernels, whether
+the weights stay quantized, the one-call decode stack, CUDA graphs, and what that makes of its
+numerics. Read off the runner as built (PagedRunner decides at construction); logged at start,
+sent in the heartbeat (so /readyz's worker entry shows it) and as a metric's labels."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    engine: str  # paged | static | null | vllm
+    forward: str  # paged: llama-kernels | llama-fused | llama-eager | gemma3 | opt; else the engine's
+    projections: str  # panels (AVX2/AVX-512 kernels) | onednn | panels, onednn from N rows | quantized... | n/a
+    one_token_stack: bool  # a one-token step runs the whole layer stack in one kernel call
+    cuda_graphs: bool
+    dtype: str
+    device: str
+    isa: str  # the kernels' projection ISA (portable: none)
+    deterministic: bool
+    batch_invariant: bool
+
+    def labels(self) -> dict[str, str]:
+        return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in asdict(self).items()}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.labels().items())
+
+
+def plan_of(engine: Any) -> ExecutionPlan:
+    """The plan of a built-in engine (Engine, StaticEngine, NullEngine)."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or not hasattr(runner, "k_cache"):  # the null or the static engine
+        kind = "null" if runner is None else "static"
+        return ExecutionPlan(kind, kind, "n/a", False, False, _dtype(runner), _device(runner), "n/a", False, False)
+    dtype, device, isa, _, invariant = runner.numerics
+    return ExecutionPlan("paged", _forward(runner), _projections(runner), runner.one_token is not None,
+                         runner.graphs is not None, dtype.removeprefix("torch."), device, isa or "portable",
+                         runner.deterministic, invariant)
+
+
+def vllm_plan(dtype: str, device: str, deterministic: bool) -> ExecutionPlan:
+    return ExecutionPlan("vllm", "vllm", "vllm", False, False, dtype, device, "n/a", deterministic, deterministic)
+
+
+def _forward(runner) -> str:
+    if runner.arch != "llama":
+        return runner.arch
+    if runner.fused is None:
+        return "llama-eager"
+    return "llama-kernels" if runner.kernels is not None else "llama-fused"
+
+
+def _projections(runner) -> str:
+    if runner.fused is None:
+        return "modules"  # the model's own nn.Linear
+    kinds = sorted({_kind(w) for w in runner._weights()})
+    return "+".join(kinds)
+
+
+def _kind(w) -> str:
+    if w.quant is not None:
+        quant = w.quant
+        return "quantized-int8" if quant.int8 else "quantized" if quant.packed is not None else "quantized-portable"
+    if w.panels is not None:
+        return f"panels, onednn from {w.matmul_rows} rows" if w.matmul_rows else "panels"
+    return "tiled" if w.tile else "onednn"
+
+
+def _dtype(runner) -> str:
+    model = getattr(runner, "model", None)
+    return str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "n/a"
+
+
+def _device(runner) -> str:
+    return str(getattr(runner, "device", "n/a"))
