@@ -22,7 +22,6 @@ from api.generation import Generation
 from shared.messages import FinalEvent, FinishReason, PoolSpec, RequestPayload, now
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from shared.workers import live_workers
 
 POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling requests (worker/pooling.py)
 # The question a rerank score answers. Of five wordings tried on the default model (10 hand-written
@@ -59,8 +58,7 @@ async def require_pooling(generation: Generation) -> None:
     if generation.adapter is not None:
         raise ApiError(400, f"embeddings and rerank run on base models only; {generation.adapter!r} is a LoRA "
                             f"adapter of {generation.base_model!r}", param="model", code="pooling_not_supported")
-    workers = [w for w in await live_workers(generation.store.redis, generation.store.prefix)
-               if w.get("model") == generation.base_model]
+    workers = await generation.live_workers()
     if not any(w.get("pools") for w in workers):
         backends = sorted({str(w.get("backend")) for w in workers})
         raise ApiError(400, f"no live worker of {generation.model_name!r} computes embeddings or rerank scores "

@@ -47,6 +47,7 @@ STEP_PHASES = ("admit", "schedule", "forward", "sample")
 
 class Engine(BaseEngine):
     pools = True
+
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
                  speculator: Speculator | None = None, tier: KVTier | None = None):
         super().__init__(batcher.max_num_seqs)

@@ -2,10 +2,11 @@
 through the model once, in the same steps as generation, and answers a vector or a score.
 
 Quantized projections compute with fp32 activations here, also where generation rounds them to
-int8 (worker/quant_linear.py float_activations). An input is prefilled whole into cache blocks of its own (no prefix-cache sharing: a mean needs
-every token's hidden state, which a cached prefix would skip), and its blocks go back as soon as
-the step ends. The inputs of a step share its token budget with nothing else: a step runs either
-the generation batch or pooled inputs, whichever the engine picks (Engine._pool_step).
+int8 (worker/quant_linear.py float_activations). An input is prefilled whole into cache blocks of
+its own (no prefix-cache sharing: a mean needs every token's hidden state, which a cached prefix
+would skip), and its blocks go back as soon as its forward ends. A step runs the next pooled
+inputs that its token budget and the free blocks allow in one forward of their own, then its
+generation batch (Engine._pool_step): streams go on while a batch is embedded.
 """
 from __future__ import annotations
 

@@ -328,13 +328,13 @@ class WorkerService:
         if (stalled := self.stalled()) is not None:
             log.error("%s: withdrawing this worker", stalled)
             raise EngineStalled(stalled)
+        adapters = self.backend.adapters
         beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
                 "capacity": self.backend.batch_size, "running": len(self.backend.running),
                 "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
                 "deterministic": self.settings.step.deterministic, "batch_invariant": self.backend.batch_invariant,
-                "pools": self.backend.pools, "lora": self.backend.adapters is not None,
+                "pools": self.backend.pools, "lora": adapters is not None, "adapters": adapters or [],
                 "plan": self._plan.labels(),
-                "adapters": self.backend.adapters or [],
                 **self._kv_blocks(),
                 "at": round(now(), 3), **self.metrics.totals()}  # at: when the totals were read
         try:
@@ -344,7 +344,7 @@ class WorkerService:
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
             return
-        if self.backend.adapters is not None:
+        if adapters is not None:
             await self._learn_adapters()
         if self.backend.free_slots > 0 and not self._stopping.is_set():
             await self._reclaim()
