@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -116,6 +117,11 @@ class Stack:
         """SIGSTOP every worker: whatever each runs stays where it is (see pause_worker)."""
         for i in range(self.n_workers):
             self.pause_worker(i)
+
+    def resume_workers(self) -> None:
+        """SIGCONT every worker (after pause_workers)."""
+        for i in range(self.n_workers):
+            self.resume_worker(i)
 
     def kill_paused_worker(self, name: str) -> None:
         """After pause_workers: SIGKILL the worker `name`, mid-request for certain, and resume the others."""
@@ -240,14 +246,29 @@ def stream_posted(client: httpx.Client, url: str, body: dict, at_token: int = 0,
     return events
 
 
-def kill_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, headers=dict,
-                    attempts: int = 5) -> tuple[list[dict], dict, str, str]:
-    """Stream `body` (POSTed to `url` with `headers()`), hold every worker at the client's
-    `at_token`-th token and SIGKILL the one running the request, the others resumed; the stream's
-    events, the headers sent, the request's id and the killed worker's name. A worker runs ahead
-    of its client, and on a loaded machine may end a short request before the client saw that
-    token: then the workers go on, and a new request (with new headers) is tried, so that the
-    kill always lands mid-request (its record still `running`)."""
+@dataclass
+class HeldStream:
+    """A stream whose workers are paused mid-request (hold_mid_stream): the client reads on in its
+    thread once they go on."""
+
+    runner: threading.Thread
+    result: list[list[dict]]
+    request_id: str
+    headers: dict  # those sent
+    record: dict  # the request's record at the pause: `running`, on `worker`
+
+    def events(self, timeout_s: float = 120) -> list[dict]:
+        """The stream's events, to its final one."""
+        self.runner.join(timeout_s)
+        return self.result[0]
+
+
+def hold_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, headers=dict,
+                    attempts: int = 5) -> HeldStream:
+    """Stream `body` (POSTed to `url` with `headers()`) and pause every worker at the client's
+    `at_token`-th token, its request still running. A worker runs ahead of its client, and on a
+    loaded machine may end a short request before the client saw that token: then the workers go
+    on, and a new request (with new headers) is tried, so that the pause always lands mid-request."""
     for _ in range(attempts):
         held, seen, result, sent = threading.Event(), [], [], headers()
 
@@ -267,10 +288,17 @@ def kill_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, heade
             raise AssertionError(f"no token {at_token} within 120 s:\n{stack.logs()}")
         record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, seen[0]))
         if record.get("status") == "running":
-            stack.kill_paused_worker(record["worker"])
-            runner.join(120)
-            return result[0], sent, seen[0], record["worker"]
-        for i in range(stack.n_workers):
-            stack.resume_worker(i)
+            return HeldStream(runner, result, seen[0], sent, record)
+        stack.resume_workers()
         runner.join(120)
     raise AssertionError(f"the request ended before its worker was held, {attempts} times")
+
+
+def kill_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, headers=dict,
+                    attempts: int = 5) -> tuple[list[dict], dict, str, str]:
+    """Stream `body` (POSTed to `url` with `headers()`), hold every worker at the client's
+    `at_token`-th token (hold_mid_stream) and SIGKILL the one running the request, the others
+    resumed; the stream's events, the headers sent, the request's id and the killed worker's name."""
+    held = hold_mid_stream(stack, url, body, at_token, headers, attempts)
+    stack.kill_paused_worker(held.record["worker"])
+    return held.events(), held.headers, held.request_id, held.record["worker"]

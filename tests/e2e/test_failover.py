@@ -11,7 +11,7 @@ import pytest
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
-from tests.stack import Stack, kill_mid_stream, parse_sse, stream_posted
+from tests.stack import Stack, hold_mid_stream, kill_mid_stream, parse_sse, stream_posted
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
 TOKENS = 200
@@ -136,27 +136,13 @@ def test_a_worker_whose_heartbeat_lapsed_takes_its_own_request_back_and_finishes
     env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
     body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with Stack(redis_url, tiny_llama, tmp_path, scheduler=True, env=env) as stack:
-        paused, seen, result = threading.Event(), [], []
-
-        def pause(request_id: str) -> None:
-            if not paused.is_set():
-                stack.pause_worker()
-                seen.append(request_id)
-                paused.set()
-
-        def stream() -> None:
-            with httpx.Client(timeout=120) as client:
-                result.append(stream_posted(client, f"{stack.urls[0]}/v1/requests", body, 1, pause))
-
-        runner = threading.Thread(target=stream)
-        runner.start()
-        assert paused.wait(120), stack.logs()
+        held = hold_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
         stack.wait_for_record(lambda r: r.get("attempts") == "1")  # put back by the scheduler
         stack.resume_worker()
-        runner.join(120)
+        events = held.events()
         record = stack.wait_for_record(lambda r: r.get("status") in ("done", "failed"))
         logs = stack.logs()
-    tokens = [e for e in result[0] if e["event"] == "token"]
+    tokens = [e for e in events if e["event"] == "token"]
     assert record["status"] == "done", logs
     assert [int(e["id"]) for e in tokens] == list(range(120))
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,

@@ -52,8 +52,7 @@ def test_a_worker_killed_mid_message_stream_goes_on_to_the_undisturbed_text(stac
                 seen += list(events)
                 message = stream.get_final_message()
                 break
-            for i in range(stack.n_workers):  # it ended before the pause: try again
-                stack.resume_worker(i)
+            stack.resume_workers()  # it ended before the pause: try again
             list(events)
     else:
         raise AssertionError("the reply ended before its workers were paused, 5 times")

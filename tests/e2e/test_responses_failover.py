@@ -68,8 +68,7 @@ def _held_mid_response(client: openai.OpenAI, stack: Stack, attempts: int = 5):
         record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
         if record.get("status") == "running":
             return created, stream, seen
-        for i in range(stack.n_workers):
-            stack.resume_worker(i)
+        stack.resume_workers()
         list(stream)
     raise AssertionError(f"the response ended before its workers were paused, {attempts} times")
 
@@ -87,8 +86,7 @@ def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
             for event in stream:
                 events.append(event)
     finally:
-        for i in range(stack.n_workers):
-            stack.resume_worker(i)
+        stack.resume_workers()
     assert events[-1].type not in ("response.completed", "response.incomplete")  # cut mid-response
     events += list(other.responses.retrieve(created.id, stream=True, starting_after=events[-1].sequence_number))
     _check(events, reference)
