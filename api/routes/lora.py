@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from api.auth import TenantDep
 from api.deps import ModelsDep, ReplicaDep
@@ -51,7 +52,7 @@ async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep
         raise ApiError(400, f"model {body.model!r} is an adapter; name its base model", param="model")
     if body.lora_name in await served.served() or served.loaded(body.lora_name) is not None:
         raise ApiError(400, f"{body.lora_name!r} is a model's name", param="lora_name")
-    _check_folder(Path(body.lora_path))
+    await run_in_threadpool(_check_folder, Path(body.lora_path))  # a file read: off the event loop
     entry = AdapterEntry(body.lora_path, tuple(body.tenants) if body.tenants is not None else None)
     await LoraRegistry(replica.store.redis, replica.settings.prefix).register(base.base_model, body.lora_name, entry)
     return {"object": "lora_adapter", "id": body.lora_name, "parent": base.base_model, "root": body.lora_path,
