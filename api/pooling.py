@@ -23,7 +23,7 @@ from shared.messages import FinalEvent, FinishReason, PoolSpec, RequestPayload, 
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 
-POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling requests (worker/pooling.py)
+POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling requests (worker/engine/pooling.py)
 # The question a rerank score answers. Of five wordings tried on the default model (10 hand-written
 # queries of 4 documents, one relevant: benchmarks/embeddings.py), this one put the relevant document
 # first for 7 (Qwen3-Reranker's system-and-tags prompt: 5; a plain "<Query>/<Document>" one: 3).

@@ -51,7 +51,7 @@ from streamq import bench  # noqa: E402
 from shared.model_paths import prepare_model, served_name, weights_dir  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
-from worker.model_loader import pick_dtype  # noqa: E402
+from worker.model.model_loader import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -28,7 +28,7 @@ from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from streamq import bench  # noqa: E402
 from shared.model_paths import served_name  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
-from worker.model_loader import pick_dtype  # noqa: E402
+from worker.model.model_loader import pick_dtype  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 SETTINGS = {

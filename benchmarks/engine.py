@@ -8,7 +8,7 @@
 Workload W (benchmarks/workload_w.json): 32 chat-templated prompts sent at once, 64 new tokens
 each, greedy, ignore_eos, on the default model. Modes:
   streamq      this engine (continuous batching, paged KV cache), in-process
-  streamq-eager  the same without its compiled CPU step kernels (worker/kernels.py): eager torch ops
+  streamq-eager  the same without its compiled CPU step kernels (worker/model/kernels.py): eager torch ops
   seed         the seed tutorial's design: static batches of 4, no KV cache (the whole sequence
                is recomputed every step)
   hf-generate  transformers `generate`, one request at a time
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/openmp.py)
-    from worker.openmp import restart_with_intel_openmp
+if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/model/openmp.py)
+    from worker.model.openmp import restart_with_intel_openmp
     restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
 import torch  # noqa: E402
@@ -51,12 +51,12 @@ from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.batcher import Batcher  # noqa: E402
-from worker.block_manager import BlockManager  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.model_runner import PagedRunner  # noqa: E402
-from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
+from worker.engine.batcher import Batcher  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.core import Engine  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.model.model_runner import PagedRunner  # noqa: E402
+from worker.model.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
 
 SYSTEM = ("You are a careful, friendly assistant for a public library. Answer in plain words, keep answers short, "
           "cite no sources you cannot name, and when a question is about opening hours, membership, borrowing "

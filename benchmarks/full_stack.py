@@ -28,7 +28,7 @@ from streamq import bench  # noqa: E402
 from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model_loader import load_model  # noqa: E402
+from worker.model.model_loader import load_model  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"
 

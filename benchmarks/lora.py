@@ -4,7 +4,7 @@
 
 The default model as `make run` serves it (--weights as-served: the GGUF kept quantized; float: its
 dequantized weights). Four adapters made by peft on the default model (ranks 8, 16, 8, 16, all seven projections,
-random non-zero weights) are served by one engine (worker/lora.py). Each round runs, in turns:
+random non-zero weights) are served by one engine (worker/model/lora.py). Each round runs, in turns:
 
 - base: `--streams` chat prompts of workload W (benchmarks/workload_w.json) at once, greedy,
   `--tokens` new tokens each, ignore_eos, on the base model;
@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/openmp.py)
-    from worker.openmp import restart_with_intel_openmp
+if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/model/openmp.py)
+    from worker.model.openmp import restart_with_intel_openmp
     restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
 import torch  # noqa: E402
@@ -41,13 +41,13 @@ from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from tests.lora_adapters import make_adapter  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.batcher import Batcher  # noqa: E402
-from worker.block_manager import BlockManager  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.lora import Adapters  # noqa: E402
-from worker.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
-from worker.model_runner import PagedRunner  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.engine.batcher import Batcher  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.core import Engine  # noqa: E402
+from worker.model.lora import Adapters  # noqa: E402
+from worker.model.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
+from worker.model.model_runner import PagedRunner  # noqa: E402
 
 RANKS = (8, 16, 8, 16)
 BLOCKS, BLOCK_SIZE = 2048, 16

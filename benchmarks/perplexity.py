@@ -31,10 +31,10 @@ from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
 from shared.model_paths import gguf_file, prepare_model  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.batcher import Chunk, SchedulerOutput  # noqa: E402
-from worker.model_loader import load_weights  # noqa: E402
-from worker.model_runner import PagedRunner  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.model.batch import Chunk, SchedulerOutput  # noqa: E402
+from worker.model.model_loader import load_weights  # noqa: E402
+from worker.model.model_runner import PagedRunner  # noqa: E402
 
 TEXT = ROOT / "benchmarks" / "data" / "declaration.txt"
 FORMATS = {"GGUF as stored (quantized)": {"gguf_weights": "quantized"},

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker import kernels  # noqa: E402
-from worker.quantized import quantize  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.model.quantized import quantize  # noqa: E402
 
 SHAPES = [(576, 1536), (1536, 576), (896, 4864), (4864, 896)]
 

@@ -36,16 +36,16 @@ from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.batcher import Batcher  # noqa: E402
+from worker.engine.batcher import Batcher  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from tests.tiny_models import first_layers  # noqa: E402
-from worker.block_manager import BlockManager  # noqa: E402
-from worker.drafter import DraftProposer  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.model_runner import PagedRunner  # noqa: E402
-from worker.model_loader import load_model  # noqa: E402
-from worker.speculation import NgramProposer, Speculator  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.drafter import DraftProposer  # noqa: E402
+from worker.engine.core import Engine  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.model.model_runner import PagedRunner  # noqa: E402
+from worker.model.model_loader import load_model  # noqa: E402
+from worker.engine.speculation import NgramProposer, Speculator  # noqa: E402
 
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 

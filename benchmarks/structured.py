@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/openmp.py)
-    from worker.openmp import restart_with_intel_openmp
+if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/model/openmp.py)
+    from worker.model.openmp import restart_with_intel_openmp
     restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
 import torch  # noqa: E402
@@ -38,12 +38,12 @@ from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.structured import StructuredOutputs, compile_error  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.batcher import Batcher  # noqa: E402
-from worker.block_manager import BlockManager  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.model_loader import load_model, pick_dtype  # noqa: E402
-from worker.model_runner import PagedRunner  # noqa: E402
+from worker.model import kernels  # noqa: E402
+from worker.engine.batcher import Batcher  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.core import Engine  # noqa: E402
+from worker.model.model_loader import load_model, pick_dtype  # noqa: E402
+from worker.model.model_runner import PagedRunner  # noqa: E402
 
 LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 200}
 SCHEMAS = {
@@ -83,7 +83,7 @@ def run(engine: Engine, prompts: list[list[int]], constrained: list[bool], new_t
 
 def compile_times(tokenizer: Tokenizer, vocab: int) -> list[dict]:
     from llguidance import LLMatcher
-    from worker.structured import Grammars
+    from worker.engine.structured import Grammars
 
     grammars = Grammars(tokenizer, vocab)
     grammars.matcher(SamplingParams(structured_outputs={"json_object": True}), [])  # the tokenizer, once

@@ -55,12 +55,12 @@ def builtin_outputs(dtype: str, ids: list[list[int]], weights: str) -> list[list
     from shared.settings import WorkerSettings
     from shared.model_paths import prepare_model, weights_dir
     from shared.tokenizer import Tokenizer
-    from worker import kernels
-    from worker.batcher import Batcher
-    from worker.block_manager import BlockManager
-    from worker.engine import Engine
-    from worker.model_loader import load_model, load_weights
-    from worker.model_runner import PagedRunner
+    from worker.model import kernels
+    from worker.engine.batcher import Batcher
+    from worker.engine.block_manager import BlockManager
+    from worker.engine.core import Engine
+    from worker.model.model_loader import load_model, load_weights
+    from worker.model.model_runner import PagedRunner
 
     settings = WorkerSettings(_env_file=None)
     cpu = torch.device("cpu")

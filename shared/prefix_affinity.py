@@ -7,7 +7,7 @@ when live workers of the model (and of the request's backend, if it names one) a
 the request is marked for the one of them with the most free slots (`RequestPayload.affinity`)
 and waits in that worker's affinity lane of its tenant and priority (shared/queue.py). That
 worker reads it first; the others take it only once it has waited past a bound
-(worker/intake.py), so nothing starves behind a busy or dead worker.
+(worker/service/intake.py), so nothing starves behind a busy or dead worker.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ end
 return #old
 """
 
-# KEYS: holders hash, free-slots hash (worker/intake.py). ARGV: prefix hashes. For each, the
+# KEYS: holders hash, free-slots hash (worker/service/intake.py). ARGV: prefix hashes. For each, the
 # workers whose announcement of it has not expired by Redis's clock (the workers' expiries are
 # in that clock too), those with the most free slots first, then the latest.
 _LOOKUP = """

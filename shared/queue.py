@@ -4,8 +4,8 @@ one worker should run, as it holds the KV blocks of its prompt's prefix, that wo
 lane: `^worker-1/0:acme`, or `@vllm/^worker-1/0:acme`).
 
 The api writes each request to its lane's stream (with the record, in one script); workers
-take their share of all lanes in one script (worker/intake.py) and the batcher chooses between
-them (worker/fair_queue.py). A new lane rings a doorbell stream so waiting workers start
+take their share of all lanes in one script (worker/service/intake.py) and the batcher chooses between
+them (worker/engine/fair_queue.py). A new lane rings a doorbell stream so waiting workers start
 reading it at once. Everything that looks at the backlog (backpressure, the scheduler) goes
 over all lanes through this class.
 """

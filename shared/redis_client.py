@@ -141,7 +141,7 @@ def _connect_cluster(url: str) -> RedisCluster:
 def connect_blocking(url: str, timeout_s: float):
     """A blocking client for `url` (any URL connect takes), answers as bytes, each command given
     up after `timeout_s`: for a thread that must not wait on a slow Redis (the worker's model
-    thread, through worker/kv_tier.py)."""
+    thread, through worker/engine/kv_tier.py)."""
     import redis
     import redis.cluster
     from redis.connection import parse_url as parse_blocking_url

@@ -29,7 +29,7 @@ def request_stream(prefix: str, model: str, lane: str) -> str:
 def request_lanes(prefix: str, model: str) -> str:
     """Set: the lanes that have a request stream for this model. A tenant's lane stays; a worker's
     affinity lane is removed with its stream once it is empty, nothing of it is pending and its
-    worker has no live announcement in worker_free_slots (it stopped reading: worker/intake.py's
+    worker has no live announcement in worker_free_slots (it stopped reading: worker/service/intake.py's
     _DROP); a request queued there later adds it again, with its group."""
     return f"{prefix}:lanes:{{{model}}}"
 
@@ -42,7 +42,7 @@ def lane_doorbell(prefix: str, model: str) -> str:
 
 def worker_free_slots(prefix: str, model: str) -> str:
     """Hash: worker -> "<free slots>:<expiry, ms>", announced at each of its reads of the lanes,
-    so workers split a burst by their free room (worker/intake.py). An entry past its expiry
+    so workers split a burst by their free room (worker/service/intake.py). An entry past its expiry
     is a worker that stopped reading: the next reader drops it."""
     return f"{prefix}:free:{{{model}}}"
 
@@ -82,7 +82,7 @@ def model_commit(prefix: str, repo: str, revision: str) -> str:
 
 
 def kv_block(prefix: str, space: str, block_hash: int) -> str:
-    """String with TTL: one full KV-cache block of the shared tier (worker/kv_tier.py), keyed by
+    """String with TTL: one full KV-cache block of the shared tier (worker/engine/kv_tier.py), keyed by
     its space (model, dtype, quantization and numerics: only workers that compute the same bits
     share) and the stable hash of its tokens' chain. No hash tag: on a cluster the blocks spread
     over every slot."""

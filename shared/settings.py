@@ -105,7 +105,7 @@ class CacheSettings(_Section):
     num_kv_blocks: int | None  # None: sized from kv_cache_gb
     kv_cache_gb: float
     prefix_caching: bool
-    kv_tier: bool  # the shared KV tier (worker/kv_tier.py)
+    kv_tier: bool  # the shared KV tier (worker/engine/kv_tier.py)
     kv_redis_url: str | None  # None: the queue's Redis
     kv_tier_gb: float
     kv_tier_ttl_s: float
@@ -256,7 +256,7 @@ class WorkerSettings(CommonSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
-    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/kernels.py); "
+    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/model/kernels.py); "
                                                 "off, or where they fail to build, the eager torch ops run.")
     kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
                                    description="Where the CPU step kernels are compiled, once per CPU and source.")
@@ -272,7 +272,7 @@ class WorkerSettings(CommonSettings):
         "quantized", description="A GGUF model's block-quantized tensors: kept quantized in memory (llama-family "
                                  "models on a CPU), or dequantized once into a float copy in the model cache.")
     cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
-                                                "bucket (worker/cuda_graphs.py); off: every step launches eagerly.")
+                                                "bucket (worker/model/cuda_graphs.py); off: every step launches eagerly.")
     deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "
                                                    "its prefill chunked or cached or not, with speculation or not, "
                                                    "and after a failover, in bf16 too (docs/reliability.md); "

@@ -20,7 +20,7 @@ EVENT_FIELD = "e"
 # Ending a request in a script, the one way the scripts here and the scheduler's requeue do it:
 # the record's status, finish reason, end time and error (or none: false), the final event on
 # its token log and channel, and both keys set to expire after `ttl`. (The worker ends the
-# requests it ran in its publish pipeline, worker/publisher.py, with their text and the ack.)
+# requests it ran in its publish pipeline, worker/service/publisher.py, with their text and the ack.)
 FINISH_LUA = """
 local function finish(record, log, channel, status, reason, finished_at, event, ttl, error)
   redis.call('HSET', record, 'status', status, 'finish_reason', reason, 'finished_at', finished_at)

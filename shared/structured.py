@@ -3,7 +3,7 @@
 A request carries at most one of a JSON schema, "any JSON object", a regular expression, a
 list of choices or a grammar (Lark, or GBNF as llama.cpp writes it), as vLLM's
 `structured_outputs` does. The worker turns it into llguidance's grammar and masks, each step,
-the tokens the grammar does not allow (worker/structured.py), so the output obeys it whatever
+the tokens the grammar does not allow (worker/engine/structured.py), so the output obeys it whatever
 the model's quality. The api compiles the grammar once when the request arrives, so a schema,
 regex or grammar that llguidance cannot compile is a 400 naming the field, never a failed
 generation.

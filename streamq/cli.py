@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         from api.main import main as api_main  # noqa: PLC0415
         api_main()
     elif args.command == "worker":
-        from worker.openmp import restart_with_intel_openmp  # noqa: PLC0415 - imports no torch
+        from worker.model.openmp import restart_with_intel_openmp  # noqa: PLC0415 - imports no torch
         restart_with_intel_openmp()
         from worker.main import main as worker_main  # noqa: PLC0415
         worker_main()

@@ -14,21 +14,21 @@ from shared.model_paths import ModelNotFound, gguf_file, model_dir, prepare_mode
 from shared.redis_client import connect_blocking
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer, served_context
-from worker import kernels, quant_model
-from worker.backend import Backend, Threaded
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.drafter import DraftProposer
-from worker.engine import Engine
-from worker.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
-from worker.lora import Adapters
-from worker.model_runner import DETERMINISTIC_TILE, PagedRunner, blocks_for_bytes, supports
-from worker.model_loader import load_model, load_weights, pick_device, pick_dtype
-from worker.null_engine import NullEngine
-from worker.service import EngineStalled, WorkerService
-from worker.speculation import NgramProposer, Speculator
-from worker.static_engine import BatchRunner, StaticEngine
-from worker.vllm_backend import VllmBackend, VllmUnavailable, batch_invariant  # vLLM: imported only when chosen
+from worker.model import kernels, quant_model
+from worker.engine.backend import Backend, Threaded
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.drafter import DraftProposer
+from worker.engine.core import Engine
+from worker.engine.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
+from worker.model.lora import Adapters
+from worker.model.model_runner import DETERMINISTIC_TILE, PagedRunner, blocks_for_bytes, supports
+from worker.model.model_loader import load_model, load_weights, pick_device, pick_dtype
+from worker.backends.null_engine import NullEngine
+from worker.service.service import EngineStalled, WorkerService
+from worker.engine.speculation import NgramProposer, Speculator
+from worker.backends.static_engine import BatchRunner, StaticEngine
+from worker.backends.vllm_backend import VllmBackend, VllmUnavailable, batch_invariant  # vLLM: imported only when chosen
 
 log = logging.getLogger("streamq.worker")
 

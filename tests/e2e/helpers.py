@@ -63,6 +63,6 @@ def fp32_activations_env() -> dict[str, str]:
     such kernels this CPU has). A test that compares a quantized model with a float reference (vLLM
     or transformers on the dequantized weights) needs it: on AVX-512 VNNI, `auto` rounds
     activations to int8 (docs/models.md), which is not the float computation bit for bit."""
-    from worker import kernels
+    from worker.model import kernels
 
     return {"STREAMQ_CPU_ISA": kernels.widest_fp32(kernels.load())}

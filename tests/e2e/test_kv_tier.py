@@ -12,12 +12,12 @@ from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack, kill_mid_stream
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
 
 BLOCK = 16  # the workers' default block size
 FAST_FAILOVER = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1",

@@ -250,7 +250,7 @@ def test_metrics_count_what_was_sent(stack, client):
 
 
 def test_the_worker_runs_on_intel_openmp_where_it_is_installed(stack):
-    from worker.openmp import intel_openmp
+    from worker.model.openmp import intel_openmp
 
     proc = dict(stack.processes)["worker0"]
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
@@ -261,7 +261,7 @@ def test_the_worker_runs_on_intel_openmp_where_it_is_installed(stack):
 
 
 def test_the_worker_asks_malloc_for_huge_pages(stack):
-    from worker.openmp import HUGE_PAGES
+    from worker.model.openmp import HUGE_PAGES
 
     proc = dict(stack.processes)["worker0"]
     environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
@@ -272,4 +272,4 @@ def test_the_worker_asks_malloc_for_huge_pages(stack):
 def test_the_worker_steps_with_the_compiled_cpu_kernels(stack):
     proc = dict(stack.processes)["worker0"]
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
-    assert "streamq_step_" in maps, "the worker did not load the CPU step kernels (worker/kernels.py)"
+    assert "streamq_step_" in maps, "the worker did not load the CPU step kernels (worker/model/kernels.py)"

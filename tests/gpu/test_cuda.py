@@ -12,12 +12,12 @@ from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
 from worker.main import build_engine
-from worker.model_runner import PagedRunner
-from worker.model_loader import load_model, pick_device, pick_dtype
+from worker.model.model_runner import PagedRunner
+from worker.model.model_loader import load_model, pick_device, pick_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def texts(n: int, seed: int = 0) -> list[str]:
 
 def make_engine(model: torch.nn.Module, folder, budget: int = 32, graphs: bool = False) -> Engine:
     """Batch 8 and a 32-token budget: longer prompts are prefilled in chunks beside decodes;
-    graphs: decode steps replay CUDA graphs (worker/cuda_graphs.py)."""
+    graphs: decode steps replay CUDA graphs (worker/model/cuda_graphs.py)."""
     runner = PagedRunner(model, CUDA, num_blocks=256, block_size=4, graph_batch=8 if graphs else 0)
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, budget))
 

@@ -8,9 +8,9 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from tests.waiting import until
-from worker.backend import Threaded
-from worker.null_engine import NullEngine
-from worker.service import WorkerService
+from worker.engine.backend import Threaded
+from worker.backends.null_engine import NullEngine
+from worker.service.service import WorkerService
 
 
 def _payload(tenant: str) -> RequestPayload:

@@ -12,13 +12,13 @@ from shared.messages import RequestPayload, TokenEvent
 from shared.redis_client import connect_blocking
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.kv_tier import KVTier, pack, unpack
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.engine.kv_tier import KVTier, pack, unpack
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
 
 BLOCK = 4
 PROMPT = ("the capital of France is Paris and the capital of Korea is Seoul; once upon a time a stream "

@@ -10,14 +10,14 @@ from shared.messages import FinishReason, RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.lora_adapters import make_adapter, merged_greedy
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.lora import Adapters
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
-from worker.speculation import NgramProposer, Speculator
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.lora import Adapters
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
+from worker.engine.speculation import NgramProposer, Speculator
 
 CPU = torch.device("cpu")
 NEW = 12

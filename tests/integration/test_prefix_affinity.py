@@ -12,10 +12,10 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from tests.waiting import until
-from worker.backend import Threaded
-from worker.intake import Intake
-from worker.null_engine import NullEngine
-from worker.service import WorkerService
+from worker.engine.backend import Threaded
+from worker.service.intake import Intake
+from worker.backends.null_engine import NullEngine
+from worker.service.service import WorkerService
 
 TOKENS = 8  # leading tokens that identify a prefix, here
 SYSTEM = list(range(100, 100 + 2 * TOKENS))  # a shared "system prompt"

@@ -29,8 +29,8 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_holds_every_kernel_source_and_each_file_they_include(installed):
-    csrc = installed / "worker" / "csrc"
-    sources = re.findall(r'CSRC / "([^"]+)"', (ROOT / "worker" / "kernels.py").read_text())
+    csrc = installed / "worker" / "model" / "csrc"
+    sources = re.findall(r'CSRC / "([^"]+)"', (ROOT / "worker" / "model" / "kernels.py").read_text())
     assert sources and all((csrc / name).is_file() for name in sources), sorted(p.name for p in csrc.iterdir())
     seen, todo = set(), list(sources)
     while todo:
@@ -42,12 +42,12 @@ def test_the_wheel_holds_every_kernel_source_and_each_file_they_include(installe
         missing = [inc for inc in included if not (csrc / inc).is_file()]
         assert not missing, f"{name} includes {missing}, which the wheel lacks"
         todo += included
-    assert {p.name for p in (ROOT / "worker" / "csrc").iterdir()} <= {p.name for p in csrc.iterdir()}
+    assert {p.name for p in (ROOT / "worker" / "model" / "csrc").iterdir()} <= {p.name for p in csrc.iterdir()}
 
 
 def test_the_installed_package_compiles_its_kernels_outside_the_source_tree(installed, tmp_path):
     """In a process that imports the unpacked package (not the checkout), from another folder."""
-    script = ("import sys; from worker import kernels; "
+    script = ("import sys; from worker.model import kernels; "
               "assert kernels.CSRC.is_relative_to(sys.argv[1]), kernels.CSRC; "
               "module = kernels.load_from(__import__('pathlib').Path(sys.argv[2])); "
               "assert module is not None, 'the kernels did not build'; print(module.isas)")

@@ -6,8 +6,8 @@ import threading
 from shared import redis_keys
 from shared.settings import WorkerSettings
 from tests.waiting import until
-from worker.backend import Counts, Threaded
-from worker.service import WorkerService
+from worker.engine.backend import Counts, Threaded
+from worker.service.service import WorkerService
 
 
 def _subscribed(redis, channel):
@@ -86,7 +86,7 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
 async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
     import pytest
 
-    from worker.service import EngineStalled
+    from worker.service.service import EngineStalled
 
     settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
                               intake_block_ms=50, served_model_name="m", engine_stall_s=0.5)
@@ -106,7 +106,7 @@ async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
 
     from shared.redis_client import connect
     from shared.redis_server import RedisServer
-    from worker.null_engine import NullEngine
+    from worker.backends.null_engine import NullEngine
 
     server = RedisServer(tmp_path / "redis")
     url = server.start()

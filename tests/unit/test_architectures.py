@@ -13,12 +13,12 @@ import pytest
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model
 from tests.unit.test_engine import _check, make_engine, prompts, run
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -71,7 +71,7 @@ def test_sliding_window_layers_match_transformers_past_the_window(tmp_path, kind
 def test_gemma3_runs_on_the_paged_engine(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from worker.model_runner import supports
+    from worker.model.model_runner import supports
 
     folder = build_model(tmp_path / "gemma3", "gemma3")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -92,7 +92,7 @@ def test_phi3_runs_on_the_fused_layers_and_matches_transformers(tmp_path):
 def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from worker.model_runner import supports
+    from worker.model.model_runner import supports
 
     folder = build_model(tmp_path / "phi3", "phi3")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -104,7 +104,7 @@ def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_p
 def test_each_layers_window_is_the_one_transformers_applies():
     from transformers import MistralConfig, Qwen2Config
 
-    from worker.model_runner import layer_windows
+    from worker.model.model_runner import layer_windows
 
     assert layer_windows(Qwen2Config(num_hidden_layers=3)) == [0, 0, 0]  # use_sliding_window off
     qwen = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)

@@ -5,10 +5,10 @@ import pytest
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.detokenizer import Detokenizer
-from worker.sequence import Sequence, Status
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import Detokenizer
+from worker.engine.sequence import Sequence, Status
 
 _ids = itertools.count()
 

@@ -1,6 +1,6 @@
 import pytest
 
-from worker.block_manager import BlockManager, NoFreeBlocks, block_hash
+from worker.engine.block_manager import BlockManager, NoFreeBlocks, block_hash
 
 
 def test_blocks_are_allocated_and_freed():

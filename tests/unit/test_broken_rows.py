@@ -13,9 +13,9 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import make_engine
-from worker.model_loader import load_model
-from worker.static_engine import BatchRunner
-from worker.static_engine import StaticEngine
+from worker.model.model_loader import load_model
+from worker.backends.static_engine import BatchRunner
+from worker.backends.static_engine import StaticEngine
 
 GOOD = [("Once upon a time", {"temperature": 0}), ("The capital of France", {"temperature": 1.0, "seed": 7}),
         ("Streams and caches", {"temperature": 0.8, "top_k": 20, "seed": 8, "logprobs": 2}),

@@ -1,4 +1,4 @@
-"""The decode step that CUDA graphs replay (worker/cuda_graphs.py), run on a CPU without capture:
+"""The decode step that CUDA graphs replay (worker/model/cuda_graphs.py), run on a CPU without capture:
 its padding to a batch bucket, the scratch cache block, and attention over a context bucket
 masked per request. tests/gpu/test_cuda.py replays the captured graphs on a GPU."""
 from __future__ import annotations
@@ -9,12 +9,13 @@ import torch
 
 from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import NEW_TOKENS, prompts, reference, run
-from worker.batcher import Batcher, Chunk, SchedulerOutput
-from worker.block_manager import BlockManager
-from worker.cuda_graphs import batch_buckets, block_buckets
-from worker.engine import Engine
-from worker.model_runner import PagedRunner
-from worker.model_loader import load_model
+from worker.engine.batcher import Batcher
+from worker.model.batch import Chunk, SchedulerOutput
+from worker.engine.block_manager import BlockManager
+from worker.model.cuda_graphs import batch_buckets, block_buckets
+from worker.engine.core import Engine
+from worker.model.model_runner import PagedRunner
+from worker.model.model_loader import load_model
 
 BLOCKS, BLOCK_SIZE = 256, 4
 

@@ -20,14 +20,14 @@ from shared.messages import RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.drafter import DraftProposer
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
-from worker.speculation import NgramProposer, Speculator
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.drafter import DraftProposer
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
+from worker.engine.speculation import NgramProposer, Speculator
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 24
@@ -230,7 +230,7 @@ def test_the_whole_set_on_the_default_model(sampling, served):
 
     from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
-    from worker.model_loader import load_weights, pick_dtype
+    from worker.model.model_loader import load_weights, pick_dtype
 
     settings = WorkerSettings(_env_file=None, model="default")
     prepare_model(settings)

@@ -39,8 +39,8 @@ def anchors(page: Path) -> set[str]:
 def test_slug_is_githubs():
     assert slug("Latency under load: request-rate sweep (2026-12-02, AMD EPYC, AVX-512)") == \
         "latency-under-load-request-rate-sweep-2026-12-02-amd-epyc-avx-512"
-    assert slug("Speculative decoding (`worker/speculation.py`, `worker/drafter.py`)") == \
-        "speculative-decoding-workerspeculationpy-workerdrafterpy"
+    assert slug("Speculative decoding (`worker/engine/speculation.py`, `worker/engine/drafter.py`)") == \
+        "speculative-decoding-workerenginespeculationpy-workerenginedrafterpy"
     assert slug("Where the time goes at 8–16 running requests") == "where-the-time-goes-at-816-running-requests"
 
 

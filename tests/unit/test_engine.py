@@ -11,12 +11,12 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker import kernels
-from worker.model_runner import PagedRunner
-from worker.model_loader import load_model
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model import kernels
+from worker.model.model_runner import PagedRunner
+from worker.model.model_loader import load_model
 
 WORDS = "once upon a time the capital of France is Paris and Seoul streams batches caches 안녕 😀 🚀".split()
 NEW_TOKENS = 16

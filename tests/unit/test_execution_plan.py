@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 
 from shared.tokenizer import Tokenizer
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.execution_plan import plan_of
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
-from worker.null_engine import NullEngine
-from worker.quantized import quantize
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.engine.execution_plan import plan_of
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
+from worker.backends.null_engine import NullEngine
+from worker.model.quantized import quantize
 
 CPU = torch.device("cpu")
 

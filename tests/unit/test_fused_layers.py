@@ -1,17 +1,17 @@
-"""The fused llama layers (worker/fused_layers.py) against the model's own modules."""
+"""The fused llama layers (worker/model/fused_layers.py) against the model's own modules."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.unit.test_engine import make_engine, prompts, run
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.fused_layers import Weight
-from worker import kernels as step_kernels
-from worker.model_runner import PagedRunner
-from worker.model_loader import load_model
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.fused_layers import Weight
+from worker.model import kernels as step_kernels
+from worker.model.model_runner import PagedRunner
+from worker.model.model_loader import load_model
 from shared.tokenizer import Tokenizer
 
 
@@ -74,7 +74,7 @@ def test_quantized_weights_decode_as_their_float_values_do(tiny_llama, isa):
     (with fp32 activations: the widest such kernels and the portable path); with the kernels a
     one-token step runs the whole stack quantized in one call, as the per-layer path does (on
     AVX-512 VNNI too, whose int8 activations test_quant_model compares with a float twin)."""
-    from worker.quantized import quantize
+    from worker.model.quantized import quantize
 
     built = step_kernels.load()
     if isa == "avx512vnni" and isa not in built.isas:

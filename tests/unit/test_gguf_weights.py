@@ -10,10 +10,10 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from worker.gguf_blocks import TensorReader, UnsupportedTensorType, decode_blocks, read_tensor
-from worker.gguf_weights import build_model, load_gguf
-from worker.quantized import QuantizedWeight, concat_rows
-from worker.quantized import quantize as compress
+from worker.model.gguf_blocks import TensorReader, UnsupportedTensorType, decode_blocks, read_tensor
+from worker.model.gguf_weights import build_model, load_gguf
+from worker.model.quantized import QuantizedWeight, concat_rows
+from worker.model.quantized import quantize as compress
 
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # gguf-py quantizes these
 # Types gguf-py cannot quantize get random blocks; the byte offsets of their fp16 fields (d, dmin).

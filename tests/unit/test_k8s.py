@@ -26,10 +26,10 @@ from api.metrics import ApiMetrics
 from shared.model_paths import served_name
 from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, WorkerSettings
 from streamq.cli import main as cli_main
-from worker.backend import Threaded
-from worker.metrics import WorkerMetrics
-from worker.null_engine import NullEngine
-from worker.service import WorkerService
+from worker.engine.backend import Threaded
+from worker.service.metrics import WorkerMetrics
+from worker.backends.null_engine import NullEngine
+from worker.service.service import WorkerService
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

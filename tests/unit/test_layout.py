@@ -37,3 +37,67 @@ def test_the_layout_names_every_module():
         modules = [p for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"]
         missing = sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named)
         assert not missing, f"docs/layout.md's layout does not name {missing}"
+
+
+# worker/'s packages and what each may import of worker/ (its __init__ says the same).
+WORKER_PACKAGES = {
+    "model": {"model"},
+    "engine": {"model", "engine"},
+    "backends": {"model", "engine", "backends"},
+    "service": {"model", "engine", "service"},
+}
+
+
+def _worker_module(name: str) -> str | None:
+    """The worker module a dotted name is or is in (worker.model.batch.Chunk -> worker.model.batch)."""
+    parts = name.split(".")
+    for end in range(len(parts), 1, -1):
+        path = ROOT.joinpath(*parts[:end])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts[:end])
+    return None
+
+
+def _worker_edges(path: Path) -> set[str]:
+    """The worker modules a file imports anywhere in it (in functions and TYPE_CHECKING blocks too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    found = {_worker_module(n) for n in names if n.startswith("worker.")}
+    return {m for m in found if m and m.count(".") >= 2 or m == "worker.main"} - {None}
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_worker_is_four_packages_and_main():
+    top = {p.name for p in (ROOT / "worker").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert top == {"__init__.py", "main.py"} | set(WORKER_PACKAGES)
+
+
+def test_each_worker_package_imports_only_those_it_may():
+    for package, allowed in WORKER_PACKAGES.items():
+        for path in sorted((ROOT / "worker" / package).glob("*.py")):
+            for module in _worker_edges(path):
+                assert module.split(".")[1] in allowed, f"{_module(path)} imports {module}"
+
+
+def test_no_import_circle_in_worker():
+    graph = {_module(p): _worker_edges(p) for p in (ROOT / "worker").rglob("*.py") if p.name != "__init__.py"}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        for dep in sorted(graph.get(module, ())):
+            visit(dep, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])

@@ -1,4 +1,4 @@
-"""LoRA adapters (worker/lora.py, worker/lora_step.py): loading, refusals, the registry, each
+"""LoRA adapters (worker/model/lora.py, worker/model/lora_step.py): loading, refusals, the registry, each
 row's gathered delta against a per-row reference, and the prefix cache's chain roots."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from shared.settings import WorkerSettings, parse_lora_modules
 from tests.lora_adapters import ALL, make_adapter
-from worker.block_manager import BlockManager, block_hash
-from worker.fused_layers import fuse
-from worker.lora import Adapters, load_adapter
-from worker.lora_step import StepLora, add_deltas
-from worker.model_loader import load_model
+from worker.engine.block_manager import BlockManager, block_hash
+from worker.model.fused_layers import fuse
+from worker.model.lora import Adapters, load_adapter
+from worker.model.lora_step import StepLora, add_deltas
+from worker.model.model_loader import load_model
 
 CPU = torch.device("cpu")
 

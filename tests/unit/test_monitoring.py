@@ -16,7 +16,7 @@ import yaml
 
 from api.metrics import ApiMetrics
 from tests.prometheus import ALERTS, DASHBOARD, GRAFANA_DIR, PROMETHEUS_DIR, alert_rules, dashboard_queries, tool
-from worker.metrics import WorkerMetrics
+from worker.service.metrics import WorkerMetrics
 
 # The four alerts and its panels (title: what it shows).
 ALERT_NAMES = {"StreamqNoReadyWorker", "StreamqQueueGrowing", "StreamqTimeToFirstTokenHigh", "StreamqDeadLetters"}

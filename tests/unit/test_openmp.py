@@ -1,8 +1,8 @@
 """When the worker starts itself again with Intel's OpenMP preloaded and malloc's huge pages
-(worker/openmp.py)."""
+(worker/model/openmp.py)."""
 from pathlib import Path
 
-from worker.openmp import HUGE_PAGES, preload_env
+from worker.model.openmp import HUGE_PAGES, preload_env
 
 LIB = Path("/venv/lib/libiomp5.so")
 

@@ -13,13 +13,13 @@ import torch
 from shared.messages import FinishReason, PoolSpec, RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.model_runner import PagedRunner
-from worker.pooling import PoolJob, plan
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model
+from worker.model.model_runner import PagedRunner
+from worker.engine.pooling import PoolJob, plan
 
 TEXTS = ["the cat sat on the mat", "a", "streams of tokens flow through the cache of many workers at once",
          "embeddings are the mean of the last hidden states", "Paris is the capital of France"]
@@ -164,7 +164,7 @@ def test_quantized_weights_pool_with_float_activations(tiny_llama, isa):
     """The weights kept quantized (4- and 8-bit) on the kernels this CPU runs (auto: VNNI's int8
     activations where it has them, which generation keeps) and on the portable path: embeddings and
     scores are those of the same model with the weights dequantized to floats."""
-    from worker.quantized import quantize
+    from worker.model.quantized import quantize
 
     names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj")

@@ -13,7 +13,7 @@ from shared.messages import (FinalEvent, FinishReason, RequestStatus, StatusEven
                              encode_event)
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_tokenizer
-from worker.detokenizer import Detokenizer
+from worker.engine.detokenizer import Detokenizer
 
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 

@@ -1,4 +1,4 @@
-"""The projection kernels (worker/csrc/quant_linear.cpp, quant_linear_int8.cpp, panel_linear.cpp)
+"""The projection kernels (worker/model/csrc/quant_linear.cpp, quant_linear_int8.cpp, panel_linear.cpp)
 through Weight, on every ISA this CPU runs and on the portable path, against dequantize-then-matmul
 in float64 (on avx512vnni, of the activations rounded to int8 as that kernel rounds them)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from shared.settings import WorkerSettings
-from worker import kernels
-from worker.fused_layers import Weight
-from worker.quantized import QuantizedWeight, concat_rows
+from worker.model import kernels
+from worker.model.fused_layers import Weight
+from worker.model.quantized import QuantizedWeight, concat_rows
 
 CPU = torch.device("cpu")
 ROWS = [*range(1, 71), 128, 333, 512]  # every decode batch, then prefill chunks
@@ -232,7 +232,7 @@ def test_the_isa_setting_takes_the_five_names_only(monkeypatch):
 def test_float_activations_compute_the_dequantized_matmul_on_every_isa(ops, isa, bits, group, offset):
     """Within float_activations (pooling), every packing, the int8-activation one included, gives
     x @ dequantize(w).T with x unrounded; outside it, VNNI's still rounds x to int8."""
-    from worker.quant_linear import float_activations
+    from worker.model.quant_linear import float_activations
 
     gen = torch.Generator().manual_seed(bits * 10 + group + offset)
     n, k = 70, 96

@@ -14,13 +14,13 @@ from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
 from tests.tiny_models import build_model, write_tiny_gguf
 from tests.unit.test_engine import NEW_TOKENS, prompts, run
-from worker import kernels, quant_model
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.model_loader import load_model, load_weights
-from worker.model_runner import PagedRunner
-from worker.speculation import NgramProposer, Speculator
+from worker.model import kernels, quant_model
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model, load_weights
+from worker.model.model_runner import PagedRunner
+from worker.engine.speculation import NgramProposer, Speculator
 
 CPU = torch.device("cpu")
 # The widest kernels this CPU has with fp32 activations, and the path any CPU runs: a float twin
@@ -221,8 +221,8 @@ def test_structured_outputs_on_quantized_weights(tiny_llama, tmp_path):
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2", "portable"])  # each packed layout
 @pytest.mark.parametrize("bits, offset", [(4, True), (8, False), (8, True)])
 def test_a_tied_embedding_reads_its_rows_from_the_heads_packed_table(isa, bits, offset):
-    from worker.quant_linear import QuantLinear
-    from worker.quantized import QuantizedWeight, quantize
+    from worker.model.quant_linear import QuantLinear
+    from worker.model.quantized import QuantizedWeight, quantize
 
     if isa != "portable" and isa not in kernels.load().isas:
         pytest.skip(f"this CPU ({kernels.cpu_model()}) has no {isa}")

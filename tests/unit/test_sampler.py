@@ -5,10 +5,10 @@ import torch
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.detokenizer import Detokenizer
-from worker.random_streams import make_generator
-from worker.sampler import SamplingBatch, SamplingRow, sample_verify
-from worker.sequence import Sequence
+from worker.engine.detokenizer import Detokenizer
+from worker.engine.random_streams import make_generator
+from worker.engine.sampler import SamplingBatch, SamplingRow, sample_verify
+from worker.engine.sequence import Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 0.5, 1.9, -1.0])
 CPU = torch.device("cpu")

@@ -6,12 +6,12 @@ import pytest
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.detokenizer import Detokenizer
-from worker.sequence import Sequence
-from worker.acceptance import accept_greedy
-from worker.speculation import NgramProposer, Speculator, propose_ngram
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import Detokenizer
+from worker.engine.sequence import Sequence
+from worker.engine.acceptance import accept_greedy
+from worker.engine.speculation import NgramProposer, Speculator, propose_ngram
 
 _ids = itertools.count()
 

@@ -8,10 +8,10 @@ import torch
 
 from tests.unit.test_engine import NEW_TOKENS, _check, make_engine, prompts, run
 from tests.tiny_models import build_model
-from worker.drafter import DraftProposer
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.speculation import NgramProposer, Speculator
+from worker.engine.drafter import DraftProposer
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model
+from worker.engine.speculation import NgramProposer, Speculator
 
 # Prompts that repeat themselves, so lookup has something to propose, mixed with plain ones.
 ECHO = ["the capital of France is Paris and the capital of France is Paris and the capital of",

@@ -1,4 +1,4 @@
-"""The CPU step kernels (worker/csrc/step_kernels.cpp) against the eager ops they replace."""
+"""The CPU step kernels (worker/model/csrc/step_kernels.cpp) against the eager ops they replace."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +11,13 @@ import torch
 from shared.tokenizer import Tokenizer
 from tests.unit.test_engine import make_engine, prompts, run
 from tests.unit.test_fused_layers import _engine
-from worker import kernels
-from worker.batcher import Batcher
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.fused_layers import Weight, _rms_norm, rotate_half
-from worker.model_loader import load_model
-from worker.model_runner import AMX_MATMUL_ROWS, PagedRunner
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.fused_layers import Weight, _rms_norm, rotate_half
+from worker.model.model_loader import load_model
+from worker.model.model_runner import AMX_MATMUL_ROWS, PagedRunner
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -176,7 +176,7 @@ def test_a_failed_build_leaves_the_eager_path_with_a_log_line(tmp_path, monkeypa
         raise RuntimeError("Error building extension: g++ not found")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    with caplog.at_level(logging.WARNING, logger="worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="worker.model.kernels"):
         assert kernels.load_from(tmp_path) is None
     assert "eager path serves" in caplog.text and "g++ not found" in caplog.text
     engine = _engine(tiny_llama, fuse=True, kernels=False, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """Structured outputs: the constraint's validation (shared/structured.py) and the engine's masks
-(worker/structured.py), on the tiny llama model, whose random weights would write anything."""
+(worker/engine/structured.py), on the tiny llama model, whose random weights would write anything."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.structured import StructuredOutputs
 from tests.unit.test_engine import NEW_TOKENS, make_engine, prompts, run
-from worker.sequence import Status
+from worker.engine.sequence import Status
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
@@ -123,7 +123,7 @@ def test_proposals_under_a_constraint_keep_the_output_exact(tiny_llama, sampling
     seeded. The oracle proposes each request's true next 2 tokens and then wrong ones: those the
     grammar forbids are cut before the model scores them, the others the sampler rejects."""
     from tests.unit.test_speculative_engine import Oracle
-    from worker.speculation import Speculator
+    from worker.engine.speculation import Speculator
 
     params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 120, **sampling}
     texts = prompts(4, seed=12)
@@ -138,7 +138,7 @@ def test_proposals_under_a_constraint_keep_the_output_exact(tiny_llama, sampling
 
 
 def test_prompt_lookup_speeds_a_constrained_request_and_keeps_it_exact(tiny_llama):
-    from worker.speculation import NgramProposer, Speculator
+    from worker.engine.speculation import NgramProposer, Speculator
 
     text = "a b c a b c a b c a b c"
     outputs, stats = [], None
@@ -160,7 +160,7 @@ def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
     """With the overlap on (an accelerator's way), each step's masks are asked for once, on the
     mask thread the step starts before its forward, never again in the sampler; the output is
     that of masks computed after the forward (the CPU's way)."""
-    import worker.sampler as sampler
+    import worker.engine.sampler as sampler
 
     texts = prompts(3, seed=14)
     params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 40}

@@ -7,7 +7,7 @@ from shared.queue import lane_of, served_by
 from shared.sampling import BanTokens, SamplingParams
 from shared.settings import WorkerSettings
 from shared.structured import JSON_LAYOUT
-from worker.vllm_backend import BAN, engine_kwargs, sampling_kwargs
+from worker.backends.vllm_backend import BAN, engine_kwargs, sampling_kwargs
 
 
 def test_every_sampling_parameter_is_mapped():
@@ -64,7 +64,7 @@ def test_choosing_vllm_without_it_installed_says_how(monkeypatch):
     import asyncio
     import sys
 
-    from worker.vllm_backend import VllmBackend, VllmUnavailable
+    from worker.backends.vllm_backend import VllmBackend, VllmUnavailable
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as in an environment without vLLM
     with pytest.raises(VllmUnavailable, match="make vllm-env"):

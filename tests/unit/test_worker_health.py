@@ -12,16 +12,16 @@ import pytest
 
 from shared import redis_keys
 from shared.settings import WorkerSettings
-from worker import service as service_module
-from worker.backend import Threaded
-from worker.metrics import WorkerMetrics
-from worker.null_engine import NullEngine
-from worker.service import EngineStalled, WorkerService
+from worker.service import service as service_module
+from worker.engine.backend import Threaded
+from worker.service.metrics import WorkerMetrics
+from worker.backends.null_engine import NullEngine
+from worker.service.service import EngineStalled, WorkerService
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    """worker.service's monotonic clock, moved by hand (the event loop keeps the real one)."""
+    """worker.service.service's monotonic clock, moved by hand (the event loop keeps the real one)."""
     now = [1000.0]
     monkeypatch.setattr(service_module, "time", SimpleNamespace(monotonic=lambda: now[0],
                                                                 perf_counter=time.perf_counter))

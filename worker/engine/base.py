@@ -1,0 +1,96 @@
+"""What every engine shares (the paged Engine, StaticEngine, NullEngine; the Backend protocol of
+worker/engine/backend.py): its batch size, the cancels inbox the event loop writes, the size of the last
+step for the metrics, and how a request leaves: cancelled, failed by its own sampling, failed
+with every other when a step fails, or done after its last token.
+
+A subclass says which requests it holds (`_admitted`, `_held`), what a request's leaving frees
+(`_forget`) and what a failed step resets (`_reset`).
+"""
+from __future__ import annotations
+
+import logging
+
+from shared.messages import FinishReason
+from worker.engine.backend import Counts
+from worker.engine.cancels import CancelInbox
+from worker.engine.sequence import Sequence, StepOutput, step_output, token_event
+from worker.engine.structured import follow_grammar
+
+log = logging.getLogger(__name__)
+
+
+class BaseEngine:
+    pools = False  # whether it runs pooling requests (embeddings, rerank): the paged engine only
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.cancels = CancelInbox()
+        self.last_step_size = 0  # requests in the last step, for metrics
+
+    # -- called from the asyncio side ------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        self.cancels.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def kv_blocks(self) -> tuple[int, int] | None:
+        return None  # no paged cache
+
+    def counts(self) -> Counts:
+        return Counts()
+
+    # -- in the model thread ---------------------------------------------------------------
+    def fail_all(self, error: str) -> list[StepOutput]:
+        """End every request this engine holds with an error (the step itself failed; no step runs now)."""
+        outputs = self._end(self._held(), FinishReason.ERROR, error)
+        self._reset()
+        return outputs
+
+    def _end_cancelled(self) -> list[StepOutput]:
+        """End the admitted requests whose cancel arrived since the last step."""
+        cancelled = self.cancels.take()
+        return self._end([seq for seq in self._admitted() if seq.id in cancelled], FinishReason.CANCELLED)
+
+    def _end(self, seqs: list[Sequence], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
+        outputs = []
+        for seq in seqs:
+            seq.finish(reason, error)
+            self._forget(seq)
+            outputs.append(step_output(seq, None, True))
+        return outputs
+
+    def _sampling_failed(self, seq: Sequence, exc: Exception) -> StepOutput:
+        """A request whose own parameters broke its sampling (sample_each gave its exception): it
+        alone ends, with the error."""
+        log.warning("request %s failed in sampling: %r", seq.id, exc)
+        seq.finish(FinishReason.ERROR, f"sampling failed: {type(exc).__name__}: {exc}")
+        self._forget(seq)
+        return step_output(seq, None, True)
+
+    def _emit(self, seq: Sequence, token: int, logprobs) -> StepOutput:
+        """The request takes `token` (stop checks, detokenizing, its grammar); its event, and
+        whether that ended it (then it is forgotten here)."""
+        text = seq.accept(token, self.tokenizer.eos_token_ids, self.runner.context_length)
+        matcher = self._sampling[seq.id].matcher
+        if matcher is not None:
+            follow_grammar(seq, matcher, token)
+        if seq.finished:
+            self._forget(seq)
+        return step_output(seq, token_event(seq, token, text, logprobs), seq.finished)
+
+    # -- what a subclass says --------------------------------------------------------------
+    def _admitted(self) -> list[Sequence]:
+        """The requests a step may end: those in the batch and those waiting for it."""
+        raise NotImplementedError
+
+    def _held(self) -> list[Sequence]:
+        """Every request this engine holds, those not admitted yet included."""
+        return self._admitted()
+
+    def _forget(self, seq: Sequence) -> None:
+        """Free what the ended request `seq` held here."""
+
+    def _reset(self) -> None:
+        """After fail_all: hold nothing."""
+        raise NotImplementedError

@@ -1,0 +1,136 @@
+"""The batcher (pure Python): which requests run in the next step, and how many tokens each.
+
+Every step it first gives each running request its next tokens (one for a decode; the next
+chunk of the prompt for a prefill in progress), oldest first, within the step's token budget.
+When the KV cache has no block left for one, it preempts the newest running request (its
+blocks are freed and it is recomputed later). Then, if nothing was preempted, it admits
+waiting requests while batch slots, the token budget and free blocks allow, sharing the
+cached blocks of their prefix. A finished request's slot is refilled at the very next step.
+Which waiting request goes next is the fair queue's choice: tenants share the batch by
+weight, whatever their backlogs (every token scheduled is charged to its tenant). A request
+whose grammar is still being built waits in the queue as WAITING_FOR_GRAMMAR, passed over
+until the engine has its matcher and marks it WAITING.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from shared.settings import check_budget
+from worker.engine.block_manager import BlockManager
+from worker.engine.fair_queue import FairQueue
+from worker.engine.sequence import Sequence, Status
+from worker.model.batch import Chunk, SchedulerOutput
+
+
+class Batcher:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        check_budget(max_num_batched_tokens, max_num_seqs)
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting = FairQueue()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; one WAITING_FOR_GRAMMAR stays so, and is passed over until the engine
+        marks it WAITING."""
+        if seq.status is not Status.WAITING_FOR_GRAMMAR:
+            seq.status = Status.WAITING
+        self.waiting.add(seq)
+
+    def max_tokens_per_request(self) -> int:
+        """The most tokens (prompt + output) one request can ever hold in the cache."""
+        return len(self.blocks.blocks) * self.blocks.block_size
+
+    def has_work(self) -> bool:
+        """Whether a step has a request to run (one waiting for its grammar does not count)."""
+        return bool(self.running) or self.waiting.peek() is not None
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled request out and free its blocks."""
+        if seq in self.running:  # its status may say finished already
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, seq.num_computed + length, out):
+                break  # seq itself was preempted (it was the newest)
+            out.chunks.append(self._chunk(seq, seq.num_computed, length))
+            budget -= length
+            i += 1
+        while not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            computed = self.blocks.allocate_prefix(seq.id, seq.token_ids, seq.kv_root)
+            length = min(seq.num_tokens - computed, budget)
+            if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
+                self.blocks.free(seq.id)  # not now: give back the shared prefix
+                break
+            seq.num_computed = computed
+            if seq.reused_tokens is None:  # its first admission: a preempted one's own blocks are no reuse
+                seq.reused_tokens = computed
+            self.waiting.pop()
+            self.running.append(seq)
+            seq.status = Status.RUNNING
+            out.chunks.append(self._chunk(seq, computed, length))
+            budget -= length
+        return out
+
+    def speculate(self, out: SchedulerOutput, chunk: Chunk, draft: list[int], probs: Any = None) -> int:
+        """Add proposed tokens (and the proposer's distributions over them, if any) to a decode
+        chunk, as many as the step's leftover budget and the free blocks allow without
+        preempting anyone; return how many were added."""
+        seq, end = chunk.seq, chunk.start + chunk.length
+        n = min(len(draft), self.max_num_batched_tokens - out.num_tokens)
+        while n and self.blocks.blocks_needed(seq.id, end + n) > self.blocks.num_free:
+            n -= 1
+        if n:
+            self.waiting.charge(seq, n)
+            self.blocks.append_slots(seq.id, end + n)
+            chunk.draft, chunk.input_ids = list(draft[:n]), chunk.input_ids + list(draft[:n])
+            chunk.num_logits, chunk.draft_probs = 1 + n, None if probs is None else probs[:n]
+            chunk.block_table = self.blocks.table(seq.id)
+        return n
+
+    def computed(self, chunk: Chunk, kept: int = 0) -> None:
+        """The step ran the chunk: its known tokens, and `kept` of its proposed ones (those the
+        sampler accepted), have keys and values in the cache now. Blocks that held only rejected
+        proposals go back; the slots of rejected ones in a kept block are overwritten later."""
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.length - len(chunk.draft) + kept
+        if chunk.draft:
+            self.blocks.truncate(seq.id, seq.num_computed + 1)
+
+    def _chunk(self, seq: Sequence, start: int, length: int) -> Chunk:
+        self.waiting.charge(seq, length)
+        self.blocks.append_slots(seq.id, start + length)
+        # Register the blocks this chunk fills now, not after the step: a request admitted later
+        # in this same step may share them, since every layer writes the step's keys and values
+        # to the cache before any attention reads it.
+        self.blocks.register(seq.id, seq.token_ids, start + length)
+        end = start + length
+        return Chunk(seq, start, seq.token_ids[start:end], self.blocks.table(seq.id), int(end == seq.num_tokens))
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `seq` fits; False if `seq` itself went."""
+        while self.blocks.blocks_needed(seq.id, num_tokens) > self.blocks.num_free:
+            victim = self.running.pop()
+            self.blocks.free(victim.id)
+            victim.num_computed = 0
+            victim.status = Status.PREEMPTED
+            self.waiting.add(victim)
+            out.preempted.append(victim)
+            self.num_preemptions += 1
+            if victim is seq:
+                return False
+        return True

@@ -1,0 +1,114 @@
+"""Pooling requests (embeddings, rerank scores) in the paged engine: each input's prompt runs
+through the model once, in the same steps as generation, and answers a vector or a score.
+
+Quantized projections compute with fp32 activations here, also where generation rounds them to
+int8 (worker/model/quant_linear.py float_activations). An input is prefilled whole into cache blocks of
+its own (no prefix-cache sharing: a mean needs every token's hidden state, which a cached prefix
+would skip), and its blocks go back as soon as its forward ends. A step runs the next pooled
+inputs that its token budget and the free blocks allow in one forward of their own, then its
+generation batch (Engine._pool_step): streams go on while a batch is embedded.
+"""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.messages import FinishReason, RequestPayload
+from shared.queue import lane_of
+from worker.model.batch import Chunk, SchedulerOutput
+from worker.engine.block_manager import BlockManager
+from worker.model.quant_linear import float_activations
+from worker.engine.sequence import RequestEnd, StepOutput
+
+
+@dataclass(eq=False)
+class PoolJob:
+    """One pooling request in the engine: its inputs and the results computed so far."""
+
+    id: str
+    task: str  # embed | score
+    inputs: list[list[int]]
+    normalize: bool
+    candidates: list[int] | None
+    created_at: float
+    lane: str
+    results: list[str] = field(default_factory=list)  # base64 float32, one per input done, in order
+    scheduled_at: float | None = None
+
+    @classmethod
+    def of(cls, payload: RequestPayload) -> "PoolJob":
+        spec = payload.pool
+        return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
+                   payload.created_at, lane_of(payload))
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.inputs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.inputs))
+
+    def take(self, rows: torch.Tensor) -> None:
+        """The next input's result from its rows of the step's output: every token's final hidden
+        state (embed), or its last token's logits (score)."""
+        if self.task == "embed":
+            value = rows.float().mean(dim=0)
+            if self.normalize:
+                value = torch.nn.functional.normalize(value, dim=0)
+        else:
+            yes, no = rows[-1, self.candidates].float()
+            value = torch.sigmoid(yes - no).reshape(1)  # = softmax over the two candidates, first one's
+        self.results.append(encode_floats(value))
+
+    def output(self, reason: FinishReason = FinishReason.STOP, error: str | None = None) -> StepOutput:
+        """Its end, with the results where it is done."""
+        pooled = tuple(self.results) if error is None else None
+        end = RequestEnd(reason, error, "", self.num_tokens, 0, pooled=pooled)
+        return StepOutput(self.id, None, True, self.created_at, self.scheduled_at, self.lane, end)
+
+
+def encode_floats(values: torch.Tensor) -> str:
+    return base64.b64encode(values.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()).decode()
+
+
+def plan(jobs: list[PoolJob], blocks: BlockManager, max_tokens: int) -> list[tuple[PoolJob, int]]:
+    """The next inputs to run, in arrival order, of one task, as the step's token budget and the
+    free cache blocks allow; always the first one where its blocks are free, however long it is."""
+    picked, tokens, needed = [], 0, 0
+    for job in jobs:
+        if picked and job.task != picked[0][0].task:  # one forward gives hidden states or logits
+            continue
+        for i in range(len(job.results), len(job.inputs)):
+            n = len(job.inputs[i])
+            more = -(-n // blocks.block_size)
+            if needed + more > blocks.num_free or (picked and tokens + n > max_tokens):
+                return picked
+            picked.append((job, i))
+            tokens, needed = tokens + n, needed + more
+    return picked
+
+
+def run(picked: list[tuple[PoolJob, int]], blocks: BlockManager, execute) -> None:
+    """Run the picked inputs in one forward (`execute`: PagedRunner.execute) on blocks of their
+    own, given back at once, and hand each job its results."""
+    chunks, ids = [], []
+    for job, i in picked:
+        tokens, seq_id = job.inputs[i], f"pool:{job.id}:{i}"
+        blocks.append_slots(seq_id, len(tokens))
+        ids.append(seq_id)
+        rows = len(tokens) if job.task == "embed" else 1
+        chunks.append(Chunk(None, 0, list(tokens), blocks.table(seq_id), rows))
+    try:
+        with float_activations():  # not int8-rounded: an embedding or a score is read as a value
+            out = execute(SchedulerOutput(chunks), hidden=picked[0][0].task == "embed")
+    finally:
+        for seq_id in ids:
+            blocks.truncate(seq_id, 0)  # never registered: first in line for reuse
+            blocks.free(seq_id)
+    start = 0
+    for (job, _), chunk in zip(picked, chunks):
+        job.take(out[start:start + chunk.num_logits])
+        start += chunk.num_logits
