@@ -47,9 +47,7 @@ def engine(folder, adapters: dict, path: str, speculate: bool = False) -> Engine
     ops = kernels.load() if path in ("kernels", "portable") else None
     if path == "portable":
         ops = kernels.with_isa(ops, "portable")  # the kernels' layers, the projections on oneDNN (no panels)
-    runner = PagedRunner(model, CPU, 256, 4, ops)
-    if path == "eager":
-        runner.fused = None  # the modules' own projections, step by step
+    runner = PagedRunner(model, CPU, 256, 4, ops, fuse=path != "eager")  # eager: the modules' own projections
     runner.adapters = Adapters(model, 8, 16, known=adapters, kernels=runner.kernels)
     speculator = Speculator(NgramProposer(4, 1, 3), 4) if speculate else None
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4), 24, 512), speculator)

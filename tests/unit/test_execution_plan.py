@@ -26,9 +26,7 @@ def plan(folder, ops, *, eager: bool = False, quantized: bool = False):
             for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 module.quantized = quantize(module.weight.data, 8, 32)
-    runner = PagedRunner(model, CPU, 16, 4, ops)
-    if eager:
-        runner.fused = None
+    runner = PagedRunner(model, CPU, 16, 4, ops, fuse=not eager)
     return plan_of(Engine(runner, Tokenizer(folder), Batcher(BlockManager(16, 4), 4, 32)))
 
 

@@ -57,9 +57,8 @@ def test_the_fused_path_is_the_one_that_runs(tiny_llama):
 
 def _engine(folder, fuse: bool, kernels: bool = False, dtype=torch.bfloat16) -> Engine:
     model = load_model(folder, torch.device("cpu"), dtype)
-    runner = PagedRunner(model, torch.device("cpu"), 256, 4, step_kernels.load() if kernels else None)
-    if not fuse:
-        runner.fused = None  # the modules' own forward, step by step
+    # fuse=False: the modules' own forward, step by step
+    runner = PagedRunner(model, torch.device("cpu"), 256, 4, step_kernels.load() if kernels else None, fuse=fuse)
     return Engine(runner, Tokenizer(folder), Batcher(BlockManager(256, 4, True), 8, 32))
 
 

@@ -17,7 +17,8 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
 from worker.model.fused_layers import Weight, _rms_norm, rotate_half
 from worker.model.model_loader import load_model
-from worker.model.model_runner import AMX_MATMUL_ROWS, PagedRunner
+from worker.model.forward_plan import AMX_MATMUL_ROWS
+from worker.model.model_runner import PagedRunner
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -1,6 +1,7 @@
 """Which paths a worker's engine takes, said once: the forward, the projections' kernels, whether
 the weights stay quantized, the one-call decode stack, CUDA graphs, and what that makes of its
-numerics. Read off the runner as built (PagedRunner decides at construction); logged at start,
+numerics. The paged runner's forward is chosen once, before it is built (worker/model/
+forward_plan.py); the rest is read off what it built. Logged at start,
 sent in the heartbeat (so /readyz's worker entry shows it) and as a metric's labels."""
 from __future__ import annotations
 
@@ -35,21 +36,13 @@ def plan_of(engine: Any) -> ExecutionPlan:
         kind = "null" if runner is None else "static"
         return ExecutionPlan(kind, kind, "n/a", False, False, _dtype(runner), _device(runner), "n/a", False, False)
     dtype, device, isa, _, invariant = runner.numerics
-    return ExecutionPlan("paged", _forward(runner), _projections(runner), runner.one_token is not None,
+    return ExecutionPlan("paged", runner.plan.forward, _projections(runner), runner.one_token is not None,
                          runner.graphs is not None, dtype.removeprefix("torch."), device, isa or "portable",
                          runner.deterministic, invariant)
 
 
 def vllm_plan(dtype: str, device: str, deterministic: bool) -> ExecutionPlan:
     return ExecutionPlan("vllm", "vllm", "vllm", False, False, dtype, device, "n/a", deterministic, deterministic)
-
-
-def _forward(runner) -> str:
-    if runner.arch != "llama":
-        return runner.arch
-    if runner.fused is None:
-        return "llama-eager"
-    return "llama-kernels" if runner.kernels is not None else "llama-fused"
 
 
 def _projections(runner) -> str:

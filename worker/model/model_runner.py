@@ -24,7 +24,7 @@ from shared.tokenizer import served_context
 from worker.model import quant_model
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.fused_layers import Weight, after_attention, before_attention, fusable, fuse, rotate_half
-from worker.model.kernels import cpu_has
+from worker.model.forward_plan import choose
 from worker.model.quant_linear import float_activations_on
 from worker.model.batch import AttentionGroup, Paged, SchedulerOutput, StepInputs
 from worker.model.lora_step import StepLora
@@ -72,20 +72,17 @@ def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int
 
 # Rows of each library matmul call in deterministic mode where panel_linear is not available.
 DETERMINISTIC_TILE = 16
-# On a CPU with AMX, a bf16 projection of this many rows or more runs on oneDNN's prepacked matmul,
-# which computes on the AMX tiles: it took 0.7-1.5x panel_linear's time at 5 rows (the larger
-# projections the less), 0.15-0.3x at 32, 0.08-0.19x at 2,048 (the default model's projections and
-# head, 2 cores); panel_linear took 0.4-0.8x oneDNN's at 1 and 2 rows (docs/engine.md).
-AMX_MATMUL_ROWS = 5
 
 
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
                  kernels: ModuleType | None = None, graph_batch: int = 0, deterministic: bool = False,
-                 matmul_rows: int | None = None):
-        """`deterministic`: every token computed alone, whatever else the step holds (below).
-        `matmul_rows`: from how many rows a call of a projection on panels runs on oneDNN's matmul
-        instead (Weight); None: AMX_MATMUL_ROWS for bf16 on a CPU with AMX, else never."""
+                 matmul_rows: int | None = None, fuse: bool = True):
+        """Builds the forward worker/model/forward_plan.py chooses (`self.plan`). `deterministic`:
+        every token computed alone, whatever else the step holds (below). `matmul_rows`: from how
+        many rows a call of a projection on panels runs on oneDNN's matmul instead (Weight); None:
+        AMX_MATMUL_ROWS for bf16 on a CPU with AMX, else never. `fuse`: False runs the modules' own
+        projections, step by step (the reference path, for tests)."""
         if not supports(model):
             raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
                              f"supported: {sorted(SUPPORTED)}")
@@ -94,7 +91,9 @@ class PagedRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.arch = {"opt": "opt", "gemma3_text": "gemma3"}.get(model.config.model_type, "llama")
+        plan = self.plan = choose(model, device, kernels=kernels is not None, graph_batch=graph_batch,
+                                  deterministic=deterministic, matmul_rows=matmul_rows, fuse=fuse)
+        self.arch = plan.arch
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
         self.context_length = served_context(model.config.to_dict())
@@ -102,46 +101,33 @@ class PagedRunner:
         # rest, the gathered groups mask them. The cache still holds every position.
         self.windows = layer_windows(model.config)
         self.window = max(self.windows)  # one window per model: the config's sliding_window
-        # Fused projections (q/k/v and gate/up each one Weight, packed or kept quantized): llama-family
-        # layers, and Gemma 3's, whose norms, q/k norms and GELU still run as its modules' own code.
-        fused = (self.arch == "llama" and fusable(model)) or self.arch == "gemma3"
-        if quant_model.is_quantized(model) and not fused:
-            raise ValueError(f"quantized weights run on the fused llama-family or Gemma 3 layers; "
-                             f"model_type={model.config.model_type!r} has none")
-        # Decode graphs (graph_batch > 0, fused llama layers without the CPU kernels) pad their
-        # batch with rows that write to one more cache block, which the block manager never hands out.
-        graphs = (graph_batch > 0 and fused and self.arch == "llama"
-                  and not (kernels is not None and device.type == "cpu"))
         # Head-major: one head's keys of a block are contiguous, so a gather of a sequence's blocks
         # gives each (sequence, head) its [context, head_dim] matrix in one piece for the matmuls.
-        shape = (layers, self.kv_heads, num_blocks + graphs, block_size, self.head_dim)
+        # Decode graphs pad their batch with rows that write to one more block, never handed out.
+        shape = (layers, self.kv_heads, num_blocks + plan.graphs, block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        # The CPU step kernels (worker/model/kernels.py), where given, run the fused layers' norms, rotary,
-        # cache writes and short-chunk attention; on a GPU, in fp16 or without them the eager ops do.
-        usable = fused and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        self.kernels = kernels if usable else None
+        # The CPU step kernels (worker/model/kernels.py) run the fused layers' norms, rotary, cache
+        # writes and short-chunk attention where the plan has them.
+        self.kernels = kernels if plan.kernels else None
         # Every projection and the LM head run on the kernels' panel_linear where this CPU has it
         # for the dtype (Weight decides). AVX-512 (bf16: AVX512-BF16): 1.2-1.9x oneDNN's prepacked
         # matmul per step at 1 to 64 rows, on par at prefill sizes (docs/engine.md); AVX2, fp32 only:
         # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        if matmul_rows is None:
-            amx = dtype == torch.bfloat16 and device.type == "cpu" and cpu_has("amx_bf16") and not deterministic
-            matmul_rows = AMX_MATMUL_ROWS if amx else 0
-        self.matmul_rows = matmul_rows
-        self.fused = self._fuse(dtype, matmul_rows) if fused else None
+        self.matmul_rows = plan.matmul_rows
+        self.fused = self._fuse(dtype, plan.matmul_rows) if plan.fused else None
         self.adapters = None  # the LoRA adapters served (worker/model/lora.py Adapters), set by the worker where any
-        self.one_token = None  # the whole layer stack in one kernel call, for a step of one token
-        if self.kernels is not None and self.arch == "llama":
-            self.one_token = self._one_token_layers()
-        self.deterministic = deterministic
-        if deterministic:
+        # The whole layer stack in one kernel call, for a step of one token, where every projection
+        # has a kernel form.
+        self.one_token = self._one_token_layers() if self.kernels is not None and self.arch == "llama" else None
+        self.deterministic = plan.deterministic
+        if plan.deterministic:
             self._compute_rows_alone()
         # On CUDA, decode steps replay CUDA graphs (worker/model/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
-        self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if graphs else None
+        self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if plan.graphs else None
 
     def _fuse(self, dtype: torch.dtype, matmul_rows: int) -> list:
         """The fused layers' weights, and the head's (the panels or packed codes of the kernels
@@ -162,9 +148,6 @@ class PagedRunner:
         computes each row alone: panel_linear or the quantized kernels (as without the mode, but
         for bf16 on a CPU with AMX, whose calls of many rows go to oneDNN otherwise), or the
         library's matmul in fixed tiles where the CPU has no panels for the dtype."""
-        if self.kernels is None or self.arch != "llama":
-            raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
-                             "a llama-like model); this worker has none")
         for w in self._weights():
             w.compute_rows_alone(DETERMINISTIC_TILE)
         if not all(w.row_independent for w in self._weights()):
