@@ -57,3 +57,10 @@ def test_every_local_link_reaches_its_file_and_heading(page):
         elif anchor and where.suffix == ".md" and anchor not in anchors(where):
             broken.append(f"{target}: no such heading")
     assert not broken, broken
+
+
+@pytest.mark.parametrize("page", ["benchmarks.md", "benchmarks-record.md"])
+def test_the_benchmark_pages_name_no_local_path(page):
+    """A figure's command names paths of the repository, never of the machine it ran on."""
+    text = (ROOT / "docs" / page).read_text()
+    assert not re.findall(r"(?:^|[\s`(])(?:/tmp/|/home/|/work/|/root/|/opt/|~/)\S*", text)

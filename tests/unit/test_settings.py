@@ -88,3 +88,28 @@ def test_the_configuration_page_names_every_setting():
                       for name, field in cls.model_fields.items()
                       if f"STREAMQ_{(field.alias or name).upper()}" not in page})
     assert not missing, f"docs/configuration.md does not name {missing}"
+
+
+def test_the_configuration_page_says_which_process_reads_each_setting():
+    """Each row of docs/configuration.md's table has a "read by" cell, and a setting of one
+    process's class names that process there (one of CommonSettings' names at least one)."""
+    import re
+    from pathlib import Path
+
+    from shared import settings
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    rows = [line.split(" | ") for line in page.splitlines() if line.startswith("| `")]
+    assert rows and all(len(row) == 4 for row in rows), "every row: variable | default | read by | meaning"
+    read_by = {name: row[2] for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row[0])}
+    assert all(cell.strip() for cell in read_by.values())
+    processes = {settings.ApiSettings: "api", settings.WorkerSettings: "worker", settings.SchedulerSettings: "scheduler"}
+    common = set(settings.CommonSettings.model_fields)
+    wrong = []
+    for cls, process in processes.items():
+        for name, field in cls.model_fields.items():
+            cell = read_by.get(f"STREAMQ_{(field.alias or name).upper()}") or read_by.get((field.alias or name).upper())
+            said = set(re.findall(r"\b(api|worker|scheduler)\b", cell or ""))
+            if name in common and not said or name not in common and process not in said:
+                wrong.append(f"{name}: {cell!r}")
+    assert not wrong, f"docs/configuration.md's \"read by\" misses the process that reads {wrong}"
