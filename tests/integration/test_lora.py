@@ -9,7 +9,7 @@ import torch
 from shared.messages import FinishReason, RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.lora_adapters import make_adapter, merged_greedy
+from streamq.testing.lora_adapters import make_adapter, merged_greedy
 from worker import kernels
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager

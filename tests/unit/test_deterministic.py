@@ -19,7 +19,7 @@ import torch
 from shared.messages import RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 from worker import kernels
 from worker.batcher import Batcher
 from worker.block_manager import BlockManager

@@ -12,7 +12,7 @@ from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_model, write_tiny_gguf
+from streamq.testing.tiny_models import build_model, write_tiny_gguf
 from tests.unit.test_engine import NEW_TOKENS, prompts, run
 from worker import kernels, quant_model
 from worker.batcher import Batcher
