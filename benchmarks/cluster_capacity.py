@@ -47,7 +47,7 @@ from benchmarks.redis_cost import counters  # noqa: E402
 from benchmarks.report import cores, cpu_flags, cpu_model, print_table  # noqa: E402
 from shared.children import terminate  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
-from streamq.serve import wait_ready  # noqa: E402
+from streamq.stack import wait_ready  # noqa: E402
 from streamq.testing.redis_cluster import RedisCluster  # noqa: E402
 
 SETUPS = ("single", "cluster")
