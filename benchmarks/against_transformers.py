@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import cpu_flags, cpu_model  # noqa: E402
-from shared.messages import RequestPayload  # noqa: E402
 from shared.model_paths import weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
@@ -41,25 +40,20 @@ def main() -> int:
                                      f"({'quantized' if runner.lm_head.quant is not None else 'float'})")
     print(f"{settings.model}: {type(engine).__name__}, windows {sorted(set(getattr(runner, 'windows', [])))}{held}")
     text = (Path(__file__).resolve().parent / "data" / "declaration.txt").read_text()  # a fixed public-domain text
-    seqs = []
-    for i, n in enumerate(args.lengths):
-        ids = engine.tokenizer.encode(text[i * 500:])[:n]
-        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-        seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=ids, params=params)))
+    prompts = [engine.tokenizer.encode(text[i * 500:])[:n] for i, n in enumerate(args.lengths)]
     began = time.perf_counter()
-    while engine.has_work():
-        engine.step()
+    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
     print(f"engine: {time.perf_counter() - began:.1f} s")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(weights_dir(settings), dtype=torch.float32).eval()
     equal = 0
-    for seq in seqs:
-        ids = torch.tensor([seq.prompt_ids])
+    for prompt, seq in zip(prompts, seqs):
+        ids = torch.tensor([prompt])
         ref = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                              do_sample=False)[0, ids.shape[1]:].tolist()
         equal += ref == seq.output_ids
-        print(f"prompt {len(seq.prompt_ids)} tokens: {'equal' if ref == seq.output_ids else 'DIFFERENT'}")
+        print(f"prompt {len(prompt)} tokens: {'equal' if ref == seq.output_ids else 'DIFFERENT'}")
     print(f"{equal}/{len(seqs)} equal; CPU: {cpu_model()}, flags {' '.join(cpu_flags())}")
     return 0 if equal == len(seqs) else 1
 

@@ -27,11 +27,15 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import print_table  # noqa: E402
 from shared.redis_server import RedisServer  # noqa: E402
-from tests.stack import Stack, parse_sse  # noqa: E402
+from streamq.stack import Stack  # noqa: E402
+from streamq.testing.sse import parse_sse  # noqa: E402
 
 PROMPTS = ["Tell me about the sea.", "What is a cat?", "Name a colour.", "Describe rain.",
            "What is bread?", "Why is the sky blue?", "Count to five.", "What is Paris?"]
 TOKENS = 48
+# As the end-to-end tests run it: fp32 on the CPU (tokens compared exactly), batches of 8.
+SETTINGS = {"STREAMQ_MODEL": "default", "STREAMQ_DTYPE": "float32", "STREAMQ_DEVICE": "cpu",
+            "STREAMQ_BATCH_SIZE": "8", "STREAMQ_SSE_KEEPALIVE_S": "1"}
 FAST_FAILOVER = {"STREAMQ_HEARTBEAT_INTERVAL_S": "1", "STREAMQ_HEARTBEAT_TTL_S": "3", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
 
 
@@ -74,8 +78,8 @@ def scenario(name: str, stack_kwargs: dict, inject, redis: RedisServer | None = 
     own = redis or RedisServer(folder / "redis")
     url = own.url if redis else own.start()
     try:
-        env = {"STREAMQ_MODEL_CACHE_DIR": "", **stack_kwargs.pop("env", {})}  # "": the user's model cache
-        with Stack(url, None, folder / "stack", env=env, **stack_kwargs) as stack:
+        settings = {**SETTINGS, **stack_kwargs.pop("env", {})}  # the default model, from the user's model cache
+        with Stack(folder / "stack", settings, redis_url=url, **stack_kwargs) as stack:
             flowing = threading.Event()
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 futures = [pool.submit(client_run, stack.urls, p, flowing) for p in PROMPTS]

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cluster_capacity.py [--rounds 3] [--requests 1152] [--concurrency 192] [--rate 40]
 
 Each round starts each setup afresh, one after the other (single, cluster, single, cluster...):
-a private redis-server, or a 3-master cluster without replicas (tests/redis_cluster.py); then
+a private redis-server, or a 3-master cluster without replicas (streamq/testing/redis_cluster.py); then
 4 null-backend workers (batch 64, --rate tokens/s a request) and 2 api replicas, all given the
 same REDIS_URL. --clients load processes (async httpx) submit --requests requests of --tokens
 tokens over both replicas and follow each over SSE to its end, --concurrency at a time (the first
@@ -47,8 +47,8 @@ from benchmarks.redis_cost import counters  # noqa: E402
 from benchmarks.report import cores, cpu_flags, cpu_model, print_table  # noqa: E402
 from shared.children import terminate  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
-from streamq.serve import wait_ready  # noqa: E402
-from tests.redis_cluster import RedisCluster  # noqa: E402
+from streamq.stack import wait_ready  # noqa: E402
+from streamq.testing.redis_cluster import RedisCluster  # noqa: E402
 
 SETUPS = ("single", "cluster")
 

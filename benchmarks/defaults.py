@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from streamq import bench  # noqa: E402
 from shared.model_paths import served_name  # noqa: E402

@@ -32,7 +32,6 @@ if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/
 import torch  # noqa: E402
 
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared.messages import RequestPayload  # noqa: E402
 from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
@@ -49,13 +48,9 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, one_by_one:
     """Tokens per second: generated ones, or the prompts' when new_tokens is 1."""
     started = time.perf_counter()
     seqs = []
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for group in ([[p] for p in prompts] if one_by_one else [prompts]):
-        for prompt in group:
-            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-            payload = RequestPayload(id=f"r{len(seqs)}", model="m", prompt_token_ids=prompt, params=params)
-            seqs.append(engine.add(payload))
-        while engine.has_work():
-            engine.step()
+        seqs += engine.generate(group, params)
     wall = time.perf_counter() - started
     counted = sum(len(p) for p in prompts) if new_tokens == 1 else sum(len(s.output_ids) for s in seqs)
     return counted / wall

@@ -67,21 +67,15 @@ def run(model, tok, prompts: list[list[int]], params: list[SamplingParams], spec
         if speculate else None
     runner = PagedRunner(model, torch.device("cpu"), BLOCKS, BLOCK_SIZE, kernels.load())
     engine = Engine(runner, tok, Batcher(BlockManager(BLOCKS, BLOCK_SIZE), len(prompts), BUDGET), spec)
-    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q),
-                       resumed[i] if resumed else ())
-            for i, (p, q) in enumerate(zip(prompts, params))]
-    events: dict[str, list[TokenEvent]] = {s.id: list(resumed[i]) if resumed else [] for i, s in enumerate(seqs)}
-    while engine.has_work():
-        for out in engine.step():
-            if out.token is not None:
-                events[out.request_id].append(out.token)
+    seqs = engine.generate([RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=q)
+                            for i, (p, q) in enumerate(zip(prompts, params))], resumed=resumed)
+    events = [list(resumed[i] if resumed else []) + s.tokens for i, s in enumerate(seqs)]
     if again:
-        seqs = [engine.add(RequestPayload(id=f"again{i}", model="m", prompt_token_ids=p, params=q))
-                for i, (p, q) in enumerate(zip(prompts, params))]
-        while engine.has_work():
-            engine.step()
+        seqs = engine.generate([RequestPayload(id=f"again{i}", model="m", prompt_token_ids=p, params=q)
+                                for i, (p, q) in enumerate(zip(prompts, params))])
+        events = [[] for _ in seqs]  # the second run's events are not kept
         assert engine.batcher.blocks.prefix_hits > 0
-    return [s.output_ids for s in seqs], [events.get(s.id, []) for s in seqs]
+    return [s.output_ids for s in seqs], events
 
 
 def differing(a: list[list[int]], b: list[list[int]]) -> int:

@@ -21,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from benchmarks.report import print_table  # noqa: E402
 from shared.api_keys import KeyStore  # noqa: E402
 from shared.redis_client import connect  # noqa: E402

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import run_streamq  # noqa: E402
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from streamq import bench  # noqa: E402
 from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402

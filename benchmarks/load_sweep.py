@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.backends import BATCH, BUDGET, KV_CACHE_GB, vllm_serve  # noqa: E402
 from benchmarks.gguf_peers import llama_server  # noqa: E402
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
 from shared.model_paths import default_gguf_path, prepare_model, served_name, weights_dir  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402

@@ -40,7 +40,7 @@ from shared.model_paths import prepare_model, weights_dir  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
-from tests.lora_adapters import make_adapter  # noqa: E402
+from streamq.testing.lora_adapters import make_adapter  # noqa: E402
 from worker.model import kernels  # noqa: E402
 from worker.engine.batcher import Batcher  # noqa: E402
 from worker.engine.block_manager import BlockManager  # noqa: E402

@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
 from benchmarks.spread import wait_for_workers  # noqa: E402
 from shared.model_paths import prepare_model  # noqa: E402

@@ -38,7 +38,7 @@ from shared.settings import WorkerSettings  # noqa: E402
 from shared.tokenizer import Tokenizer  # noqa: E402
 from worker.engine.batcher import Batcher  # noqa: E402
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from tests.tiny_models import first_layers  # noqa: E402
+from streamq.testing.tiny_models import first_layers  # noqa: E402
 from worker.engine.block_manager import BlockManager  # noqa: E402
 from worker.engine.drafter import DraftProposer  # noqa: E402
 from worker.engine.core import Engine  # noqa: E402

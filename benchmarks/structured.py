@@ -68,13 +68,9 @@ def run(engine: Engine, prompts: list[list[int]], constrained: list[bool], new_t
     else in the sampler after it (on the CPU)."""
     engine.overlap_masks = overlap
     started = time.perf_counter()
-    seqs = []
-    for i, (prompt, constrain) in enumerate(zip(prompts, constrained)):
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
-                                structured_outputs={"json": LONG} if constrain else None)
-        seqs.append(engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=prompt, params=params)))
-    while engine.has_work():
-        engine.step()
+    seqs = engine.generate([RequestPayload(id=f"r{i}", model="m", prompt_token_ids=prompt, params=SamplingParams(
+        temperature=0, max_tokens=new_tokens, ignore_eos=True, structured_outputs={"json": LONG} if constrain else None))
+        for i, (prompt, constrain) in enumerate(zip(prompts, constrained))])
     wall = time.perf_counter() - started
     tokens = sum(len(s.output_ids) for s in seqs)
     assert tokens == len(prompts) * new_tokens, "every request decodes all its tokens"

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.full_stack import through_stack  # noqa: E402
 from benchmarks.report import machine, print_machine  # noqa: E402
-from tests.otlp_receiver import Receiver  # noqa: E402
+from streamq.testing.otlp_receiver import Receiver  # noqa: E402
 
 
 def run(traced: Receiver | None, batch: int, budget: int, repeat: int) -> float:

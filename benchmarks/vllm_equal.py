@@ -50,7 +50,6 @@ def vllm_outputs(dtype: str, ids: list[list[int]]) -> list[list[int]]:
 def builtin_outputs(dtype: str, ids: list[list[int]], weights: str) -> list[list[int]]:
     import torch
 
-    from shared.messages import RequestPayload
     from shared.sampling import SamplingParams
     from shared.settings import WorkerSettings
     from shared.model_paths import prepare_model, weights_dir
@@ -69,11 +68,7 @@ def builtin_outputs(dtype: str, ids: list[list[int]], weights: str) -> list[list
     engine = Engine(PagedRunner(model, cpu, 2048, 16, kernels.load(settings.step)),
                     Tokenizer(prepare_model(settings)), Batcher(BlockManager(2048, 16), len(ids), 2048))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    seqs = [engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=p, params=params))
-            for i, p in enumerate(ids)]
-    while engine.has_work():
-        engine.step()
-    return [s.output_ids for s in seqs]
+    return [s.output_ids for s in engine.generate(ids, params)]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -9,59 +9,26 @@ every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.children import die_with_parent, terminate
 from shared.model_paths import served_name
 from shared.nginx import serve_config
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings
+from streamq.stack import Child, cli, prepare_model, wait_ready
 
 log = logging.getLogger("streamq.serve")
 NGINX_HINT = ("--api-replicas above 1 runs nginx in front of the replicas, and nginx is not installed. Install it "
               "(Debian/Ubuntu: `sudo apt-get install nginx-light`; `make test` does this when run as root), "
               "or run one replica.")
-
-
-@dataclass
-class Child:
-    name: str
-    args: list[str]
-    env: dict[str, str]
-    process: subprocess.Popen | None = None
-    restarts: int = 0
-    next_start: float = 0.0
-    started_at: float = field(default=0.0)
-
-    def start(self) -> None:
-        # Own process group: the terminal's Ctrl-C reaches only the supervisor, which stops us in order.
-        self.process = subprocess.Popen(self.args, env=self.env, start_new_session=True, preexec_fn=die_with_parent)
-        self.started_at = time.monotonic()
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        if terminate(self.process, timeout_s):
-            log.warning("%s did not stop in %.0f s; killed it", self.name, timeout_s)
-        self.reap()
-
-    def reap(self) -> None:
-        """Kill what the child left behind in its process group (e.g. vLLM's engine process)."""
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
 
 
 class _Stop(Exception):
@@ -70,24 +37,6 @@ class _Stop(Exception):
 
 def _raise_stop(signum, _frame) -> None:
     raise _Stop(signum)
-
-
-def wait_ready(url: str, timeout_s: float, children: list[Child] | tuple = ()) -> bool:
-    """Poll `url`/readyz until it answers 200 (True), a child exits, or time runs out (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.process and child.process.poll() is not None:
-                log.error("%s exited with code %s before the service was ready", child.name, child.process.returncode)
-                return False
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if reply.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return False
 
 
 def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
@@ -108,18 +57,20 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
             env["REDIS_URL"] = redis.start()
             log.info("started a private redis-server at %s", env["REDIS_URL"])
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
-        subprocess.run([sys.executable, "-m", "streamq.cli", "prepare-model"], env=env, check=True)
-        cli = [sys.executable, "-m", "streamq.cli"]
-        children = [Child("worker" if workers == 1 else f"worker{i}", cli + ["worker"], env) for i in range(workers)]
-        children.append(Child("scheduler", cli + ["scheduler"], env))
+        prepare_model(env, quiet=False)
+        command = cli()
+        children = [Child("worker" if workers == 1 else f"worker{i}", command + ["worker"], env, with_parent=True)
+                    for i in range(workers)]
+        children.append(Child("scheduler", command + ["scheduler"], env, with_parent=True))
         url = f"http://{_loopback_if_any(host)}:{port}"
         if api_replicas == 1:
-            children.append(Child("api", cli + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)}))
+            children.append(Child("api", command + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)},
+                                  with_parent=True))
             replicas = [url]
         else:
             ports = _free_ports(api_replicas, avoid=port)
             api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host)}
-            children += [Child(f"api{i}", cli + ["api"], {**api_env, "STREAMQ_PORT": str(p)})
+            children += [Child(f"api{i}", command + ["api"], {**api_env, "STREAMQ_PORT": str(p)}, with_parent=True)
                          for i, p in enumerate(ports)]
             children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
             replicas = [f"http://127.0.0.1:{p}" for p in ports]
@@ -147,7 +98,8 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for child in reversed(children):  # nginx first, so no new request reaches a stopping replica
-            child.stop()
+            if child.stop():
+                log.warning("%s did not stop in time; killed it", child.name)
         if redis is not None:
             redis.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -171,7 +123,7 @@ def _nginx_child(binary: str, host: str, port: int, upstream_ports: list[int], f
     check = subprocess.run([binary, "-t", "-c", str(config)], capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(f"nginx rejects the generated {config}:\n{check.stderr.strip()}")
-    return Child("nginx", [binary, "-c", str(config)], env)
+    return Child("nginx", [binary, "-c", str(config)], env, with_parent=True)
 
 
 def _free_ports(count: int, avoid: int) -> list[int]:

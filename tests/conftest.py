@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from shared.redis_server import RedisServer
 from tests.stack import Stack
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 
 
 def pytest_configure(config):

@@ -3,7 +3,7 @@
     python benchmarks/gpu/stack_w.py --model FOLDER --device cuda --dtype bfloat16 --batch-size 64
 
 A private redis-server, one worker (the built-in backend) and one api replica
-(benchmarks/local_stack.py), loaded by `streamq bench --endpoint native` with W's prompts sent at
+(streamq/stack.py's local_stack), loaded by `streamq bench --endpoint native` with W's prompts sent at
 once (greedy, ignore_eos, a fixed number of new tokens), after a short warm-up. On CUDA it runs
 twice, decode from CUDA graphs (the default) and eager (STREAMQ_CUDA_GRAPHS=false), one after the
 other, and reports the ratio. benchmarks/gpu_check.sh runs it; it works on any device.
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import local_stack  # noqa: E402
+from streamq.stack import local_stack  # noqa: E402
 from streamq import bench  # noqa: E402
 
 W = ROOT / "benchmarks" / "workload_w.json"

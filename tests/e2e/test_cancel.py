@@ -7,7 +7,7 @@ import pytest
 
 from tests.e2e.helpers import submit, wait_done
 from tests.stack import Stack, stream_events
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 
 CONTEXT = 4096
 LONG = CONTEXT - 16  # far more steps than the test takes to pause the worker after the first token

@@ -18,7 +18,7 @@ from shared import redis_keys
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import batch_results, events_of, hf_greedy, submit, wait_done
 from tests.e2e.test_auth import bearer, keys_cli
-from tests.redis_cluster import RedisCluster
+from streamq.testing.redis_cluster import RedisCluster
 from tests.stack import ROOT, Stack, stream_events, stream_posted
 from tests.waiting import until_sync
 

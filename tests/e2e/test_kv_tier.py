@@ -8,7 +8,6 @@ import httpx
 import pytest
 import torch
 
-from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack, kill_mid_stream
@@ -33,9 +32,7 @@ def undisturbed(folder, prompt_ids: list[int], max_tokens: int) -> list[int]:
                          kernels.load())
     engine = Engine(runner, Tokenizer(folder), Batcher(BlockManager(64, BLOCK), 8, 2048))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    seq = engine.add(RequestPayload(id="alone", model="m", prompt_token_ids=prompt_ids, params=params))
-    while engine.has_work():
-        engine.step()
+    [seq] = engine.generate([prompt_ids], params)
     assert runner.batch_invariant or pytest.skip("this CPU's fp32 projections depend on the batch")
     return seq.output_ids
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from shared.tokenizer import Tokenizer
-from tests.lora_adapters import make_adapter, merged_greedy
+from streamq.testing.lora_adapters import make_adapter, merged_greedy
 from tests.stack import ROOT, Stack
 from tests.waiting import until_sync
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.stack import Stack
-from tests.tiny_models import CHAT_TEMPLATE, build_model
+from streamq.testing.tiny_models import CHAT_TEMPLATE, build_model
 
 # The client (2.x) has no sampling arguments of its own; the API still takes them, as the body's.
 GREEDY = {"temperature": 0}

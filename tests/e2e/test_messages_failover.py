@@ -7,7 +7,7 @@ import anthropic
 import pytest
 
 from tests.stack import Stack
-from tests.tiny_models import CHAT_TEMPLATE, build_model
+from streamq.testing.tiny_models import CHAT_TEMPLATE, build_model
 
 ASK = [{"role": "user", "content": "Tell me a long story about the streams and the caches"}]
 TOKENS = 96

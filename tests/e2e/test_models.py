@@ -9,7 +9,7 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import fp32_activations_env, hf_greedy, token_ids
 from tests.e2e.test_worker_metrics import scrape
 from tests.stack import Stack, stream_events
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 
 PROMPTS = ["Once", "The capital of France is", "a b c d e f g h i j k l m n o p", "🚀", "Seoul and Paris"]
 

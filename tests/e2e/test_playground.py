@@ -28,7 +28,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.stack import ROOT, Stack, stream_events
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 NUMBER = re.compile(r"^\d+(\.\d+)?( ms)?$")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shared import redis_keys
 from tests.stack import Stack, parse_sse
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy, token_ids
 from tests.e2e.test_worker_metrics import scrape
 from tests.stack import Stack, stream_events
-from tests.tiny_models import first_layers
+from streamq.testing.tiny_models import first_layers
 
 PROMPTS = ["Once upon a time", "a b c d e f g h i j k l m n o p", "Seoul and Paris and Seoul and", "🚀 🚀"]
 TOKENS = 40

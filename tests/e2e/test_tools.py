@@ -15,7 +15,7 @@ from api import tools as tool_format
 from api.tools import Tool
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack
-from tests.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_model
+from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_model
 
 
 @pytest.fixture(scope="module", params=["generic", "hermes"])

@@ -1,5 +1,5 @@
 """OpenTelemetry tracing through the real api, Redis and worker processes, checked by an OTLP
-receiver that decodes the real protocol (tests/otlp_receiver.py): one request under a client's
+receiver that decodes the real protocol (streamq/testing/otlp_receiver.py): one request under a client's
 traceparent is one trace, with the api's request span, the queue wait, the worker's spans and
 the relay, linked as parent and child; a worker killed mid-request leaves the continuation's
 span on the other worker in that same trace."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.otlp_receiver import Receiver, Span, timeline_svg
+from streamq.testing.otlp_receiver import Receiver, Span, timeline_svg
 from tests.stack import Stack, kill_mid_stream
 
 pytestmark = pytest.mark.timeout(300)

@@ -217,7 +217,7 @@ def test_a_lora_adapter_runs_on_vllm_as_on_the_built_in_engine(redis_url, tmp_pa
     request naming it gives the same greedy tokens on either, and not the base model's."""
     from shared.model_paths import prepare_model, weights_dir
     from shared.settings import WorkerSettings
-    from tests.lora_adapters import make_adapter
+    from streamq.testing.lora_adapters import make_adapter
 
     settings = WorkerSettings(_env_file=None)
     prepare_model(settings)

@@ -10,7 +10,7 @@ import redis
 from api.hub import PubSubHub
 from shared import redis_keys
 from shared.redis_client import connect
-from tests.redis_cluster import RedisCluster
+from streamq.testing.redis_cluster import RedisCluster
 from tests.waiting import until
 
 

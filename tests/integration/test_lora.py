@@ -9,7 +9,7 @@ import torch
 from shared.messages import FinishReason, RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.lora_adapters import make_adapter, merged_greedy
+from streamq.testing.lora_adapters import make_adapter, merged_greedy
 from worker.model import kernels
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
@@ -126,15 +126,11 @@ def test_base_requests_beside_adapter_rows_keep_the_base_runners_logprobs(tiny_l
     def base_logprobs(e: Engine, mixed: bool) -> list:
         ids = e.tokenizer.encode(TEXTS[1])
         extra = [("all", TEXTS[0]), ("qv", TEXTS[2]), ("mlp", TEXTS[1])] if mixed else []
-        base = e.add(RequestPayload(id="base", model="m", prompt_token_ids=ids, params=params))
-        for i, (name, text) in enumerate(extra):
-            e.add(RequestPayload(id=f"x{i}", model="m", prompt_token_ids=e.tokenizer.encode(text), params=params,
-                                 adapter=name))
-        events = []
-        while e.has_work():
-            events += [out.token for out in e.step() if out.request_id == "base" and out.token is not None]
+        base, *_ = e.generate([RequestPayload(id="base", model="m", prompt_token_ids=ids, params=params)] + [
+            RequestPayload(id=f"x{i}", model="m", prompt_token_ids=e.tokenizer.encode(text), params=params,
+                           adapter=name) for i, (name, text) in enumerate(extra)])
         assert base.error is None
-        return [(t.token_id, t.logprob, t.top_logprobs) for t in events]
+        return [(t.token_id, t.logprob, t.top_logprobs) for t in base.tokens]
 
     with_adapters = engine(tiny_llama, adapters, "kernels")
     plain = PagedRunner(load_model(tiny_llama, CPU, torch.float32), CPU, 256, 4, kernels.load())

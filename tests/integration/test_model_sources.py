@@ -23,7 +23,7 @@ import pytest
 from shared import model_paths
 from shared.settings import CommonSettings
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import write_tiny_gguf
+from streamq.testing.tiny_models import write_tiny_gguf
 
 
 class StandInHub:

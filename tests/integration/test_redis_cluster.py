@@ -1,4 +1,4 @@
-"""The test Redis Cluster (tests/redis_cluster.py): three masters from Debian's redis-server on
+"""The test Redis Cluster (streamq/testing/redis_cluster.py): three masters from Debian's redis-server on
 loopback ports, keys spread over them, and a killed master's replica taking over its slots with
 what was replicated to it. Groundwork for running streamq on a cluster."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
-from tests.redis_cluster import RedisCluster
+from streamq.testing.redis_cluster import RedisCluster
 from tests.waiting import until_sync
 
 

@@ -1,4 +1,4 @@
-"""The scheduler on a real Redis Cluster (tests/redis_cluster.py): the requeue of a dead
+"""The scheduler on a real Redis Cluster (streamq/testing/redis_cluster.py): the requeue of a dead
 worker's request in its two one-slot steps, arq's jobs in their one slot, and the scheduler's
 arq worker following that slot to the replica promoted when its master dies."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from shared.messages import RequestPayload
 from shared.redis_client import connect
 from shared.sampling import SamplingParams
 from shared.settings import SchedulerSettings
-from tests.redis_cluster import RedisCluster
+from streamq.testing.redis_cluster import RedisCluster
 from tests.waiting import until
 
 LANE = "0:-"

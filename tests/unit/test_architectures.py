@@ -11,7 +11,7 @@ import torch
 import pytest
 
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 from tests.unit.test_engine import _check, make_engine, prompts, run
 from worker.model import kernels
 from worker.engine.batcher import Batcher

@@ -40,10 +40,7 @@ def bad(i: int, tok: Tokenizer) -> RequestPayload:
 
 
 def drain(engine, payloads: list[RequestPayload]) -> dict[str, tuple]:
-    seqs = [engine.add(p) for p in payloads]
-    while engine.has_work():
-        engine.step()
-    return {s.id: (s.finish_reason, s.output_ids, s.error) for s in seqs}
+    return {g.request_id: (g.finish_reason, g.output_ids, g.error) for g in engine.generate(payloads)}
 
 
 def continuous(model_dir):
@@ -97,7 +94,5 @@ def test_a_seeded_request_continued_after_k_tokens_draws_what_the_undisturbed_ru
     for k in (1, 5, 12):
         engine = build(tiny_llama)
         delivered = [TokenEvent(index=i, token_id=t, text="") for i, t in enumerate(whole[:k])]
-        seq = engine.add(request, delivered)
-        while engine.has_work():
-            engine.step()
+        [seq] = engine.generate([request], resumed=[delivered])
         assert seq.output_ids == whole, f"continued after {k} tokens"

@@ -19,7 +19,7 @@ import torch
 from shared.messages import RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 from worker.model import kernels
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
@@ -198,15 +198,10 @@ def test_a_continuation_from_delivered_tokens_is_the_undisturbed_run(model_dir, 
     batch = prompts(make(model_dir).tokenizer, 6)
     undisturbed = run(make(model_dir, **options), batch, sampling)
     for k in (1, 9):
-        engine = make(model_dir, **options)
-        seqs = []
-        for i, ids in enumerate(batch):
-            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
-            delivered = [TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(undisturbed[i][:k])]
-            payload = RequestPayload(id=f"c{i}", model="m", prompt_token_ids=ids, params=params)
-            seqs.append(engine.add(payload, delivered))
-        while engine.has_work():
-            engine.step()
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
+        delivered = [[TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(tokens[:k])]
+                     for tokens in undisturbed]
+        seqs = make(model_dir, **options).generate(batch, params, resumed=delivered)
         assert [s.output_ids for s in seqs] == [[t for t, _ in tokens] for tokens in undisturbed], k
 
 
@@ -255,10 +250,7 @@ def test_the_whole_set_on_the_default_model(sampling, served):
     lookup = engine()
     lookup.speculator = Speculator(NgramProposer(4, 1, 3), 4)
     assert run(lookup, [mine], sampling)[0] == alone
-    continued = engine()
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, **sampling)
     delivered = [TokenEvent(index=j, token_id=t, text="") for j, (t, _) in enumerate(alone[:9])]
-    seq = continued.add(RequestPayload(id="c", model="m", prompt_token_ids=mine, params=params), delivered)
-    while continued.has_work():
-        continued.step()
+    [seq] = engine().generate([mine], params, resumed=[delivered])
     assert seq.output_ids == [t for t, _ in alone]

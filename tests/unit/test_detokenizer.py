@@ -1,7 +1,7 @@
 import pytest
 
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_tokenizer
+from streamq.testing.tiny_models import build_tokenizer
 from worker.engine.detokenizer import Detokenizer
 
 TEXTS = ["안녕하세요, 반갑습니다. 😀 🚀", "café naïve 🧪 emoji", "plain ascii words only", "한😀국🚀어"]

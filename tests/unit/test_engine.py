@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from shared.messages import RequestPayload
+from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from worker.engine.batcher import Batcher
@@ -109,3 +109,44 @@ def test_a_request_larger_than_the_cache_fails_clearly(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=4, block_size=4)
     [seq] = run(engine, ["one two three"], max_tokens=30)
     assert seq.finish_reason.value == "error" and "16" in seq.error
+
+
+def test_generate_runs_every_prompt_to_its_end_and_answers_in_their_order(tiny_llama):
+    """Engine.generate: text, token ids or a whole payload in (more prompts than the batch holds),
+    each request's tokens, text, finish reason and token events out, in the prompts' order."""
+    engine = make_engine(tiny_llama, batch=3)
+    tok = engine.tokenizer
+    texts = prompts(5, seed=5)
+    own = RequestPayload(id="own", model="m", prompt_token_ids=tok.encode(texts[4]),
+                         params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0))
+    out = engine.generate([texts[0], tok.encode(texts[1]), texts[2], tok.encode(texts[3]), own],
+                          SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    assert not engine.has_work()
+    for got, text in zip(out[:4], texts):
+        assert got.output_ids == reference(str(tiny_llama), tuple(tok.encode(text)))
+        assert got.text == tok.decode(got.output_ids)
+        assert [t.token_id for t in got.tokens] == got.output_ids
+        assert got.finish_reason is (FinishReason.LENGTH if len(got.output_ids) == NEW_TOKENS else FinishReason.STOP)
+    assert len({got.request_id for got in out}) == 5
+    last = out[4]
+    assert last.request_id == "own" and last.finish_reason is FinishReason.LENGTH and last.error is None
+    assert last.output_ids == reference(str(tiny_llama), tuple(own.prompt_token_ids))[:3]
+    assert [t.index for t in last.tokens] == [0, 1, 2] and all(t.logprob is not None for t in last.tokens)
+
+
+def test_generate_continues_a_request_from_its_delivered_tokens(tiny_llama):
+    """`resumed`, as after a failover: the output is the undisturbed one's, the delivered tokens
+    included, and only the new tokens are emitted."""
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    [whole] = engine.generate(["Once upon a time"], params)
+    delivered = [TokenEvent(index=i, token_id=t, text="") for i, t in enumerate(whole.output_ids[:5])]
+    [continued] = make_engine(tiny_llama).generate(["Once upon a time"], params, resumed=[delivered])
+    assert continued.output_ids == whole.output_ids
+    assert [t.index for t in continued.tokens] == list(range(5, NEW_TOKENS))
+
+
+def test_generate_ends_a_request_it_cannot_run_with_its_error(tiny_llama):
+    [seq] = make_engine(tiny_llama, num_blocks=4, block_size=4).generate(
+        ["one two three"], SamplingParams(temperature=0, max_tokens=30))
+    assert seq.finish_reason is FinishReason.ERROR and "16" in seq.error and seq.output_ids == []

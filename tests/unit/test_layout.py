@@ -1,6 +1,6 @@
 """The tree reads as the docs say: shared/ is what api/, worker/ and scheduler/ have in
-common and imports none of them (nor the streamq command), and every module is in the layout of
-docs/layout.md."""
+common and imports none of them (nor the streamq command), the benchmarks import nothing from
+the test suite, and every module is in the layout of docs/layout.md."""
 from __future__ import annotations
 
 import ast
@@ -24,6 +24,12 @@ def _imports(path: Path) -> set[str]:
 def test_shared_imports_none_of_the_services_nor_the_command():
     for path in sorted((ROOT / "shared").glob("*.py")):
         assert not _imports(path) & {"api", "worker", "scheduler", "streamq"}, path.name
+
+
+def test_no_benchmark_imports_the_tests():
+    """What both need (tiny models, the stack, ...) lives in streamq/ (streamq/testing/, streamq/stack.py)."""
+    importing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "benchmarks").rglob("*.py")) if "tests" in _imports(p)]
+    assert not importing, f"these benchmarks import from tests/: {importing}"
 
 
 def test_the_layout_names_every_module():

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.settings import WorkerSettings, parse_lora_modules
-from tests.lora_adapters import ALL, make_adapter
+from streamq.testing.lora_adapters import ALL, make_adapter
 from worker.engine.block_manager import BlockManager, block_hash
 from worker.model.fused_layers import fuse
 from worker.model.lora import Adapters, load_adapter

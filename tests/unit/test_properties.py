@@ -12,7 +12,7 @@ from api.relay import _Cursor
 from shared.messages import (FinalEvent, FinishReason, RequestStatus, StatusEvent, TokenEvent, Usage, decode_event,
                              encode_event)
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_tokenizer
+from streamq.testing.tiny_models import build_tokenizer
 from worker.engine.detokenizer import Detokenizer
 
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)

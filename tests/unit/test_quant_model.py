@@ -12,7 +12,7 @@ from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import build_model, write_tiny_gguf
+from streamq.testing.tiny_models import build_model, write_tiny_gguf
 from tests.unit.test_engine import NEW_TOKENS, prompts, run
 from worker.model import kernels, quant_model
 from worker.engine.batcher import Batcher
@@ -95,15 +95,10 @@ def test_gemma3_compressed_decodes_as_its_float_twin(tmp_path, isa):
 
 def greedy_events(engine: Engine, texts: list[str]) -> dict[str, list]:
     """Each request's token events, greedy, with the two most likely tokens' logprobs."""
-    events: dict[str, list] = {}
-    for i, text in enumerate(texts):
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
-        engine.add(RequestPayload(id=f"r{i}", model="m", prompt_token_ids=engine.tokenizer.encode(text), params=params))
-    while engine.has_work():
-        for out in engine.step():
-            if out.token:
-                events.setdefault(out.request_id, []).append(out.token)
-    return events
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
+    payloads = [RequestPayload(id=f"r{i}", model="m", prompt_token_ids=engine.tokenizer.encode(text), params=params)
+                for i, text in enumerate(texts)]
+    return {g.request_id: g.tokens for g in engine.generate(payloads)}
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
@@ -207,13 +202,11 @@ def test_deterministic_mode_on_quantized_weights(tiny_llama, tmp_path):
 
 
 def test_structured_outputs_on_quantized_weights(tiny_llama, tmp_path):
-    from tests.unit.test_structured_outputs import SCHEMA, _add, _valid
+    from tests.unit.test_structured_outputs import SCHEMA, _payload, _valid
 
     engine = engine_of(compressed(tiny_llama, "int4", tmp_path), tiny_llama)
-    seqs = [_add(engine, f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.2, seed=seed,
-                 structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(3)]
-    while engine.has_work():
-        engine.step()
+    seqs = engine.generate([_payload(f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.2, seed=seed,
+                                     structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(3)])
     for seq in seqs:
         assert _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))
 

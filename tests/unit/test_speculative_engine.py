@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.unit.test_engine import NEW_TOKENS, _check, make_engine, prompts, run
-from tests.tiny_models import build_model
+from streamq.testing.tiny_models import build_model
 from worker.engine.drafter import DraftProposer
 from worker.engine.core import Engine
 from worker.model.model_loader import load_model
@@ -132,7 +132,7 @@ def test_draft_sampling_is_reproducible_and_respects_limits(tiny_llama, other_ll
 
 def test_the_worker_builds_the_speculator_its_settings_ask_for(tiny_llama, tmp_path):
     from shared.settings import WorkerSettings
-    from tests.tiny_models import build_tokenizer
+    from streamq.testing.tiny_models import build_tokenizer
     from worker.main import build_engine
 
     other = build_model(tmp_path / "other", "llama")

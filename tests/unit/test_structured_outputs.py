@@ -50,13 +50,13 @@ def test_constrained_and_free_requests_share_a_batch_and_the_free_ones_are_untou
     alone = run(make_engine(tiny_llama), texts)
     engine = make_engine(tiny_llama)
     tok = engine.tokenizer
-    free, constrained = [], []
+    payloads = []
     for i, text in enumerate(texts):  # free and constrained requests alternate in one batch
-        free.append(_add(engine, f"f{i}", tok.encode(text)))
         form = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}][i % 3]
-        constrained.append(_add(engine, f"c{i}", tok.encode(text), structured_outputs=form, max_tokens=120))
-    while engine.has_work():
-        engine.step()
+        payloads += [_payload(f"f{i}", tok.encode(text)),
+                     _payload(f"c{i}", tok.encode(text), structured_outputs=form, max_tokens=120)]
+    out = engine.generate(payloads)
+    free, constrained = out[0::2], out[1::2]
     assert [s.output_ids for s in free] == [s.output_ids for s in alone]
     for i, seq in enumerate(constrained):
         text = tok.decode(seq.output_ids)
@@ -71,19 +71,16 @@ def test_constrained_and_free_requests_share_a_batch_and_the_free_ones_are_untou
 
 def test_sampled_constrained_requests_obey_too(tiny_llama):
     engine = make_engine(tiny_llama)
-    seqs = [_add(engine, f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.5, seed=seed,
-                 structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(4)]
-    while engine.has_work():
-        engine.step()
+    seqs = engine.generate([_payload(f"s{seed}", engine.tokenizer.encode("hi"), temperature=1.5, seed=seed,
+                                     structured_outputs={"json": SCHEMA}, max_tokens=120) for seed in range(4)])
     for seq in seqs:
         assert seq.finish_reason is FinishReason.STOP and _valid(json.loads(engine.tokenizer.decode(seq.output_ids)))
 
 
 def test_json_is_written_without_free_whitespace(tiny_llama):
     engine = make_engine(tiny_llama)
-    seq = _add(engine, "j", engine.tokenizer.encode("go"), structured_outputs={"json": SCHEMA}, max_tokens=120)
-    while engine.has_work():
-        engine.step()
+    [seq] = engine.generate([_payload("j", engine.tokenizer.encode("go"), structured_outputs={"json": SCHEMA},
+                                      max_tokens=120)])
     text = engine.tokenizer.decode(seq.output_ids)
     assert text == json.dumps(json.loads(text), ensure_ascii=False)
 
@@ -93,15 +90,11 @@ def test_a_continued_request_replays_its_delivered_tokens_into_the_grammar(tiny_
     params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 120}
     engine = make_engine(tiny_llama)
     prompt = engine.tokenizer.encode("the capital of")
-    whole = _add(engine, "w", prompt, **params)
-    while engine.has_work():
-        engine.step()
+    [whole] = engine.generate([_payload("w", prompt, **params)])
     for k in (1, 4, len(whole.output_ids) // 2):
         engine = make_engine(tiny_llama)
         delivered = [TokenEvent(index=i, token_id=t, text="") for i, t in enumerate(whole.output_ids[:k])]
-        seq = _add(engine, f"k{k}", prompt, resumed=delivered, **params)
-        while engine.has_work():
-            engine.step()
+        [seq] = engine.generate([_payload(f"k{k}", prompt, **params)], resumed=[delivered])
         assert seq.output_ids == whole.output_ids, k
 
 
@@ -109,10 +102,8 @@ def test_a_payload_whose_delivered_tokens_break_the_grammar_ends_with_an_error(t
     engine = make_engine(tiny_llama)
     tok = engine.tokenizer
     delivered = [TokenEvent(index=0, token_id=tok.encode("x")[-1], text="x")]  # JSON cannot start with x
-    seq = _add(engine, "bad", tok.encode("hi"), resumed=delivered, structured_outputs={"json_object": True})
-    free = _add(engine, "free", tok.encode("hi"))
-    while engine.has_work():
-        engine.step()
+    seq, free = engine.generate([_payload("bad", tok.encode("hi"), structured_outputs={"json_object": True}),
+                                 _payload("free", tok.encode("hi"))], resumed=[delivered, []])
     assert seq.finish_reason is FinishReason.ERROR and "constraint" in seq.error
     assert free.finish_reason is not FinishReason.ERROR and free.output_ids
 
@@ -146,10 +137,8 @@ def test_prompt_lookup_speeds_a_constrained_request_and_keeps_it_exact(tiny_llam
         engine = make_engine(tiny_llama)
         if speculate:
             engine.speculator = Speculator(NgramProposer(4, 1, 3), 4, 0)
-        seq = _add(engine, "c", engine.tokenizer.encode(text), structured_outputs={"regex": "(a b c )+"},
-                   max_tokens=40)
-        while engine.has_work():
-            engine.step()
+        [seq] = engine.generate([_payload("c", engine.tokenizer.encode(text), structured_outputs={"regex": "(a b c )+"},
+                                          max_tokens=40)])
         outputs.append(seq.output_ids)
         stats = engine.speculator.stats if speculate else None
     assert stats.accepted > 0 and outputs[1] == outputs[0]
@@ -165,12 +154,10 @@ def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
     texts = prompts(3, seed=14)
     params = {"structured_outputs": {"json": SCHEMA}, "max_tokens": 40}
     inline = make_engine(tiny_llama)
-    inline_seqs = []
-    for i, text in enumerate(texts):  # sampled with masks computed in the sampler itself
-        inline_seqs.append(_add(inline, f"r{i}", inline.tokenizer.encode(text), **params))
     assert not inline.overlap_masks  # on the CPU the masks wait for the forward
-    while inline.has_work():
-        inline.step()
+    # sampled with masks computed in the sampler itself
+    inline_seqs = inline.generate([_payload(f"r{i}", inline.tokenizer.encode(text), **params)
+                                   for i, text in enumerate(texts)])
 
     calls, forwards = [], []
     real_allowed = sampler.allowed
@@ -180,9 +167,8 @@ def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
     engine.overlap_masks = True  # as on an accelerator
     execute = engine.runner.execute
     engine.runner.execute = lambda scheduled: forwards.append(len(calls)) or execute(scheduled)
-    overlapped = [_add(engine, f"r{i}", engine.tokenizer.encode(text), **params) for i, text in enumerate(texts)]
-    while engine.has_work():
-        engine.step()
+    overlapped = engine.generate([_payload(f"r{i}", engine.tokenizer.encode(text), **params)
+                                  for i, text in enumerate(texts)])
     assert [s.output_ids for s in overlapped] == [s.output_ids for s in inline_seqs]
     assert calls and all(name.startswith("masks") for name in calls)
     assert len(calls) == len(forwards)  # one mask computation a step, none again in the sampler
@@ -247,9 +233,13 @@ def test_a_grammar_past_its_time_limit_fails_its_request_alone(tiny_llama):
     assert free.finish_reason is not FinishReason.ERROR and free.output_ids
 
 
-def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
+def _payload(rid: str, prompt_ids: list[int], **params) -> RequestPayload:
     p = SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, **params})
-    return engine.add(RequestPayload(id=rid, model="m", prompt_token_ids=prompt_ids, params=p), list(resumed))
+    return RequestPayload(id=rid, model="m", prompt_token_ids=prompt_ids, params=p)
+
+
+def _add(engine, rid: str, prompt_ids: list[int], resumed=(), **params):
+    return engine.add(_payload(rid, prompt_ids, **params), list(resumed))
 
 
 def test_the_static_engine_follows_constraints_too(tiny_llama):
@@ -257,13 +247,12 @@ def test_the_static_engine_follows_constraints_too(tiny_llama):
 
     engine = static(tiny_llama)
     tok = engine.tokenizer
-    seqs = [_add(engine, "j", tok.encode("hi"), structured_outputs={"json": SCHEMA}, max_tokens=120),
-            _add(engine, "r", tok.encode("hi"), structured_outputs={"regex": REGEX}, max_tokens=40),
-            _add(engine, "f", tok.encode("hi"))]
     bad = [TokenEvent(index=0, token_id=tok.encode("x")[-1], text="x")]
-    broken = _add(engine, "b", tok.encode("hi"), resumed=bad, structured_outputs={"json_object": True})
-    while engine.has_work():
-        engine.step()
+    *seqs, broken = engine.generate([
+        _payload("j", tok.encode("hi"), structured_outputs={"json": SCHEMA}, max_tokens=120),
+        _payload("r", tok.encode("hi"), structured_outputs={"regex": REGEX}, max_tokens=40),
+        _payload("f", tok.encode("hi")),
+        _payload("b", tok.encode("hi"), structured_outputs={"json_object": True})], resumed=[[], [], [], bad])
     assert _valid(json.loads(tok.decode(seqs[0].output_ids))) and seqs[0].finish_reason is FinishReason.STOP
     assert re.fullmatch(REGEX, tok.decode(seqs[1].output_ids))
     assert seqs[2].output_ids and seqs[2].finish_reason is not FinishReason.ERROR

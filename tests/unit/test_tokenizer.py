@@ -2,7 +2,7 @@
 import pytest
 
 from shared.tokenizer import ChatTemplateError, Tokenizer
-from tests.tiny_models import CONTEXT, build_tokenizer
+from streamq.testing.tiny_models import CONTEXT, build_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "안녕? What is 2+2?"}]
 

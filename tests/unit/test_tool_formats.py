@@ -12,7 +12,7 @@ from api import hermes
 from api import tools as generic
 from api.tools import NamedToolChoice, Tool, closed, read_reply
 from shared.tokenizer import Tokenizer
-from tests.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_tokenizer
+from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_tokenizer
 
 WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city"],

@@ -4,19 +4,38 @@ step for the metrics, and how a request leaves: cancelled, failed by its own sam
 with every other when a step fails, or done after its last token.
 
 A subclass says which requests it holds (`_admitted`, `_held`), what a request's leaving frees
-(`_forget`) and what a failed step resets (`_reset`).
+(`_forget`) and what a failed step resets (`_reset`). `generate` runs requests to their ends in
+the caller's thread, for in-process use (tests, benchmarks) where no worker loop steps it.
 """
 from __future__ import annotations
 
 import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterable
 
-from shared.messages import FinishReason
+from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.sampling import SamplingParams
 from worker.engine.backend import Counts
 from worker.engine.cancels import CancelInbox
 from worker.engine.sequence import Sequence, StepOutput, step_output, token_event
 from worker.engine.structured import follow_grammar
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generated:
+    """One request's result from `generate`: its output token ids and text (for a continued
+    request, the delivered tokens included) and how it ended; `tokens`, the events this run
+    emitted, in order (with logprobs where asked for)."""
+
+    request_id: str
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    error: str | None = None
+    tokens: list[TokenEvent] = field(default_factory=list)
 
 
 class BaseEngine:
@@ -36,6 +55,27 @@ class BaseEngine:
 
     def kv_blocks(self) -> tuple[int, int] | None:
         return None  # no paged cache
+
+    def generate(self, prompts: Iterable[str | list[int] | RequestPayload], params: SamplingParams | None = None,
+                 resumed: list[list[TokenEvent]] | None = None) -> list[Generated]:
+        """Add each prompt (text, token ids, or a whole RequestPayload, which carries its own id,
+        params and adapter) with `params` (default: SamplingParams()), and `resumed[i]` the tokens
+        already delivered to request i (a takeover's); step in this thread until the engine holds no
+        work (requests added before included); each request's result, in the prompts' order."""
+        params = params or SamplingParams()
+        payloads = [p if isinstance(p, RequestPayload) else RequestPayload(
+            id=uuid.uuid4().hex, model="", params=params,
+            prompt_token_ids=self.tokenizer.encode(p) if isinstance(p, str) else list(p)) for p in prompts]
+        if any(p.pool is not None for p in payloads):
+            raise ValueError("generate runs generations; a pooling request has no tokens to return")
+        seqs = [self.add(payload, list(resumed[i]) if resumed else ()) for i, payload in enumerate(payloads)]
+        events: dict[str, list[TokenEvent]] = {seq.id: [] for seq in seqs}
+        while self.has_work():
+            for out in self.step():
+                if out.token is not None and out.request_id in events:
+                    events[out.request_id].append(out.token)
+        return [Generated(seq.id, list(seq.output_ids), seq.detokenizer.text, seq.finish_reason, seq.error,
+                          events[seq.id]) for seq in seqs]
 
     def counts(self) -> Counts:
         return Counts()
