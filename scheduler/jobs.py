@@ -77,8 +77,8 @@ async def keep_responses(redis: Redis, prefix: str, batch: int = 500) -> int:
     response expires, and leaves the set; one already gone leaves it too. Returns how many were kept."""
     store, key, kept = RequestStore(redis, prefix), redis_keys.kept_responses(prefix), 0
     for member in await redis.zrange(key, 0, batch - 1):
-        owner, response_id, request_id = json.loads(member)
-        left = await redis.ttl(redis_keys.response_record(prefix, owner, response_id))
+        tenant, response_id, request_id = json.loads(member)
+        left = await redis.ttl(redis_keys.response_record(prefix, tenant, response_id))
         if left > 0:
             status = await redis.hget(redis_keys.request_record(prefix, request_id), "status")
             if status is not None and RequestStatus(status) not in FINISHED:

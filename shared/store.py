@@ -130,7 +130,7 @@ class RequestStore:
                 pipe.hset(key, mapping={
                     "status": RequestStatus.QUEUED.value,
                     "model": payload.model,
-                    "owner": payload.owner,
+                    "owner": payload.tenant,  # the record's name for the tenant, as before
                     "params": payload.params.model_dump_json(),
                     "prompt_tokens": len(payload.prompt_token_ids),
                     "created_at": payload.created_at,

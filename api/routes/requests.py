@@ -43,7 +43,7 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     if body.backend is not None:
         await generation.check_backend(body.backend)
         payload.backend = body.backend
-    await generation.submit([payload], owner=tenant)
+    await generation.submit([payload], tenant=tenant)
     if body.stream:
         return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),
                                    headers={"X-Request-Id": payload.id})
@@ -66,7 +66,7 @@ def _valid_id(request_id: str) -> str:
 async def _record(store: RequestStore, request_id: str, tenant: str) -> dict[str, str]:
     """The request's record, if it exists and belongs to `tenant`; 404 alike otherwise."""
     record = await store.record(_valid_id(request_id))
-    if not record or record.get("owner", "") != tenant:
+    if not record or record.get("owner", "") != tenant:  # "owner": the record's field for the tenant
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     return record
 

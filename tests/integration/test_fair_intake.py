@@ -14,7 +14,7 @@ from worker.service import WorkerService
 
 
 def _payload(tenant: str) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], tenant=tenant,
                           params=SamplingParams(max_tokens=3, ignore_eos=True))
 
 
@@ -50,9 +50,9 @@ async def test_a_tenant_arriving_behind_a_backlog_starts_within_a_few_admissions
     await until(b_done, what="b's requests done")
     await _stop(service, task)
     records = {p.id: await store.record(p.id) for p in flood + b}
-    started = sorted((float(r["first_token_at"]), p.owner) for p in flood + b
+    started = sorted((float(r["first_token_at"]), p.tenant) for p in flood + b
                      if "first_token_at" in (r := records[p.id]))
-    assert [owner for _, owner in started[:10]].count("b") == 4, started[:10]
+    assert [tenant for _, tenant in started[:10]].count("b") == 4, started[:10]
 
 
 async def test_a_new_tenant_wakes_a_worker_blocked_on_the_lanes_it_knew(redis, redis_url, prefix):

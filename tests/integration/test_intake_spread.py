@@ -19,7 +19,7 @@ from worker.service import WorkerService
 
 
 def _payload(tenant: str, max_tokens: int = 60) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], tenant=tenant,
                           params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 

@@ -24,7 +24,7 @@ HOUR_MS = 3_600_000
 
 def _payload(prompt: list[int] = SYSTEM, tenant: str = "t", backend: str | None = None,
              affinity: str | None = None) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[*prompt, 7], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[*prompt, 7], tenant=tenant,
                           params=SamplingParams(max_tokens=3, ignore_eos=True), backend=backend, affinity=affinity)
 
 

@@ -1,5 +1,6 @@
 """Request records and status changes against a real Redis."""
 import asyncio
+import json
 
 from shared import redis_keys
 from shared.pubsub import ShardPubSub
@@ -14,7 +15,7 @@ def _payload(rid="3f1c2a8e-1111-4222-8333-444455556666"):
 
 async def test_submit_writes_record_and_queues_entry(redis, prefix):
     store = RequestStore(redis, prefix)
-    payload = _payload().model_copy(update={"owner": "alice"})
+    payload = _payload().model_copy(update={"tenant": "alice"})
     await store.submit(payload)
     record = await store.record(payload.id)
     assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
@@ -22,6 +23,7 @@ async def test_submit_writes_record_and_queues_entry(redis, prefix):
     entries = await redis.xrange(redis_keys.request_stream(prefix, "m", "0:alice"))
     assert len(entries) == 1
     assert RequestPayload.model_validate_json(entries[0][1]["payload"]) == payload
+    assert json.loads(entries[0][1]["payload"])["owner"] == "alice"  # the entry's name for the tenant, as before
 
 
 async def test_cancel_of_queued_request_ends_it_and_blocks_the_claim(redis, prefix):

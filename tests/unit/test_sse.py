@@ -58,7 +58,7 @@ class _Generation:
     def build(self, prompt_ids, params, priority=0):
         return RequestPayload(id=RID, model="m", prompt_token_ids=prompt_ids, params=params)
 
-    async def submit(self, payloads, owner=""):
+    async def submit(self, payloads, tenant=""):
         pass
 
     async def cancel(self, payloads):
