@@ -28,10 +28,11 @@ from api.responses_schemas import InputItem, dump_items, load_items
 from api.tool_stream import CallDelta, ToolCallStream
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, decode_event
+from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
 # The response object's status while the request waits for a worker, and while it runs.
-LIVE_STATUS = {RequestStatus.QUEUED.value: "queued", RequestStatus.RUNNING.value: "in_progress"}
+LIVE_STATUS = {RequestStatus.QUEUED: "queued", RequestStatus.RUNNING: "in_progress"}
 # Its final status by the request's finish reason.
 FINAL_STATUS = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete",
                 FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed", FinishReason.EXPIRED: "failed"}
@@ -122,8 +123,10 @@ class ResponseStore:
         set them to expire RESULT_TTL_S later)."""
         await self.store.keep_result(record.request_id, await self.redis.ttl(self._key(record.tenant, record.id)))
 
-    async def logged(self, record: ResponseRecord) -> tuple[dict[str, str], list[TokenEvent], FinalEvent | None]:
-        """The request's record, its tokens by index and its final event, as logged so far."""
+    async def logged(self, record: ResponseRecord
+                     ) -> tuple[RequestRecord | None, list[TokenEvent], FinalEvent | None]:
+        """The request's record (None once it is gone), its tokens by index and its final event, as
+        logged so far."""
         request = await self.store.record(record.request_id)
         tokens: dict[int, TokenEvent] = {}
         final = None
@@ -144,15 +147,15 @@ class ResponseStore:
         for token in tokens:
             out += events.token(token)
         if final is not None:
-            out += events.final(final, whole_seconds(request.get("finished_at")))
-        elif request.get("status") in LIVE_STATUS:
-            events.status = LIVE_STATUS[request["status"]]
+            out += events.final(final, whole_seconds(request.finished_at if request else None))
+        elif request is not None and request.status in LIVE_STATUS:
+            events.status = LIVE_STATUS[request.status]
         return events, out
 
 
-def whole_seconds(value: str | None) -> int | None:
-    """A record's time field (seconds, as Redis keeps it) in whole seconds; None where unset."""
-    return int(float(value)) if value else None
+def whole_seconds(value: float | None) -> int | None:
+    """A record's time field in whole seconds; None where unset."""
+    return int(value) if value else None
 
 
 class ResponseEvents:

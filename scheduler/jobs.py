@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.messages import FINISHED, RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
+from shared.request_record import RecordField
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ async def keep_responses(redis: Redis, prefix: str, batch: int = 500) -> int:
         tenant, response_id, request_id = json.loads(member)
         left = await redis.ttl(redis_keys.response_record(prefix, tenant, response_id))
         if left > 0:
-            status = await redis.hget(redis_keys.request_record(prefix, request_id), "status")
+            status = await redis.hget(redis_keys.request_record(prefix, request_id), RecordField.STATUS)
             if status is not None and RequestStatus(status) not in FINISHED:
                 continue  # still queued or running: looked at again next time
             await store.keep_result(request_id, left)

@@ -96,7 +96,8 @@ def kv_blocks_lru(prefix: str, space: str) -> str:
 
 
 def request_record(prefix: str, request_id: str) -> str:
-    """Hash: status, params, timestamps, worker, usage, finish reason, error."""
+    """Hash: status, tenant, params, timestamps, worker, usage, finish reason, error; its fields are
+    named in shared/request_record.py."""
     return f"{prefix}:req:{{{request_id}}}"
 
 

@@ -123,8 +123,8 @@ async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord
             if chunk := frames(events.token(event)):
                 yield chunk
         elif isinstance(event, FinalEvent):
-            finished = (await responses.store.record(record.request_id)).get("finished_at")
-            if chunk := frames(events.final(event, whole_seconds(finished))):
+            request = await responses.store.record(record.request_id)
+            if chunk := frames(events.final(event, whole_seconds(request.finished_at if request else None))):
                 yield chunk
     await (responses.keep(record) if keep else responses.delete(record))
 

@@ -19,7 +19,7 @@ def _payload(tenant: str) -> RequestPayload:
 
 
 async def _statuses(store, payloads):
-    return [(await store.record(p.id)).get("status") for p in payloads]
+    return [(await store.record(p.id)).status for p in payloads]
 
 
 async def _start(redis, redis_url, prefix, engine, **settings):
@@ -50,8 +50,8 @@ async def test_a_tenant_arriving_behind_a_backlog_starts_within_a_few_admissions
     await until(b_done, what="b's requests done")
     await _stop(service, task)
     records = {p.id: await store.record(p.id) for p in flood + b}
-    started = sorted((float(r["first_token_at"]), p.tenant) for p in flood + b
-                     if "first_token_at" in (r := records[p.id]))
+    started = sorted((r.first_token_at, p.tenant) for p in flood + b
+                     if (r := records[p.id]).first_token_at is not None)
     assert [tenant for _, tenant in started[:10]].count("b") == 4, started[:10]
 
 
@@ -65,7 +65,7 @@ async def test_a_new_tenant_wakes_a_worker_blocked_on_the_lanes_it_knew(redis, r
         await store.submit(p)
 
         async def done(p=p):
-            return (await store.record(p.id)).get("status") == "done"
+            return (await store.record(p.id)).status == "done"
         await until(done, timeout_s=30, what=f"{tenant}'s request done")
     service.stop()
     task.cancel()

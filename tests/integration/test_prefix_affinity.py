@@ -195,9 +195,9 @@ async def _idle(redis, prefix, services) -> None:
 
 async def _workers_of(store, payloads) -> list[str]:
     async def all_done() -> bool:
-        return all([(await store.record(p.id)).get("status") == "done" for p in payloads])
+        return all([(await store.record(p.id)).status == "done" for p in payloads])
     await until(all_done, what="every request done")
-    return [(await store.record(p.id))["worker"] for p in payloads]
+    return [(await store.record(p.id)).worker for p in payloads]
 
 
 async def _stop(services) -> None:
