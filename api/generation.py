@@ -130,24 +130,24 @@ class Generation:
                 raise ApiError(422, f"{field} is {count}; it must be at most the vocabulary size, {vocab}",
                                param=field)
 
-    async def submit(self, payloads: list[RequestPayload], owner: str = "") -> None:
-        """Queue the requests for tenant `owner`, all or none (past the backlog limit, 503)."""
+    async def submit(self, payloads: list[RequestPayload], tenant: str = "") -> None:
+        """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""
         if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
             return
         if self.adapter is not None:
-            await self._check_adapter(owner)
+            await self._check_adapter(tenant)
             if bad := sorted({p.backend for p in payloads if p.backend and p.backend not in self.adapter_backends}):
                 raise ApiError(400, f"adapter {self.adapter!r} is served by workers of {sorted(self.adapter_backends)}, "
                                     f"not of {bad}", param="backend")
         if self.affinity is not None:
             await self.affinity.route(payloads)
         weight, tokens = 1.0, 0
-        if self.limits is not None and owner:
+        if self.limits is not None and tenant:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
-            weight = await self.limits.admit(owner, [p.id for p in payloads], tokens)
+            weight = await self.limits.admit(tenant, [p.id for p in payloads], tokens)
         trace_context = tracing.inject()  # the request span's (api/tracing.py): the worker's spans join it
         for payload in payloads:
-            payload.owner, payload.weight, payload.trace = owner, weight, trace_context
+            payload.tenant, payload.weight, payload.trace = tenant, weight, trace_context
         if trace_context is not None:
             first = payloads[0]
             span = trace.get_current_span()
@@ -160,22 +160,22 @@ class Generation:
             else:
                 await self.store.enqueue(payloads)
         except ApiError:
-            if self.limits is not None and owner:  # refused: what the limits counted was never queued
-                await self.limits.release(owner, [p.id for p in payloads], tokens)
+            if self.limits is not None and tenant:  # refused: what the limits counted was never queued
+                await self.limits.release(tenant, [p.id for p in payloads], tokens)
             raise
         for payload in payloads:
-            fields = {"request_id": payload.id, "tenant": owner, "prompt_tokens": len(payload.prompt_token_ids),
+            fields = {"request_id": payload.id, "tenant": tenant, "prompt_tokens": len(payload.prompt_token_ids),
                       "max_tokens": payload.params.max_tokens, "priority": payload.priority,
                       "affinity": payload.affinity}
             if self.log_prompts:
                 fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
             log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)
 
-    async def _check_adapter(self, owner: str) -> None:
+    async def _check_adapter(self, tenant: str) -> None:
         """404 where the adapter is kept to other tenants (/v1/load_lora_adapter's `tenants`), as for
         a model this tenant cannot see."""
         entry = await LoraRegistry(self.store.redis, self.store.prefix).entry(self.base_model, self.adapter)
-        if entry is not None and not entry.allows(owner):
+        if entry is not None and not entry.allows(tenant):
             raise ApiError(404, f"model {self.adapter!r} is not served here", param="model", code="model_not_found")
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:

@@ -17,7 +17,11 @@ from redis.asyncio import Redis
 
 from api.errors import ApiError
 from shared import redis_keys
-from shared.messages import now
+from shared.messages import RequestStatus, now
+from shared.request_record import RecordField
+
+# A record's statuses while the request still counts against its tenant's concurrency.
+_UNFINISHED = frozenset(s.value for s in RequestStatus if not s.finished)
 
 # KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
 # tokens, ended request ids (space-separated: active ones whose records say they ended), active ttl.
@@ -105,9 +109,9 @@ class Limits:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in active:
-                pipe.hget(redis_keys.request_record(self.prefix, rid), "status")
+                pipe.hget(redis_keys.request_record(self.prefix, rid), RecordField.STATUS)
             statuses = await pipe.execute()
-        return [rid for rid, status in zip(active, statuses) if status not in ("queued", "running")]
+        return [rid for rid, status in zip(active, statuses) if status not in _UNFINISHED]
 
     async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
         """Undo `admit` for requests that were then refused (e.g. by backpressure), in one round trip

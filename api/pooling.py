@@ -30,20 +30,20 @@ POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling reque
 RERANK_QUESTION = "Document: {document}\nQuestion: {query}\nIs this document relevant to the question? Reply with yes or no."
 
 
-async def embed(generation: Generation, inputs: list[str | list[int]], owner: str, priority: int) -> tuple[list[str], int]:
+async def embed(generation: Generation, inputs: list[str | list[int]], tenant: str, priority: int) -> tuple[list[str], int]:
     """Each input's embedding (base64 float32) and the tokens they took."""
     ids = [await _tokens(generation, item, i) for i, item in enumerate(inputs)]
-    return await _run(generation, ids, PoolSpec(task="embed", lengths=[len(x) for x in ids]), owner, priority)
+    return await _run(generation, ids, PoolSpec(task="embed", lengths=[len(x) for x in ids]), tenant, priority)
 
 
-async def rerank(generation: Generation, query: str, documents: list[str], owner: str,
+async def rerank(generation: Generation, query: str, documents: list[str], tenant: str,
                  priority: int) -> tuple[list[float], int]:
     """Each document's relevance score to `query` (0 to 1) and the tokens they took."""
     prompts = await run_in_threadpool(lambda: [_rerank_prompt(generation, query, doc) for doc in documents])
     for i, ids in enumerate(prompts):
         _check_length(generation, ids, f"documents[{i}]")
     spec = PoolSpec(task="score", lengths=[len(x) for x in prompts], candidates=rerank_candidates(generation.tokenizer))
-    pooled, tokens = await _run(generation, prompts, spec, owner, priority)
+    pooled, tokens = await _run(generation, prompts, spec, tenant, priority)
     return [floats(value)[0] for value in pooled], tokens
 
 
@@ -66,7 +66,7 @@ async def require_pooling(generation: Generation) -> None:
                        param="model", code="pooling_not_supported")
 
 
-async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, owner: str,
+async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, tenant: str,
                priority: int) -> tuple[list[str], int]:
     await require_pooling(generation)
     created = now()
@@ -75,7 +75,7 @@ async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, 
                              params=SamplingParams(max_tokens=1), created_at=created,
                              expires_at=created + generation.queue_timeout_s, priority=priority,
                              backend=POOLING_BACKEND, pool=spec)
-    await generation.submit([payload], owner=owner)
+    await generation.submit([payload], tenant=tenant)
     try:
         final = await _final(generation, payload.id)
     except asyncio.CancelledError:  # the client went away: the worker need not compute it

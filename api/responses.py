@@ -28,10 +28,11 @@ from api.responses_schemas import InputItem, dump_items, load_items
 from api.tool_stream import CallDelta, ToolCallStream
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, decode_event
+from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
 # The response object's status while the request waits for a worker, and while it runs.
-LIVE_STATUS = {RequestStatus.QUEUED.value: "queued", RequestStatus.RUNNING.value: "in_progress"}
+LIVE_STATUS = {RequestStatus.QUEUED: "queued", RequestStatus.RUNNING: "in_progress"}
 # Its final status by the request's finish reason.
 FINAL_STATUS = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete",
                 FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed", FinishReason.EXPIRED: "failed"}
@@ -47,7 +48,7 @@ def new_id() -> str:
 class ResponseRecord:
     """What is stored of a response: fixed when it is created."""
     id: str
-    owner: str
+    tenant: str
     request_id: str
     model: str
     created_at: int
@@ -63,8 +64,8 @@ class ResponseRecord:
                 "context": dump_items(self.context), "tools": self.tools, "prompt_tokens": str(self.prompt_tokens)}
 
     @classmethod
-    def of(cls, response_id: str, owner: str, fields: dict[str, str]) -> "ResponseRecord":
-        return cls(id=response_id, owner=owner, request_id=fields["request_id"], model=fields["model"],
+    def of(cls, response_id: str, tenant: str, fields: dict[str, str]) -> "ResponseRecord":
+        return cls(id=response_id, tenant=tenant, request_id=fields["request_id"], model=fields["model"],
                    created_at=int(fields["created_at"]), echo=json.loads(fields["echo"]),
                    input_items=load_items(fields["input_items"]), context=load_items(fields["context"]),
                    tools=fields["tools"], prompt_tokens=int(fields["prompt_tokens"]))
@@ -88,31 +89,31 @@ class ResponseStore:
         self.prefix = store.prefix
         self.retention_s = retention_s
 
-    def _key(self, owner: str, response_id: str) -> str:
-        return redis_keys.response_record(self.prefix, owner, response_id)
+    def _key(self, tenant: str, response_id: str) -> str:
+        return redis_keys.response_record(self.prefix, tenant, response_id)
 
     async def create(self, record: ResponseRecord) -> None:
         """The record, expiring after the retention; kept longer than a request's result, it is
         also put where the scheduler finds it to keep the request as long (keep_responses)."""
-        key = self._key(record.owner, record.id)
+        key = self._key(record.tenant, record.id)
         async with self.redis.pipeline(transaction=False) as pipe:  # two slots on a Redis Cluster
             pipe.hset(key, mapping=record.fields())
             pipe.expire(key, self.retention_s)
             if self.retention_s > redis_keys.RESULT_TTL_S:
-                member = json.dumps([record.owner, record.id, record.request_id])
+                member = json.dumps([record.tenant, record.id, record.request_id])
                 pipe.zadd(redis_keys.kept_responses(self.prefix), {member: record.created_at})
             await pipe.execute()
 
-    async def get(self, owner: str, response_id: str) -> ResponseRecord | None:
+    async def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
         if not response_id.startswith("resp_"):
             return None
-        fields = await self.redis.hgetall(self._key(owner, response_id))
-        return ResponseRecord.of(response_id, owner, fields) if fields else None
+        fields = await self.redis.hgetall(self._key(tenant, response_id))
+        return ResponseRecord.of(response_id, tenant, fields) if fields else None
 
     async def delete(self, record: ResponseRecord) -> None:
         """The response and its request's record and token log."""
         async with self.redis.pipeline(transaction=False) as pipe:  # three slots on a Redis Cluster
-            pipe.delete(self._key(record.owner, record.id))
+            pipe.delete(self._key(record.tenant, record.id))
             pipe.delete(redis_keys.request_record(self.prefix, record.request_id))
             pipe.delete(redis_keys.token_log(self.prefix, record.request_id))
             await pipe.execute()
@@ -120,10 +121,12 @@ class ResponseStore:
     async def keep(self, record: ResponseRecord) -> None:
         """The finished request's record and token log kept as long as the response (its end
         set them to expire RESULT_TTL_S later)."""
-        await self.store.keep_result(record.request_id, await self.redis.ttl(self._key(record.owner, record.id)))
+        await self.store.keep_result(record.request_id, await self.redis.ttl(self._key(record.tenant, record.id)))
 
-    async def logged(self, record: ResponseRecord) -> tuple[dict[str, str], list[TokenEvent], FinalEvent | None]:
-        """The request's record, its tokens by index and its final event, as logged so far."""
+    async def logged(self, record: ResponseRecord
+                     ) -> tuple[RequestRecord | None, list[TokenEvent], FinalEvent | None]:
+        """The request's record (None once it is gone), its tokens by index and its final event, as
+        logged so far."""
         request = await self.store.record(record.request_id)
         tokens: dict[int, TokenEvent] = {}
         final = None
@@ -144,15 +147,15 @@ class ResponseStore:
         for token in tokens:
             out += events.token(token)
         if final is not None:
-            out += events.final(final, whole_seconds(request.get("finished_at")))
-        elif request.get("status") in LIVE_STATUS:
-            events.status = LIVE_STATUS[request["status"]]
+            out += events.final(final, whole_seconds(request.finished_at if request else None))
+        elif request is not None and request.status in LIVE_STATUS:
+            events.status = LIVE_STATUS[request.status]
         return events, out
 
 
-def whole_seconds(value: str | None) -> int | None:
-    """A record's time field (seconds, as Redis keeps it) in whole seconds; None where unset."""
-    return int(float(value)) if value else None
+def whole_seconds(value: float | None) -> int | None:
+    """A record's time field in whole seconds; None where unset."""
+    return int(value) if value else None
 
 
 class ResponseEvents:

@@ -45,7 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, print_machine, print_table  # noqa: E402
+from shared import redis_keys  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared.request_record import RecordField  # noqa: E402
 
 WORDS = ("the service keeps every request in order and answers with care while the model reads a long "
          "instruction about tone format safety sources dates names numbers tables lists code errors users "
@@ -161,7 +163,8 @@ def turn2(client: httpx.Client, stack: Stack, seed: str, tokens: int, same_worke
 
 def _reused(stack: Stack, rid: str) -> int:
     prefix = stack.env.get("STREAMQ_PREFIX", "streamq")
-    value = redis.Redis.from_url(stack.env["REDIS_URL"]).hget(f"{prefix}:req:{{{rid}}}", "reused_tokens")
+    value = redis.Redis.from_url(stack.env["REDIS_URL"]).hget(redis_keys.request_record(prefix, rid),
+                                                               RecordField.REUSED_TOKENS)
     return int(value or 0)
 
 

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.messages import RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
+from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
@@ -30,23 +31,23 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY
 """
 
 
-def result_line(rid: str, item: dict, record: dict, text: str, model: str) -> tuple[dict, bool]:
+def result_line(rid: str, item: dict, record: RequestRecord, text: str, model: str) -> tuple[dict, bool]:
     """One line of the results, in OpenAI's batch output shape; and whether it succeeded."""
-    status = record.get("status")
-    if status != RequestStatus.DONE.value:
+    status = record.status.value
+    if record.status != RequestStatus.DONE:
         return {"id": f"batch_req_{rid}", "custom_id": item["custom_id"], "response": None,
-                "error": {"code": status, "message": record.get("error") or f"the request ended {status}"}}, False
-    usage = {"prompt_tokens": int(record.get("prompt_tokens", 0)),
-             "completion_tokens": int(record.get("completion_tokens", 0))}
+                "error": {"code": status, "message": record.error or f"the request ended {status}"}}, False
+    usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens or 0}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    reason = record.get("finish_reason")
+    reason = record.finish_reason.value if record.finish_reason else None
+    created = int(record.created_at)
     if item["endpoint"] == "/v1/chat/completions":
-        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(float(record["created_at"])),
+        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
                 "model": model, "usage": usage, "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                      "finish_reason": reason}]}
     else:
-        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(float(record["created_at"])),
+        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
                 "model": model, "usage": usage, "choices": [
                     {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
     return {"id": f"batch_req_{rid}", "custom_id": item["custom_id"],
@@ -68,12 +69,12 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
         while todo and len(in_flight) < concurrency and (await queue.backlog())[0] == 0:
             item = todo.pop(0)
             payload = RequestPayload.model_validate(item["payload"])
-            if not await store.record(payload.id):  # not queued by an earlier run of this job
+            if await store.record(payload.id) is None:  # not queued by an earlier run of this job
                 await store.submit(payload)
             in_flight[payload.id] = item
         for rid, item in list(in_flight.items()):
             record = await store.record(rid)
-            if record and RequestStatus(record["status"]).finished:
+            if record is not None and record.status.finished:
                 text = "".join(t.text for t in await store.output(rid))
                 line, ok = result_line(rid, item, record, text, model)
                 await record_result(keys=[results_key, record_key], args=[

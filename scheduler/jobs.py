@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.messages import FINISHED, RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
+from shared.request_record import RecordField
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,10 @@ async def keep_responses(redis: Redis, prefix: str, batch: int = 500) -> int:
     response expires, and leaves the set; one already gone leaves it too. Returns how many were kept."""
     store, key, kept = RequestStore(redis, prefix), redis_keys.kept_responses(prefix), 0
     for member in await redis.zrange(key, 0, batch - 1):
-        owner, response_id, request_id = json.loads(member)
-        left = await redis.ttl(redis_keys.response_record(prefix, owner, response_id))
+        tenant, response_id, request_id = json.loads(member)
+        left = await redis.ttl(redis_keys.response_record(prefix, tenant, response_id))
         if left > 0:
-            status = await redis.hget(redis_keys.request_record(prefix, request_id), "status")
+            status = await redis.hget(redis_keys.request_record(prefix, request_id), RecordField.STATUS)
             if status is not None and RequestStatus(status) not in FINISHED:
                 continue  # still queued or running: looked at again next time
             await store.keep_result(request_id, left)

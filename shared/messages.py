@@ -91,6 +91,10 @@ class PoolSpec(BaseModel):
 class RequestPayload(BaseModel):
     """A request to run, as written to the model's request stream."""
 
+    # `tenant` is "owner" on the wire, as entries were written before the code said tenant (a
+    # worker of the previous version reads them; the request record keeps "owner" too).
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
+
     type: Literal["request"] = "request"
     id: str
     model: str
@@ -98,7 +102,7 @@ class RequestPayload(BaseModel):
     params: SamplingParams
     created_at: float = Field(default_factory=now)
     expires_at: float | None = None  # not started by then: it expires instead of running
-    owner: str = ""  # the tenant that submitted it ("" when auth is off)
+    tenant: str = Field("", alias="owner")  # the tenant that submitted it ("" when auth is off)
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first, within its tenant's share
     weight: float = Field(1.0, gt=0)  # the tenant's share of a worker's batch, relative to other tenants
     backend: str | None = Field(None, pattern=r"^[a-z]+$")  # only a worker of this backend may run it (None: any)

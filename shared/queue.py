@@ -70,7 +70,7 @@ def lane_of(payload: RequestPayload) -> str:
     """`<priority>:<tenant>`, after `^<worker>/` when a worker holds the request's prefix, after
     `@<backend>/` when the request needs one backend; the priority before the tenant, so a tenant
     name may contain ':' (backend and worker names have no '/')."""
-    lane = f"{payload.priority}:{payload.owner or ANONYMOUS}"
+    lane = f"{payload.priority}:{payload.tenant or ANONYMOUS}"
     if payload.affinity:
         lane = f"^{payload.affinity}/{lane}"
     return f"@{payload.backend}/{lane}" if payload.backend else lane

@@ -96,7 +96,8 @@ def kv_blocks_lru(prefix: str, space: str) -> str:
 
 
 def request_record(prefix: str, request_id: str) -> str:
-    """Hash: status, params, timestamps, worker, usage, finish reason, error."""
+    """Hash: status, tenant, params, timestamps, worker, usage, finish reason, error; its fields are
+    named in shared/request_record.py."""
     return f"{prefix}:req:{{{request_id}}}"
 
 
@@ -135,15 +136,15 @@ def dead_letter_stream(prefix: str) -> str:
     return f"{prefix}:dead"
 
 
-def response_record(prefix: str, owner: str, response_id: str) -> str:
+def response_record(prefix: str, tenant: str, response_id: str) -> str:
     """Hash: a stored response of the Responses API under its tenant (its request's id, settings,
     input items, conversation); it expires after the responses' retention (api/responses.py)."""
-    return f"{prefix}:resp:{owner}:{{{response_id}}}"
+    return f"{prefix}:resp:{tenant}:{{{response_id}}}"
 
 
 def kept_responses(prefix: str) -> str:
     """Sorted set: stored responses kept longer than RESULT_TTL_S whose request may not have
-    ended yet, as JSON [owner, response id, request id] by creation time; the scheduler's
+    ended yet, as JSON [tenant, response id, request id] by creation time; the scheduler's
     keep_responses extends each finished request's record and token log to its response's
     expiry, then removes it."""
     return f"{prefix}:resp-kept"

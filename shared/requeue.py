@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, Usage, encode_event, now
+from shared.request_record import RecordField
 from shared.store import FINISH_LUA
 
 # KEYS: record, token log, channel (one slot: `{id}`).
@@ -36,32 +37,32 @@ local function order(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
 end
-local done = redis.call('HGET', KEYS[1], 'requeued_from')
+local done = redis.call('HGET', KEYS[1], F.requeued_from)
 if done then
   local ms, seq = order(ARGV[1])
   local done_ms, done_seq = order(done)
   if ms < done_ms or (ms == done_ms and seq < done_seq) then return {'stale', 0} end
-  if done == ARGV[1] then return {redis.call('HGET', KEYS[1], 'requeue_outcome'), 0} end
+  if done == ARGV[1] then return {redis.call('HGET', KEYS[1], F.requeue_outcome), 0} end
 end
-local status = redis.call('HGET', KEYS[1], 'status')
+local status = redis.call('HGET', KEYS[1], F.status)
 local outcome
-if status ~= 'running' and status ~= 'queued' then
+if status ~= S.running and status ~= S.queued then
   outcome = 'ended'
-elseif redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', 'cancelled', ARGV[5], ARGV[4], ARGV[6], false)
+elseif redis.call('HGET', KEYS[1], F.cancel_requested) == '1' then
+  finish(KEYS[1], KEYS[2], KEYS[3], S.cancelled, R.cancelled, ARGV[5], ARGV[4], ARGV[6], false)
   outcome = 'cancelled'
 else
-  local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+  local attempts = redis.call('HINCRBY', KEYS[1], F.attempts, 1)
   if attempts >= tonumber(ARGV[2]) then
-    finish(KEYS[1], KEYS[2], KEYS[3], 'failed', 'error', ARGV[5], ARGV[3], ARGV[6],
+    finish(KEYS[1], KEYS[2], KEYS[3], S.failed, R.error, ARGV[5], ARGV[3], ARGV[6],
            'the request took down its worker ' .. attempts .. ' times; it is in the dead-letter stream')
     outcome = 'dead'
   else
-    redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
+    redis.call('HSET', KEYS[1], F.status, S.queued, F.worker, '')
     outcome = 'requeued'
   end
 end
-redis.call('HSET', KEYS[1], 'requeued_from', ARGV[1], 'requeue_outcome', outcome)
+redis.call('HSET', KEYS[1], F.requeued_from, ARGV[1], F.requeue_outcome, outcome)
 return {outcome, 1}
 """
 
@@ -97,7 +98,7 @@ class Requeue:
         """The record step: the outcome, and whether this call decided it (False: an earlier
         call for this entry did, or the entry is older than the one the record was requeued from)."""
         rid = payload.id
-        attempts = int(await self.redis.hget(redis_keys.request_record(self.prefix, rid), "attempts") or 0)
+        attempts = int(await self.redis.hget(redis_keys.request_record(self.prefix, rid), RecordField.ATTEMPTS) or 0)
         delivered = await self.redis.xlen(redis_keys.token_log(self.prefix, rid))
         usage = Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=delivered)
         failed = FinalEvent(status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, usage=usage,
@@ -118,7 +119,7 @@ class Requeue:
         if not won:
             return "gone"
         if outcome == "dead":  # after the ack, so only its winner adds it (a death here loses this line only)
-            attempts = await self.redis.hget(redis_keys.request_record(self.prefix, payload.id), "attempts")
+            attempts = await self.redis.hget(redis_keys.request_record(self.prefix, payload.id), RecordField.ATTEMPTS)
             await self.redis.xadd(redis_keys.dead_letter_stream(self.prefix),
                                   {"id": payload.id, "payload": payload.model_dump_json(),
                                    "reason": f"its worker died {attempts} times"})

@@ -13,6 +13,7 @@ from shared import redis_keys
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
 from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
+from shared.request_record import LUA_NAMES, RequestRecord
 
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
@@ -21,10 +22,11 @@ EVENT_FIELD = "e"
 # the record's status, finish reason, end time and error (or none: false), the final event on
 # its token log and channel, and both keys set to expire after `ttl`. (The worker ends the
 # requests it ran in its publish pipeline, worker/service/publisher.py, with their text and the ack.)
-FINISH_LUA = """
+# It comes after LUA_NAMES, the record's field and status names every script here uses.
+FINISH_LUA = LUA_NAMES + """
 local function finish(record, log, channel, status, reason, finished_at, event, ttl, error)
-  redis.call('HSET', record, 'status', status, 'finish_reason', reason, 'finished_at', finished_at)
-  if error then redis.call('HSET', record, 'error', error) end
+  redis.call('HSET', record, F.status, status, F.finish_reason, reason, F.finished_at, finished_at)
+  if error then redis.call('HSET', record, F.error, error) end
   redis.call('XADD', log, '*', '%s', event)
   redis.call('SPUBLISH', channel, event)
   redis.call('EXPIRE', record, ttl)
@@ -34,11 +36,11 @@ end
 
 # KEYS: record. ARGV: worker, started_at. queued → running for this worker; also 1 when the
 # request already runs on this same worker (a retried claim whose first answer was lost).
-_CLAIM = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then return 1 end
-if status ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at', ARGV[2])
+_CLAIM = LUA_NAMES + """
+local status = redis.call('HGET', KEYS[1], F.status)
+if status == S.running and redis.call('HGET', KEYS[1], F.worker) == ARGV[1] then return 1 end
+if status ~= S.queued then return 0 end
+redis.call('HSET', KEYS[1], F.status, S.running, F.worker, ARGV[1], F.started_at, ARGV[2])
 return 1
 """
 
@@ -68,12 +70,12 @@ return {1, waiting, taken}
 # Returns the status the request had: a queued one is cancelled here and now; a running one
 # is flagged and left to its worker; a finished one is left alone.
 _CANCEL = FINISH_LUA + """
-local status = redis.call('HGET', KEYS[1], 'status')
+local status = redis.call('HGET', KEYS[1], F.status)
 if not status then return false end
-if status == 'queued' then
-  finish(KEYS[1], KEYS[2], KEYS[3], 'cancelled', 'cancelled', ARGV[2], ARGV[1], ARGV[3], false)
-elseif status == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+if status == S.queued then
+  finish(KEYS[1], KEYS[2], KEYS[3], S.cancelled, R.cancelled, ARGV[2], ARGV[1], ARGV[3], false)
+elseif status == S.running then
+  redis.call('HSET', KEYS[1], F.cancel_requested, '1')
 end
 return status
 """
@@ -82,7 +84,7 @@ return status
 # KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error, status,
 # finish reason. Ends a request that is still queued (expired, or failed); returns 1 if it did.
 _END_QUEUED = FINISH_LUA + """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[1], F.status) ~= S.queued then return 0 end
 finish(KEYS[1], KEYS[2], KEYS[3], ARGV[5], ARGV[6], ARGV[2], ARGV[1], ARGV[3], ARGV[4])
 return 1
 """
@@ -127,15 +129,7 @@ class RequestStore:
         records = [redis_keys.request_record(self.prefix, p.id) for p in payloads]
         async with self.redis.pipeline(transaction=False) as pipe:
             for key, payload in zip(records, payloads, strict=True):
-                pipe.hset(key, mapping={
-                    "status": RequestStatus.QUEUED.value,
-                    "model": payload.model,
-                    "owner": payload.owner,
-                    "params": payload.params.model_dump_json(),
-                    "prompt_tokens": len(payload.prompt_token_ids),
-                    "created_at": payload.created_at,
-                    **({"expires_at": payload.expires_at} if payload.expires_at else {}),
-                })
+                pipe.hset(key, mapping=RequestRecord.queued(payload).fields())
                 pipe.expire(key, redis_keys.RESULT_TTL_S)
             await pipe.execute()
         queued, waiting, taken = await self._submit(
@@ -206,8 +200,9 @@ class RequestStore:
                 pipe.expire(redis_keys.token_log(self.prefix, request_id), ttl_s)
                 await pipe.execute()
 
-    async def record(self, request_id: str) -> dict[str, str]:
-        return await self.redis.hgetall(redis_keys.request_record(self.prefix, request_id))
+    async def record(self, request_id: str) -> RequestRecord | None:
+        """The request's record; None if there is none (never written, or expired)."""
+        return RequestRecord.of(await self.redis.hgetall(redis_keys.request_record(self.prefix, request_id)))
 
     async def output(self, request_id: str) -> list[TokenEvent]:
         """The request's token events so far, by index (a retried publish may log one twice)."""

@@ -73,7 +73,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     items = []
     for item in body.requests:
         payloads = await _plan(body.endpoint, item, generation)
-        payloads[0].owner = tenant
+        payloads[0].tenant = tenant
         items.append(json.dumps({"custom_id": item.custom_id, "endpoint": body.endpoint,
                                  "payload": json.loads(payloads[0].model_dump_json())}))
     batch_id = f"batch_{uuid.uuid4().hex}"

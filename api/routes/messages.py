@@ -63,7 +63,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     chat = _chat(body.chat)
     payloads, _ = await plan_chat(chat, generation)
-    await generation.submit(payloads, owner=tenant)
+    await generation.submit(payloads, tenant=tenant)
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         events = _stream(generation, chat, body, payloads[0], mid)

@@ -171,7 +171,7 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Tenant
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     payloads = await plan_completion(body, generation)
-    await generation.submit(payloads, owner=tenant)
+    await generation.submit(payloads, tenant=tenant)
     prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
     ranking = samples > body.n
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
@@ -233,7 +233,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     payloads, logprobs = await plan_chat(body, generation)
-    await generation.submit(payloads, owner=tenant)
+    await generation.submit(payloads, tenant=tenant)
     prompt_ids = payloads[0].prompt_token_ids
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
     if body.stream:

@@ -24,6 +24,7 @@ from api.schemas import SubmitRequest
 from api.sse import KEEPALIVE, EventStreamResponse, frame, json_frame
 from shared import redis_keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
+from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=StrictJSONRoute)
@@ -43,7 +44,7 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     if body.backend is not None:
         await generation.check_backend(body.backend)
         payload.backend = body.backend
-    await generation.submit([payload], owner=tenant)
+    await generation.submit([payload], tenant=tenant)
     if body.stream:
         return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),
                                    headers={"X-Request-Id": payload.id})
@@ -63,34 +64,30 @@ def _valid_id(request_id: str) -> str:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}") from None
 
 
-async def _record(store: RequestStore, request_id: str, tenant: str) -> dict[str, str]:
+async def _record(store: RequestStore, request_id: str, tenant: str) -> RequestRecord:
     """The request's record, if it exists and belongs to `tenant`; 404 alike otherwise."""
     record = await store.record(_valid_id(request_id))
-    if not record or record.get("owner", "") != tenant:
+    if record is None or record.tenant != tenant:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     return record
 
 
-def _float(record: dict[str, str], name: str) -> float | None:
-    value = record.get(name)
-    return float(value) if value else None
-
-
-async def snapshot(store: RequestStore, request_id: str, record: dict[str, str]) -> dict[str, Any]:
+async def snapshot(store: RequestStore, request_id: str, record: RequestRecord | None) -> dict[str, Any]:
+    if record is None:  # it expired (or was deleted) since it was first read
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     tokens = await store.output(request_id)
-    created, started = _float(record, "created_at"), _float(record, "started_at")
-    first, finished = _float(record, "first_token_at"), _float(record, "finished_at")
-    scheduled = _float(record, "scheduled_at")
+    created, started, first = record.created_at, record.started_at, record.first_token_at
+    finished, scheduled = record.finished_at, record.scheduled_at
     return {
         "id": request_id,
-        "status": record["status"],
-        "model": record.get("model"),
+        "status": record.status.value,
+        "model": record.model,
         "text": "".join(t.text for t in tokens),
-        "prompt_tokens": int(record.get("prompt_tokens", 0)),
+        "prompt_tokens": record.prompt_tokens,
         "completion_tokens": len(tokens),
-        "finish_reason": record.get("finish_reason"),
-        "error": record.get("error"),
-        "worker": record.get("worker"),
+        "finish_reason": record.finish_reason.value if record.finish_reason else None,
+        "error": record.error,
+        "worker": record.worker,
         "timings": {
             "created_at": created,
             "queue_s": started - created if started and created else None,  # until a worker claimed it
@@ -167,9 +164,9 @@ async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: Tena
 async def cancel(request_id: str, store: StoreDep, tenant: TenantDep):
     """Cancel a queued or running request; a running one stops within one step."""
     record = await _record(store, request_id, tenant)
-    before = await store.cancel(request_id, int(record.get("prompt_tokens", 0)))
+    before = await store.cancel(request_id, record.prompt_tokens)
     if before is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     if before.finished:
         raise HTTPException(status.HTTP_409_CONFLICT, f"request {request_id} already ended: {before.value}")
-    return {"id": request_id, "status": "cancelled" if before == RequestStatus.QUEUED else "cancelling"}
+    return {"id": request_id, "status": RequestStatus.CANCELLED.value if before == RequestStatus.QUEUED else "cancelling"}

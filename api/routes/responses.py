@@ -40,18 +40,18 @@ def _responses(replica: ReplicaDep) -> ResponseStore:
 ResponsesDep = Annotated[ResponseStore, Depends(_responses)]
 
 
-async def _found(responses: ResponseStore, owner: str, response_id: str) -> ResponseRecord:
-    record = await responses.get(owner, response_id)
+async def _found(responses: ResponseStore, tenant: str, response_id: str) -> ResponseRecord:
+    record = await responses.get(tenant, response_id)
     if record is None:  # another tenant's response is not found either
         raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
     return record
 
 
-async def _context(responses: ResponseStore, owner: str, body: ResponseCreate) -> list:
+async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) -> list:
     """The stored conversation a `previous_response_id` continues: its context and its output."""
     if body.previous_response_id is None:
         return []
-    previous = await responses.get(owner, body.previous_response_id)
+    previous = await responses.get(tenant, body.previous_response_id)
     if previous is None:
         raise ApiError(404, f"Previous response with id {body.previous_response_id!r} not found.",
                        param="previous_response_id")
@@ -76,13 +76,13 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Tenan
     payloads, _ = await plan_chat(chat, generation)
     payload = payloads[0]
     record = ResponseRecord(
-        id=response_id, owner=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
+        id=response_id, tenant=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
         echo=body.echo(), input_items=items, context=context,
         tools=("hermes" if chat.hermes else "generic") if chat.calls_tools else "none",
         prompt_tokens=len(payload.prompt_token_ids))
     await responses.create(record)  # before the request is queued: a retrieve right after finds it
     try:
-        await generation.submit(payloads, owner=tenant)
+        await generation.submit(payloads, tenant=tenant)
     except ApiError:
         await responses.delete(record)
         raise
@@ -123,8 +123,8 @@ async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord
             if chunk := frames(events.token(event)):
                 yield chunk
         elif isinstance(event, FinalEvent):
-            finished = (await responses.store.record(record.request_id)).get("finished_at")
-            if chunk := frames(events.final(event, whole_seconds(finished))):
+            request = await responses.store.record(record.request_id)
+            if chunk := frames(events.final(event, whole_seconds(request.finished_at if request else None))):
                 yield chunk
     await (responses.keep(record) if keep else responses.delete(record))
 

@@ -59,7 +59,7 @@ async def _texts(generation: Generation, prompts: list[str], params: SamplingPar
     payloads = [generation.build(await generation.encode(p), params) for p in prompts]
     for payload in payloads:
         payload.backend = backend
-    await generation.submit(payloads, owner=tenant)
+    await generation.submit(payloads, tenant=tenant)
     texts = await asyncio.gather(*(_text(generation, p) for p in payloads))
     return list(texts), [p.id for p in payloads]
 
@@ -96,7 +96,7 @@ async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, t
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
     payload = generation.build(await generation.encode(body.prompt), GREEDY)
-    await generation.submit([payload], owner=tenant)
+    await generation.submit([payload], tenant=tenant)
 
     async def events():
         async for _, event in generation.follow([payload.id]):
@@ -123,7 +123,7 @@ async def generate_query_stream(body: QueryRequest, generation: GenerationDep, t
     payloads = [generation.build(prompt_ids, SamplingParams(
         temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
         seed=seed_for(body.seed, i))) for i in range(body.n)]
-    await generation.submit(payloads, owner=tenant)
+    await generation.submit(payloads, tenant=tenant)
 
     async def chunks():
         finished = False

@@ -151,4 +151,4 @@ def test_each_tenant_and_priority_has_its_own_lane_with_the_tenants_weight(secur
         assert "-3:erin" in client.smembers(redis_keys.request_lanes(secured.prefix, secured.model_name))
         [(_, fields)] = client.xrange(redis_keys.request_stream(secured.prefix, secured.model_name, "-3:erin"))
     payload = RequestPayload.model_validate_json(fields["payload"])
-    assert (payload.owner, payload.priority, payload.weight) == ("erin", -3, 2.5)
+    assert (payload.tenant, payload.priority, payload.weight) == ("erin", -3, 2.5)

@@ -30,7 +30,7 @@ async def _expired_in_queue(store: RequestStore) -> str:
 
 async def _expired_by_the_scheduler(store: RequestStore, rid: str) -> None:
     async def expired() -> bool:
-        return (await store.record(rid)).get("status") == "expired"
+        return (await store.record(rid)).status == "expired"
     await until(expired, 60, f"request {rid} expired by the scheduler")
 
 

@@ -32,10 +32,10 @@ def _replica(redis: Redis, prefix: str) -> Generation:
     return Generation(RequestStore(redis, prefix), None, None, "m", default_max_tokens=4, backpressure=backpressure)
 
 
-async def _submit(replica: Generation, n: int = 1, owner: str = "") -> bool:
-    """Submit n requests together for tenant `owner`; whether they were queued (else 503 with Retry-After)."""
+async def _submit(replica: Generation, n: int = 1, tenant: str = "") -> bool:
+    """Submit n requests together for `tenant`; whether they were queued (else 503 with Retry-After)."""
     try:
-        await replica.submit([_payload() for _ in range(n)], owner=owner)
+        await replica.submit([_payload() for _ in range(n)], tenant=tenant)
         return True
     except ApiError as exc:
         assert exc.status == 503 and 1 <= int(exc.headers["Retry-After"]) <= 60, exc.message
@@ -51,7 +51,7 @@ async def test_two_replicas_together_never_queue_past_the_limit(redis, redis_url
     try:
         replicas = [_replica(c, prefix) for c in clients]
         # Three tenants' lanes, some opened while the other replica counts the backlog.
-        results = await asyncio.gather(*(_submit(replicas[i % 2], owner=f"t{i % 3}") for i in range(60)))
+        results = await asyncio.gather(*(_submit(replicas[i % 2], tenant=f"t{i % 3}") for i in range(60)))
     finally:
         for client in clients:
             await client.aclose()
@@ -62,8 +62,8 @@ async def test_two_replicas_together_never_queue_past_the_limit(redis, redis_url
 
 async def test_a_multi_request_submit_is_all_or_none(redis, prefix):
     replica = _replica(redis, prefix)
-    assert await _submit(replica, 2) and await _submit(replica, 1, owner="acme")
-    assert not await _submit(replica, 2, owner="new-tenant")
+    assert await _submit(replica, 2) and await _submit(replica, 1, tenant="acme")
+    assert not await _submit(replica, 2, tenant="new-tenant")
     assert await _records(redis, prefix) == 3
     assert await redis.smembers(redis_keys.request_lanes(prefix, "m")) == {"0:-", "0:acme"}
     assert await _submit(replica, 1)
@@ -88,8 +88,8 @@ async def test_a_refusal_releases_what_the_tenant_limits_took(redis, prefix):
     await limits.set("acme", rpm=10, tpm=1000, concurrent=10)
     replica = _replica(redis, prefix)
     replica.limits = limits
-    assert await _submit(replica, LIMIT - 1, owner="acme")
-    assert not await _submit(replica, 2, owner="acme")  # backpressure refuses, after the limits admitted
+    assert await _submit(replica, LIMIT - 1, tenant="acme")
+    assert not await _submit(replica, 2, tenant="acme")  # backpressure refuses, after the limits admitted
     for kind in ("rpm", "tpm", "active"):
         assert await redis.zcard(redis_keys.tenant_usage(prefix, "acme", kind)) == (1 if kind == "tpm" else LIMIT - 1), kind
 
@@ -100,7 +100,7 @@ async def test_the_sampler_shows_the_backlog_of_every_lane_on_the_queued_gauge(r
     queue = RequestQueue(redis, prefix, "m")
     backpressure = Backpressure(queue, LIMIT, on_backlog=metrics.queued.labels("m").set)
     replica = Generation(RequestStore(redis, prefix), None, None, "m", default_max_tokens=4, backpressure=backpressure)
-    assert await _submit(replica, 2) and await _submit(replica, 1, owner="acme")
+    assert await _submit(replica, 2) and await _submit(replica, 1, tenant="acme")
     await redis.xreadgroup(redis_keys.WORKER_GROUP, "w", {redis_keys.request_stream(prefix, "m", "0:-"): ">"}, count=1)
 
     def queued() -> float | None:

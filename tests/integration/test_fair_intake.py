@@ -14,12 +14,12 @@ from worker.service.service import WorkerService
 
 
 def _payload(tenant: str) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], tenant=tenant,
                           params=SamplingParams(max_tokens=3, ignore_eos=True))
 
 
 async def _statuses(store, payloads):
-    return [(await store.record(p.id)).get("status") for p in payloads]
+    return [(await store.record(p.id)).status for p in payloads]
 
 
 async def _start(redis, redis_url, prefix, engine, **settings):
@@ -50,9 +50,9 @@ async def test_a_tenant_arriving_behind_a_backlog_starts_within_a_few_admissions
     await until(b_done, what="b's requests done")
     await _stop(service, task)
     records = {p.id: await store.record(p.id) for p in flood + b}
-    started = sorted((float(r["first_token_at"]), p.owner) for p in flood + b
-                     if "first_token_at" in (r := records[p.id]))
-    assert [owner for _, owner in started[:10]].count("b") == 4, started[:10]
+    started = sorted((r.first_token_at, p.tenant) for p in flood + b
+                     if (r := records[p.id]).first_token_at is not None)
+    assert [tenant for _, tenant in started[:10]].count("b") == 4, started[:10]
 
 
 async def test_a_new_tenant_wakes_a_worker_blocked_on_the_lanes_it_knew(redis, redis_url, prefix):
@@ -65,7 +65,7 @@ async def test_a_new_tenant_wakes_a_worker_blocked_on_the_lanes_it_knew(redis, r
         await store.submit(p)
 
         async def done(p=p):
-            return (await store.record(p.id)).get("status") == "done"
+            return (await store.record(p.id)).status == "done"
         await until(done, timeout_s=30, what=f"{tenant}'s request done")
     service.stop()
     task.cancel()

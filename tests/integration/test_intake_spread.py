@@ -19,7 +19,7 @@ from worker.service.service import WorkerService
 
 
 def _payload(tenant: str, max_tokens: int = 60) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], tenant=tenant,
                           params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
@@ -53,9 +53,9 @@ async def _stop(services) -> None:
 
 async def _taken_by(store, payloads) -> Counter:
     async def all_taken() -> bool:
-        return all([(await store.record(p.id)).get("worker") for p in payloads])
+        return all([(await store.record(p.id)).worker for p in payloads])
     await until(all_taken, what="every request taken by a worker")
-    return Counter([(await store.record(p.id))["worker"] for p in payloads])
+    return Counter([(await store.record(p.id)).worker for p in payloads])
 
 
 async def test_idle_workers_split_a_burst_on_a_new_lane(redis, redis_url, prefix):
@@ -76,7 +76,7 @@ async def test_idle_workers_split_a_burst_on_a_lane_they_read(redis, redis_url, 
     await store.submit(first)
 
     async def first_done() -> bool:
-        return (await store.record(first.id)).get("status") == "done"
+        return (await store.record(first.id)).status == "done"
     await until(first_done, what="the first request done")
     free_key = redis_keys.worker_free_slots(prefix, "m")
 
@@ -135,11 +135,11 @@ async def test_an_entry_the_worker_cannot_parse_fails_its_request_alone(redis, r
     await store.enqueue([bad, good])
 
     async def both_ended() -> bool:
-        return {(await store.record(p.id)).get("status") for p in (bad, good)} <= {"done", "failed"}
+        return {(await store.record(p.id)).status for p in (bad, good)} <= {"done", "failed"}
     await until(both_ended, what="both requests ended")
     await _stop(services)
     failed, done = await store.record(bad.id), await store.record(good.id)
-    assert failed["status"] == "failed" and "top_k" in failed["error"], failed
-    assert done["status"] == "done" and done["completion_tokens"] == "3", done
+    assert failed.status == "failed" and "top_k" in failed.error, failed
+    assert done.status == "done" and done.completion_tokens == 3, done
     final = [e for _, e in await store.events(bad.id)]
     assert len(final) == 1 and '"failed"' in final[0], final

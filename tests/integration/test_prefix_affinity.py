@@ -24,7 +24,7 @@ HOUR_MS = 3_600_000
 
 def _payload(prompt: list[int] = SYSTEM, tenant: str = "t", backend: str | None = None,
              affinity: str | None = None) -> RequestPayload:
-    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[*prompt, 7], owner=tenant,
+    return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[*prompt, 7], tenant=tenant,
                           params=SamplingParams(max_tokens=3, ignore_eos=True), backend=backend, affinity=affinity)
 
 
@@ -195,9 +195,9 @@ async def _idle(redis, prefix, services) -> None:
 
 async def _workers_of(store, payloads) -> list[str]:
     async def all_done() -> bool:
-        return all([(await store.record(p.id)).get("status") == "done" for p in payloads])
+        return all([(await store.record(p.id)).status == "done" for p in payloads])
     await until(all_done, what="every request done")
-    return [(await store.record(p.id))["worker"] for p in payloads]
+    return [(await store.record(p.id)).worker for p in payloads]
 
 
 async def _stop(services) -> None:

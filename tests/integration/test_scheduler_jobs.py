@@ -71,7 +71,7 @@ async def test_a_dead_workers_request_is_queued_again_once(redis, prefix):
     assert sum(o.get("requeued", 0) for o in outcomes) == 1
     assert sum(o.get("dead", 0) for o in outcomes) == 0
     record = await store.record(payload.id)
-    assert record["status"] == "queued" and record["attempts"] == "1"
+    assert record.status == "queued" and record.attempts == 1
     entries = await redis.xrange(stream)
     assert [e for e, _ in entries][-1] != entry_id
     assert RequestPayload.model_validate_json(entries[-1][1]["payload"]) == payload
@@ -85,14 +85,14 @@ async def test_a_live_worker_keeps_its_requests(redis, prefix):
     store, stream, payload, _ = await _running_request(redis, prefix, consumer="w-live")
     await redis.set(redis_keys.worker_heartbeat(prefix, "w-live"), "{}", px=60_000)
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {}
-    assert (await store.record(payload.id))["status"] == "running"
+    assert (await store.record(payload.id)).status == "running"
 
 
 async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
     store, stream, payload, _ = await _running_request(redis, prefix, attempts="2")
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"dead": 1}
     record = await store.record(payload.id)
-    assert record["status"] == "failed" and "3 times" in record["error"]
+    assert record.status == "failed" and "3 times" in record.error
     [(_, dead)] = await redis.xrange(redis_keys.dead_letter_stream(prefix))
     assert dead["id"] == payload.id
     final = decode_event((await store.events(payload.id))[-1][1])
@@ -102,7 +102,7 @@ async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
 async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix):
     store, _, payload, _ = await _running_request(redis, prefix, cancel_requested="1")
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"cancelled": 1}
-    assert (await store.record(payload.id))["status"] == "cancelled"
+    assert (await store.record(payload.id)).status == "cancelled"
 
 
 async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(redis, prefix):
@@ -121,9 +121,9 @@ async def test_expire_waiting_ends_only_unstarted_requests_past_their_deadline(r
     await store.submit(late)
     await store.submit(fresh)
     assert await expire_waiting(redis, prefix, "m") == 1
-    assert (await store.record(late.id))["status"] == "expired"
-    assert (await store.record(fresh.id))["status"] == "queued"
-    assert (await store.record(started.id))["status"] == "running"
+    assert (await store.record(late.id)).status == "expired"
+    assert (await store.record(fresh.id)).status == "queued"
+    assert (await store.record(started.id)).status == "running"
     [(_, data)] = await store.events(late.id)
     assert decode_event(data).finish_reason.value == "expired"
     assert await expire_waiting(redis, prefix, "m") == 0  # safe to run again
@@ -143,14 +143,14 @@ async def test_an_entry_a_dead_worker_read_just_before_it_died_is_reclaimed_too(
     await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [old_entry], idle=60_000)
     await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [young_entry], idle=0)
     assert await reclaim_dead_workers(redis, prefix, "m", 30.0, 3) == {"requeued": 1}
-    assert (await store.record(old.id))["status"] == "queued"
-    assert (await store.record(young.id))["status"] == "running"
+    assert (await store.record(old.id)).status == "queued"
+    assert (await store.record(young.id)).status == "running"
     [left] = await redis.xpending_range(stream, redis_keys.WORKER_GROUP, min="-", max="+", count=10,
                                         consumername="w-dead")
     assert left["message_id"] == young_entry
     await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [young_entry], idle=60_000)  # time passes
     assert await reclaim_dead_workers(redis, prefix, "m", 30.0, 3) == {"requeued": 1}
-    assert (await store.record(young.id))["status"] == "queued"
+    assert (await store.record(young.id)).status == "queued"
     consumers = {c["name"] for c in await redis.xinfo_consumers(stream, redis_keys.WORKER_GROUP)}
     assert "w-dead" not in consumers
 
@@ -165,7 +165,7 @@ async def test_two_schedulers_requeuing_one_entry_queue_it_once_and_count_one_at
     assert await second.release(stream, entry_id, "requeued", payload) == "requeued"
     assert await first.release(stream, entry_id, "requeued", payload) == "gone"  # the second acked it first
     record = await store.record(payload.id)
-    assert record["status"] == "queued" and record["attempts"] == "1"
+    assert record.status == "queued" and record.attempts == 1
     assert [e for e, _ in await redis.xrange(stream)][:1] == [entry_id] and await redis.xlen(stream) == 2
     assert (await redis.xpending(stream, redis_keys.WORKER_GROUP))["pending"] == 0
 
@@ -177,7 +177,7 @@ async def test_a_scheduler_that_dies_between_the_two_steps_leaves_one_entry_and_
     await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, 0, [entry_id])
     assert await Requeue(redis, prefix, 3).decide(entry_id, payload) == ("requeued", True)  # ... and it died
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"requeued": 1}
-    assert (await store.record(payload.id))["attempts"] == "1"
+    assert (await store.record(payload.id)).attempts == 1
     entries = await redis.xrange(stream)
     assert len(entries) == 2 and entries[0][0] == entry_id
     assert RequestPayload.model_validate_json(entries[1][1]["payload"]) == payload
@@ -192,7 +192,7 @@ async def test_a_dead_request_reaches_the_dead_letter_stream_once_across_a_death
     outcomes = await asyncio.gather(*(reclaim_dead_workers(redis, prefix, "m", 0.0, 3) for _ in range(2)))
     assert sum(o.get("dead", 0) for o in outcomes) == 1
     record = await store.record(payload.id)
-    assert record["status"] == "failed" and record["attempts"] == "3"
+    assert record.status == "failed" and record.attempts == 3
     assert len(await redis.xrange(redis_keys.dead_letter_stream(prefix))) == 1
     assert len([e for e in await store.events(payload.id) if isinstance(decode_event(e[1]), FinalEvent)]) == 1
 
@@ -209,7 +209,7 @@ async def test_a_stale_entry_of_an_already_requeued_request_changes_nothing(redi
     assert await requeue.decide(entry_id, payload) == ("stale", False)
     assert await requeue.release(stream, entry_id, "stale", payload) == "gone"
     record = await store.record(payload.id)
-    assert record["attempts"] == "2" and record["requeued_from"] == second_entry
+    assert record.attempts == 2 and record.requeued_from == second_entry
 
 
 async def test_keep_responses_keeps_a_finished_request_as_long_as_its_response(redis, prefix):

@@ -1,5 +1,6 @@
 """Request records and status changes against a real Redis."""
 import asyncio
+import json
 
 from shared import redis_keys
 from shared.pubsub import ShardPubSub
@@ -14,14 +15,19 @@ def _payload(rid="3f1c2a8e-1111-4222-8333-444455556666"):
 
 async def test_submit_writes_record_and_queues_entry(redis, prefix):
     store = RequestStore(redis, prefix)
-    payload = _payload().model_copy(update={"owner": "alice"})
+    payload = _payload().model_copy(update={"tenant": "alice"})
     await store.submit(payload)
     record = await store.record(payload.id)
-    assert record["status"] == "queued" and record["owner"] == "alice" and record["prompt_tokens"] == "3"
+    assert (record.status, record.tenant, record.prompt_tokens) == (RequestStatus.QUEUED, "alice", 3)
+    # As Redis keeps it: the names and values records had before the schema was said in one place
+    raw = await redis.hgetall(redis_keys.request_record(prefix, payload.id))
+    assert raw == {"status": "queued", "model": "m", "owner": "alice", "params": payload.params.model_dump_json(),
+                   "prompt_tokens": "3", "created_at": repr(payload.created_at)}
     assert await redis.smembers(redis_keys.request_lanes(prefix, "m")) == {"0:alice"}
     entries = await redis.xrange(redis_keys.request_stream(prefix, "m", "0:alice"))
     assert len(entries) == 1
     assert RequestPayload.model_validate_json(entries[0][1]["payload"]) == payload
+    assert json.loads(entries[0][1]["payload"])["owner"] == "alice"  # the entry's name for the tenant, as before
 
 
 async def test_cancel_of_queued_request_ends_it_and_blocks_the_claim(redis, prefix):
@@ -29,7 +35,7 @@ async def test_cancel_of_queued_request_ends_it_and_blocks_the_claim(redis, pref
     payload = _payload()
     await store.submit(payload)
     assert await store.cancel(payload.id, 3) == RequestStatus.QUEUED
-    assert (await store.record(payload.id))["status"] == "cancelled"
+    assert (await store.record(payload.id)).status == "cancelled"
     [(_, data)] = await store.events(payload.id)
     final = decode_event(data)
     assert isinstance(final, FinalEvent) and final.finish_reason.value == "cancelled"
@@ -46,7 +52,7 @@ async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, p
     assert await store.claim(payload.id, "w1") is True
     assert await store.cancel(payload.id, 3) == RequestStatus.RUNNING
     record = await store.record(payload.id)
-    assert record["status"] == "running" and record["cancel_requested"] == "1" and record["worker"] == "w1"
+    assert record.status == "running" and record.cancel_requested and record.worker == "w1"
     message = None
     while message is None or message["type"] != "smessage":
         message = await pubsub.get_message(timeout=5)

@@ -16,7 +16,7 @@ OUTPUT = 8  # tokens each request generates
 def request(tenant: str, priority: int = 0, weight: float = 1.0) -> Sequence:
     n = next(_ids)
     payload = RequestPayload(id=f"{tenant}{n}", model="m", prompt_token_ids=[1 + n % 7, 2, 3, 4],
-                             params=SamplingParams(max_tokens=OUTPUT), owner=tenant, priority=priority,
+                             params=SamplingParams(max_tokens=OUTPUT), tenant=tenant, priority=priority,
                              weight=weight)
     return Sequence.of(payload, Detokenizer(lambda ids: ""))
 
@@ -38,8 +38,8 @@ class Run:
         for chunk in out.chunks:
             if chunk.samples:
                 chunk.seq.append(7)
-                owner = chunk.seq.owner
-                self.served[owner] = self.served.get(owner, 0) + 1
+                tenant = chunk.seq.tenant
+                self.served[tenant] = self.served.get(tenant, 0) + 1
                 if len(chunk.seq.output_ids) == OUTPUT:
                     self.batcher.remove(chunk.seq)
 
@@ -56,7 +56,7 @@ def test_a_small_tenant_is_admitted_ahead_of_a_big_backlog():
         run.batcher.add(seq)
     while any(seq not in run.admitted for seq in b):
         run.step()
-    after = [s.owner for s in run.admitted[arrived:]]
+    after = [s.tenant for s in run.admitted[arrived:]]
     # FIFO would admit 180 of a's requests first. Fair share: a has run alone, so b takes the
     # slots that free next; then, as b's tokens are charged, the two take turns.
     assert after[:4] == ["b"] * 4, after
@@ -100,7 +100,7 @@ def test_an_idle_tenant_does_not_save_up_credit():
         run.batcher.add(request("b"))
     for _ in range(60):
         run.step()
-    later = [s.owner for s in run.admitted[start:]]
+    later = [s.tenant for s in run.admitted[start:]]
     # b starts at the current virtual clock, not at the time it had when it went idle: the two
     # share the slots rather than b running alone until it "catches up" on its idle time.
     assert "a" in later[:6] and "b" in later[:6], later

@@ -13,7 +13,7 @@ from shared.settings import WorkerSettings
 
 def _payload(**fields) -> RequestPayload:
     return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], params=SamplingParams(),
-                          owner="acme:eu", **fields)
+                          tenant="acme:eu", **fields)
 
 
 def test_the_prefix_hash_covers_the_first_tokens_only():

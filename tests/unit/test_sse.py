@@ -25,6 +25,7 @@ from shared.messages import (
     TokenEvent,
     Usage,
 )
+from shared.request_record import RequestRecord
 
 RID = "9a7c2a8e-1111-4222-8333-444455556666"
 FINAL = FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.LENGTH,
@@ -58,7 +59,7 @@ class _Generation:
     def build(self, prompt_ids, params, priority=0):
         return RequestPayload(id=RID, model="m", prompt_token_ids=prompt_ids, params=params)
 
-    async def submit(self, payloads, owner=""):
+    async def submit(self, payloads, tenant=""):
         pass
 
     async def cancel(self, payloads):
@@ -88,7 +89,7 @@ class _Relay:
 
 class _Store:
     async def record(self, request_id):
-        return {"owner": ""}
+        return RequestRecord(status=RequestStatus.RUNNING)
 
 
 class _Gauge:

@@ -52,7 +52,7 @@ def test_engine_settings_reach_vllm():
 
 
 def test_a_request_for_one_backend_has_a_lane_only_that_backend_reads():
-    payload = RequestPayload(id="r", model="m", prompt_token_ids=[1], params=SamplingParams(), owner="acme")
+    payload = RequestPayload(id="r", model="m", prompt_token_ids=[1], params=SamplingParams(), tenant="acme")
     anyone = lane_of(payload)
     vllm_only = lane_of(payload.model_copy(update={"backend": "vllm"}))
     assert anyone == "0:acme" and vllm_only == "@vllm/0:acme"

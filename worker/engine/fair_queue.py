@@ -28,7 +28,7 @@ class FairQueue:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; a preempted one keeps its place of first arrival."""
-        tenant = seq.owner
+        tenant = seq.tenant
         heap = self._heaps.setdefault(tenant, [])
         if not heap:
             self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), self._clock)
@@ -53,7 +53,7 @@ class FairQueue:
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        heap = self._heaps.get(seq.owner, [])
+        heap = self._heaps.get(seq.tenant, [])
         if heap and heap[0][2] is seq:
             heapq.heappop(heap)
             self._len -= 1
@@ -69,7 +69,7 @@ class FairQueue:
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         """`tokens` of this request's tenant were scheduled in a step."""
-        tenant = seq.owner
+        tenant = seq.tenant
         self._vtime[tenant] = self._vtime.get(tenant, self._clock) + tokens / seq.weight
 
     def virtual_time(self, tenant: str) -> float:

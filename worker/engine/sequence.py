@@ -30,7 +30,7 @@ class Sequence:
     params: SamplingParams
     prompt_ids: list[int]
     detokenizer: Detokenizer
-    owner: str = ""  # its tenant, for fair scheduling
+    tenant: str = ""  # for fair scheduling
     priority: int = 0
     weight: float = 1.0  # its tenant's share of the batch
     created_at: float = 0.0  # when the api accepted it (wall clock)
@@ -53,7 +53,7 @@ class Sequence:
 
     @classmethod
     def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> "Sequence":
-        return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.owner,
+        return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.tenant,
                    payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter)
 
     @property

@@ -122,7 +122,7 @@ class WorkerMetrics:
     def taken(self, payload: RequestPayload) -> None:
         self.queue_time.observe(max(0.0, time.time() - payload.created_at))
         self.prompt_tokens.inc(len(payload.prompt_token_ids))
-        self._tenant[payload.id] = payload.owner or ANONYMOUS
+        self._tenant[payload.id] = payload.tenant or ANONYMOUS
 
     def step(self, outputs: list[StepOutput], duration_s: float, engine: Backend, worker: str = "") -> None:
         stamp = time.time()

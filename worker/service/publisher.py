@@ -6,6 +6,7 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
+from shared.request_record import RecordField
 from shared.store import EVENT_FIELD
 from worker.engine.sequence import StepOutput
 
@@ -35,9 +36,9 @@ class Publisher:
                     pipe.xadd(log, {EVENT_FIELD: data})
                     pipe.execute_command("SPUBLISH", channel, data)
                     if out.token.index == 0:
-                        first = {"first_token_at": stamp}
+                        first = {RecordField.FIRST_TOKEN_AT: stamp}
                         if out.scheduled_at:  # when its first step began (a backend may not say)
-                            first["scheduled_at"] = out.scheduled_at
+                            first[RecordField.SCHEDULED_AT] = out.scheduled_at
                         pipe.hset(redis_keys.request_record(self.prefix, rid), mapping=first)
                 if out.finished:
                     self._finish(pipe, out, log, channel, stamp)
@@ -55,11 +56,11 @@ class Publisher:
         pooled = list(end.pooled) if end.pooled is not None else None
         final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error,
                                         pooled=pooled))
-        fields = {"status": status.value, "finish_reason": end.finish_reason.value,
-                  "completion_tokens": usage.completion_tokens, "finished_at": stamp, "text": end.text,
-                  "reused_tokens": end.reused_tokens}
+        fields = {RecordField.STATUS: status.value, RecordField.FINISH_REASON: end.finish_reason.value,
+                  RecordField.COMPLETION_TOKENS: usage.completion_tokens, RecordField.FINISHED_AT: stamp,
+                  RecordField.TEXT: end.text, RecordField.REUSED_TOKENS: end.reused_tokens}
         if end.error:
-            fields["error"] = end.error
+            fields[RecordField.ERROR] = end.error
         pipe.hset(record, mapping=fields)
         pipe.xadd(log, {EVENT_FIELD: final})
         pipe.execute_command("SPUBLISH", channel, final)

@@ -271,7 +271,7 @@ class WorkerService:
             return None
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
         log.info("request %s started", payload.id, extra={
-            "request_id": payload.id, "worker": self.name, "tenant": payload.owner,
+            "request_id": payload.id, "worker": self.name, "tenant": payload.tenant,
             "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
             "resumed_after": len(resumed)})
         self.metrics.taken(payload)
