@@ -7,7 +7,8 @@ import asyncio
 import copy
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 from starlette.concurrency import run_in_threadpool
@@ -52,7 +53,7 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
 
-    def with_adapter(self, name: str, backends: set[str]) -> "Generation":
+    def with_adapter(self, name: str, backends: set[str]) -> Generation:
         """This model's Generation for requests that run with the LoRA adapter `name`, which workers
         of `backends` serve (the same queue, tokenizer and limits; the answers name the adapter)."""
         view = copy.copy(self)

@@ -31,13 +31,13 @@ _BLOCKS = re.compile(r"(?:<tool_call>.*?</tool_call>\s*)+", re.DOTALL)
 _PROBE = {"type": "function", "function": {"name": "streamq_probe_tool", "parameters": {"type": "object"}}}
 
 
-def knows(tokenizer: "Tokenizer") -> bool:
+def knows(tokenizer: Tokenizer) -> bool:
     """Whether the model's chat template renders tools and asks for Hermes-style calls."""
     return _knows(tokenizer, tokenizer.chat_template)
 
 
 @lru_cache(maxsize=8)
-def _knows(tokenizer: "Tokenizer", template: str | None) -> bool:
+def _knows(tokenizer: Tokenizer, template: str | None) -> bool:
     if not template or "<tool_call>" not in template:
         return False
     try:

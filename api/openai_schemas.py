@@ -43,7 +43,7 @@ class ResponseFormat(BaseModel):
     _constraint: StructuredOutputs | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _compiles(self) -> "ResponseFormat":
+    def _compiles(self) -> ResponseFormat:
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("type json_schema needs a json_schema object (name, schema)")
@@ -98,7 +98,7 @@ class _Common(BaseModel):
         return {k: v for k, v in data.items() if k not in IGNORED} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> "_Common":
+    def _one_constraint(self) -> _Common:
         if self.structured_outputs is not None and self.response_format and self.response_format.constraint:
             raise ValueError("give response_format or structured_outputs, not both")
         return self
@@ -136,7 +136,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _checks(self) -> "CompletionRequest":
+    def _checks(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
         if self.best_of is not None and self.best_of > self.n and self.stream:
@@ -211,7 +211,7 @@ class ChatCompletionRequest(_Common):
     _hermes: bool = PrivateAttr(False)  # the model's template knows Hermes-style tool calls
 
     @model_validator(mode="after")
-    def _tools_alone(self) -> "ChatCompletionRequest":
+    def _tools_alone(self) -> ChatCompletionRequest:
         """The tool format's constraint, built once for every sample; no other constraint beside it."""
         if self.calls_tools:
             if super().constraint() is not None:

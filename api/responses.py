@@ -64,7 +64,7 @@ class ResponseRecord:
                 "context": dump_items(self.context), "tools": self.tools, "prompt_tokens": str(self.prompt_tokens)}
 
     @classmethod
-    def of(cls, response_id: str, tenant: str, fields: dict[str, str]) -> "ResponseRecord":
+    def of(cls, response_id: str, tenant: str, fields: dict[str, str]) -> ResponseRecord:
         return cls(id=response_id, tenant=tenant, request_id=fields["request_id"], model=fields["model"],
                    created_at=int(fields["created_at"]), echo=json.loads(fields["echo"]),
                    input_items=load_items(fields["input_items"]), context=load_items(fields["context"]),

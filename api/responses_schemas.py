@@ -114,7 +114,7 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _fields_of_its_type(self) -> "TextFormat":
+    def _fields_of_its_type(self) -> TextFormat:
         if self.type == "json_schema" and (self.name is None or self.json_schema is None):
             raise ValueError("a json_schema format needs a name and a schema")
         if self.type != "json_schema" and (self.name, self.json_schema, self.strict) != (None, None, None):
@@ -215,7 +215,7 @@ class ResponseCreate(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ResponseCreate":
+    def _consistent(self) -> ResponseCreate:
         if self.background and not self.store:
             raise ValueError("background responses must be stored: background: true needs store: true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

@@ -29,7 +29,7 @@ class SubmitRequest(SamplingParams):
                           description="Lower runs first among this tenant's requests (tenants share workers fairly).")
 
     @model_validator(mode="after")
-    def _one_input(self) -> "SubmitRequest":
+    def _one_input(self) -> SubmitRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self

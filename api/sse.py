@@ -16,7 +16,7 @@ handler at import.
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import Response

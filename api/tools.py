@@ -19,7 +19,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 

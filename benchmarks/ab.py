@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import print_table
 
 
 def report_of(output: str) -> dict:
@@ -78,7 +78,7 @@ def main() -> None:
     for row in results["after"][0]["rows"]:
         key = row[args.key]
 
-        def values(name: str) -> list[float]:
+        def values(name: str, key=key) -> list[float]:
             return [next(x[args.metric] for x in rep["rows"] if x[args.key] == key) for rep in results[name]]
         b, a = values("before"), values("after")
         ratios = [y / x for x, y in zip(b, a)]

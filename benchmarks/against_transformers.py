@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import cpu_flags, cpu_model  # noqa: E402
-from shared.model_paths import weights_dir  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from worker.main import build_engine  # noqa: E402
+from benchmarks.report import cpu_flags, cpu_model
+from shared.model_paths import weights_dir
+from shared.sampling import SamplingParams
+from shared.settings import WorkerSettings
+from worker.main import build_engine
 
 
 def main() -> int:

@@ -45,13 +45,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import cores, machine, print_machine, print_table  # noqa: E402
-from streamq import bench  # noqa: E402
-from shared.model_paths import prepare_model, served_name, weights_dir  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from worker.model.model_loader import pick_dtype  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import cores, machine, print_machine, print_table
+from streamq import bench
+from shared.model_paths import prepare_model, served_name, weights_dir
+from shared.redis_server import free_port
+from shared.settings import WorkerSettings
+from worker.model.model_loader import pick_dtype
 
 W = ROOT / "benchmarks" / "workload_w.json"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -25,10 +25,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import print_table  # noqa: E402
-from shared.redis_server import RedisServer  # noqa: E402
-from streamq.stack import Stack  # noqa: E402
-from streamq.testing.sse import parse_sse  # noqa: E402
+from benchmarks.report import print_table
+from shared.redis_server import RedisServer
+from streamq.stack import Stack
+from streamq.testing.sse import parse_sse
 
 PROMPTS = ["Tell me about the sea.", "What is a cat?", "Name a colour.", "Describe rain.",
            "What is bread?", "Why is the sky blue?", "Count to five.", "What is Paris?"]

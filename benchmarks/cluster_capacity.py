@@ -35,7 +35,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import redis
@@ -43,12 +43,12 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.redis_cost import counters  # noqa: E402
-from benchmarks.report import cores, cpu_flags, cpu_model, print_table  # noqa: E402
-from shared.children import terminate  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from streamq.stack import wait_ready  # noqa: E402
-from streamq.testing.redis_cluster import RedisCluster  # noqa: E402
+from benchmarks.redis_cost import counters
+from benchmarks.report import cores, cpu_flags, cpu_model, print_table
+from shared.children import terminate
+from shared.redis_server import RedisServer, free_port
+from streamq.stack import wait_ready
+from streamq.testing.redis_cluster import RedisCluster
 
 SETUPS = ("single", "cluster")
 
@@ -155,7 +155,7 @@ async def _load(load: Load) -> dict:
                 out["ended"] += 1
         try:
             await asyncio.wait_for(asyncio.gather(*(one(n, i) for n, i in enumerate(load.ids))), load.deadline_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             left = f"{len(load.ids) - out['ended']} of {len(load.ids)}"
             raise RuntimeError(f"{left} streams had not ended after {load.deadline_s:.0f} s") from None
     out["end"] = time.time()

@@ -23,12 +23,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from streamq import bench  # noqa: E402
-from shared.model_paths import served_name  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from worker.model.model_loader import pick_dtype  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import machine, print_machine, print_table
+from streamq import bench
+from shared.model_paths import served_name
+from shared.settings import WorkerSettings
+from worker.model.model_loader import pick_dtype
 
 W = ROOT / "benchmarks" / "workload_w.json"
 SETTINGS = {

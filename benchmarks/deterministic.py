@@ -29,19 +29,19 @@ if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/
     from worker.model.openmp import restart_with_intel_openmp
     restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared.model_paths import prepare_model, weights_dir  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model import kernels  # noqa: E402
-from worker.engine.batcher import Batcher  # noqa: E402
-from worker.engine.block_manager import BlockManager  # noqa: E402
-from worker.engine.core import Engine  # noqa: E402
-from worker.model.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
-from worker.model.model_runner import PagedRunner  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table
+from shared.model_paths import prepare_model, weights_dir
+from shared.sampling import SamplingParams
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model, load_weights, pick_dtype
+from worker.model.model_runner import PagedRunner
 
 
 def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, one_by_one: bool = False) -> float:

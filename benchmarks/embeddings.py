@@ -28,19 +28,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.pooling import floats, rerank_candidates, rerank_prompt  # noqa: E402
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared.messages import PoolSpec, RequestPayload  # noqa: E402
-from shared.model_paths import prepare_model, weights_dir  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model import kernels  # noqa: E402
-from worker.engine.batcher import Batcher  # noqa: E402
-from worker.engine.block_manager import BlockManager  # noqa: E402
-from worker.engine.core import Engine  # noqa: E402
-from worker.model.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
-from worker.model.model_runner import PagedRunner  # noqa: E402
+from api.pooling import floats, rerank_candidates, rerank_prompt
+from benchmarks.report import machine, print_machine, print_table
+from shared.messages import PoolSpec, RequestPayload
+from shared.model_paths import prepare_model, weights_dir
+from shared.sampling import SamplingParams
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model, load_weights, pick_dtype
+from worker.model.model_runner import PagedRunner
 
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 RERANK_QUERY = "How do I keep a service running when a machine fails?"

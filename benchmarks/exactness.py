@@ -37,19 +37,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared.messages import RequestPayload, TokenEvent  # noqa: E402
-from shared.model_paths import prepare_model, weights_dir  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.engine.batcher import Batcher  # noqa: E402
-from worker.engine.block_manager import BlockManager  # noqa: E402
-from worker.engine.core import Engine  # noqa: E402
-from worker.model import kernels  # noqa: E402
-from worker.model.model_runner import PagedRunner  # noqa: E402
-from worker.model.model_loader import load_model, load_weights, pick_dtype  # noqa: E402
-from worker.engine.speculation import NgramProposer, Speculator  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table
+from shared.messages import RequestPayload, TokenEvent
+from shared.model_paths import prepare_model, weights_dir
+from shared.sampling import SamplingParams
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model import kernels
+from worker.model.model_runner import PagedRunner
+from worker.model.model_loader import load_model, load_weights, pick_dtype
+from worker.engine.speculation import NgramProposer, Speculator
 
 BLOCKS, BLOCK_SIZE, BUDGET = 1024, 16, 512
 

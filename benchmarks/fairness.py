@@ -21,10 +21,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import print_table  # noqa: E402
-from shared.api_keys import KeyStore  # noqa: E402
-from shared.redis_client import connect  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import print_table
+from shared.api_keys import KeyStore
+from shared.redis_client import connect
 
 
 async def first_token(client: httpx.AsyncClient, url: str, key: str, i: int, max_tokens: int) -> float:

@@ -22,13 +22,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine import run_streamq  # noqa: E402
-from streamq.stack import local_stack  # noqa: E402
-from streamq import bench  # noqa: E402
-from shared.model_paths import prepare_model, weights_dir  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model.model_loader import load_model  # noqa: E402
+from benchmarks.engine import run_streamq
+from streamq.stack import local_stack
+from streamq import bench
+from shared.model_paths import prepare_model, weights_dir
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from worker.model.model_loader import load_model
 
 W = ROOT / "benchmarks" / "workload_w.json"
 

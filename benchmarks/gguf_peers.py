@@ -24,17 +24,17 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
-from streamq import bench  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import cpu_flags, cpu_model, print_table
+from shared.redis_server import free_port
+from streamq import bench
 
 W = ROOT / "benchmarks" / "workload_w.json"
 LOADS = {"one stream": ["--num-prompts", "4", "--concurrency", "1", "--max-tokens", "128"],

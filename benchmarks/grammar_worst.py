@@ -19,13 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llguidance import LLMatcher, LLTokenizer  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
+from llguidance import LLMatcher, LLTokenizer
+from pydantic import ValidationError
 
-from shared.model_paths import prepare_model  # noqa: E402
-from shared.settings import CommonSettings  # noqa: E402
-from shared.structured import StructuredOutputs  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from shared.model_paths import prepare_model
+from shared.settings import CommonSettings
+from shared.structured import StructuredOutputs
+from shared.tokenizer import Tokenizer
 
 
 def constraints(rng: random.Random) -> dict[str, dict]:

@@ -44,10 +44,10 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared import redis_keys  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.request_record import RecordField  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table
+from shared import redis_keys
+from shared.redis_server import RedisServer, free_port
+from shared.request_record import RecordField
 
 WORDS = ("the service keeps every request in order and answers with care while the model reads a long "
          "instruction about tone format safety sources dates names numbers tables lists code errors users "

@@ -40,13 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.backends import BATCH, BUDGET, KV_CACHE_GB, vllm_serve  # noqa: E402
-from benchmarks.gguf_peers import llama_server  # noqa: E402
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
-from shared.model_paths import default_gguf_path, prepare_model, served_name, weights_dir  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from streamq import bench  # noqa: E402
+from benchmarks.backends import BATCH, BUDGET, KV_CACHE_GB, vllm_serve
+from benchmarks.gguf_peers import llama_server
+from streamq.stack import local_stack
+from benchmarks.report import cpu_flags, cpu_model, print_table
+from shared.model_paths import default_gguf_path, prepare_model, served_name, weights_dir
+from shared.settings import WorkerSettings
+from streamq import bench
 
 W = ROOT / "benchmarks" / "workload_w.json"
 LLAMA_SLOT_CONTEXT = 1024  # tokens per llama-server slot: a W prompt and 128 new tokens fit

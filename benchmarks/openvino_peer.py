@@ -76,9 +76,9 @@ def _generate(pipe, ov, genai, np, prompts: list[list[int]], new_tokens: int, st
 
 
 def main() -> None:
-    import numpy as np  # noqa: PLC0415 - the child half, in .venv-openvino
-    import openvino as ov  # noqa: PLC0415
-    import openvino_genai as genai  # noqa: PLC0415
+    import numpy as np  # the child half, in .venv-openvino
+    import openvino as ov
+    import openvino_genai as genai
 
     spec = json.loads(sys.stdin.read())
     scheduler = genai.SchedulerConfig()

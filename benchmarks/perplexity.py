@@ -27,14 +27,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
-from shared.model_paths import gguf_file, prepare_model  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model import kernels  # noqa: E402
-from worker.model.batch import Chunk, SchedulerOutput  # noqa: E402
-from worker.model.model_loader import load_weights  # noqa: E402
-from worker.model.model_runner import PagedRunner  # noqa: E402
+from benchmarks.report import cpu_flags, cpu_model, print_table
+from shared.model_paths import gguf_file, prepare_model
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
+from worker.model import kernels
+from worker.model.batch import Chunk, SchedulerOutput
+from worker.model.model_loader import load_weights
+from worker.model.model_runner import PagedRunner
 
 TEXT = ROOT / "benchmarks" / "data" / "declaration.txt"
 FORMATS = {"GGUF as stored (quantized)": {"gguf_weights": "quantized"},

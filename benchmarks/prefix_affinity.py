@@ -35,12 +35,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from benchmarks.spread import wait_for_workers  # noqa: E402
-from shared.model_paths import prepare_model  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import machine, print_machine, print_table
+from benchmarks.spread import wait_for_workers
+from shared.model_paths import prepare_model
+from shared.settings import WorkerSettings
+from shared.tokenizer import Tokenizer
 
 WORDS = ("the service keeps every request in order and answers with care while the model reads "
          "a long instruction about tone format safety sources dates names numbers tables lists "

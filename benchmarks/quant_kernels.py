@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.model import kernels  # noqa: E402
-from worker.model.quantized import quantize  # noqa: E402
+from worker.model import kernels
+from worker.model.quantized import quantize
 
 SHAPES = [(576, 1536), (1536, 576), (896, 4864), (4864, 896)]
 
@@ -68,8 +68,8 @@ def paths(ops, w: torch.Tensor) -> dict[str, tuple[int, object]]:
         if isa == "avx512vnni":  # int8 activations, its own layout; its float panels are avx512's
             v8 = ops.pack_quantized_int8(q8.q, q8.scale, q8.offset, 8)
             v4 = ops.pack_quantized_int8(q4.q, q4.scale, q4.offset, 4)
-            out[f"int8 g32 {isa}"] = (v8.numel(), lambda x: ops.quant_linear_int8(x, v8, n, 32, 8, None))
-            out[f"int4 g32 {isa}"] = (v4.numel(), lambda x: ops.quant_linear_int8(x, v4, n, 32, 4, None))
+            out[f"int8 g32 {isa}"] = (v8.numel(), lambda x, v8=v8: ops.quant_linear_int8(x, v8, n, 32, 8, None))
+            out[f"int4 g32 {isa}"] = (v4.numel(), lambda x, v4=v4: ops.quant_linear_int8(x, v4, n, 32, 4, None))
             continue
         out[f"panel fp32 {isa}"] = (panels.numel() * 4, lambda x, isa=isa: ops.panel_linear(x, panels, n, None, isa))
         out[f"int8 g32 {isa}"] = (p8.numel(), lambda x, isa=isa: ops.quant_linear(x, p8, n, 32, 8, None, isa))
@@ -109,7 +109,7 @@ def main() -> None:
             cells = []
             for r in rows:
                 x = torch.randn((r, k), generator=gen)
-                seconds = per_call(lambda: fn(x), args.budget)
+                seconds = per_call(lambda fn=fn, x=x: fn(x), args.budget)
                 cells.append(f"{seconds * 1e3:8.3f} /{nbytes / seconds / 1e9:5.1f}")
             print(f"{name:24}" + "".join(f"{c:>16}" for c in cells), flush=True)
 

@@ -31,8 +31,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import cpu_flags, cpu_model, print_table
 
 
 def counters(client: redis.Redis) -> dict[str, float]:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
+from streamq.stack import local_stack
 
 
 async def _stream(host: str, port: int, body: bytes, out: list, counts: list, firsts: list) -> None:

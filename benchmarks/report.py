@@ -51,7 +51,7 @@ def cores() -> list[int]:
 def machine(dtype: str, threads: int, **extra: object) -> dict:
     """What a CPU figure depends on, for the report: CPU model and flags, torch version,
     threads and dtype (torch is imported here only if the caller has not)."""
-    import torch  # noqa: PLC0415 - a report helper should not force torch on import
+    import torch  # a report helper should not force torch on import
 
     openmp = "intel" if "libiomp5" in os.environ.get("LD_PRELOAD", "") else "torch's own"
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": len(cores()), "torch": torch.__version__,

@@ -31,8 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
+from streamq.stack import local_stack
+from benchmarks.report import machine, print_machine, print_table
 
 
 async def burst(url: str, k: int, tokens: int) -> dict:

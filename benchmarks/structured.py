@@ -29,21 +29,21 @@ if __name__ == "__main__":  # torch on Intel's OpenMP, as in the worker (worker/
     from worker.model.openmp import restart_with_intel_openmp
     restart_with_intel_openmp([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]])
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.report import machine, print_machine, print_table  # noqa: E402
-from shared.messages import RequestPayload  # noqa: E402
-from shared.model_paths import prepare_model, weights_dir  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import WorkerSettings  # noqa: E402
-from shared.structured import StructuredOutputs, compile_error  # noqa: E402
-from shared.tokenizer import Tokenizer  # noqa: E402
-from worker.model import kernels  # noqa: E402
-from worker.engine.batcher import Batcher  # noqa: E402
-from worker.engine.block_manager import BlockManager  # noqa: E402
-from worker.engine.core import Engine  # noqa: E402
-from worker.model.model_loader import load_model, pick_dtype  # noqa: E402
-from worker.model.model_runner import PagedRunner  # noqa: E402
+from benchmarks.report import machine, print_machine, print_table
+from shared.messages import RequestPayload
+from shared.model_paths import prepare_model, weights_dir
+from shared.sampling import SamplingParams
+from shared.settings import WorkerSettings
+from shared.structured import StructuredOutputs, compile_error
+from shared.tokenizer import Tokenizer
+from worker.model import kernels
+from worker.engine.batcher import Batcher
+from worker.engine.block_manager import BlockManager
+from worker.engine.core import Engine
+from worker.model.model_loader import load_model, pick_dtype
+from worker.model.model_runner import PagedRunner
 
 LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 200}
 SCHEMAS = {

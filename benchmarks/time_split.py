@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.backends import descendants  # noqa: E402
-from streamq.stack import local_stack  # noqa: E402
-from benchmarks.report import cpu_flags, cpu_model, print_table  # noqa: E402
-from streamq import bench  # noqa: E402
+from benchmarks.backends import descendants
+from streamq.stack import local_stack
+from benchmarks.report import cpu_flags, cpu_model, print_table
+from streamq import bench
 
 W = ROOT / "benchmarks" / "workload_w.json"
 TICKS = os.sysconf("SC_CLK_TCK")

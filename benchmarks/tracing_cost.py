@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.full_stack import through_stack  # noqa: E402
-from benchmarks.report import machine, print_machine  # noqa: E402
-from streamq.testing.otlp_receiver import Receiver  # noqa: E402
+from benchmarks.full_stack import through_stack
+from benchmarks.report import machine, print_machine
+from streamq.testing.otlp_receiver import Receiver
 
 
 def run(traced: Receiver | None, batch: int, budget: int, repeat: int) -> float:

@@ -45,7 +45,7 @@ def route_transformers() -> None:
     records through ours instead. Call where transformers is used (it is a no-op otherwise)."""
     if not any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
         return
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - heavy, worker side only
+    from transformers.utils import logging as hf_logging  # heavy, worker side only
 
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -82,7 +82,7 @@ class PoolSpec(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _candidates_for_score(self) -> "PoolSpec":
+    def _candidates_for_score(self) -> PoolSpec:
         if (self.task == "score") != (self.candidates is not None):
             raise ValueError("candidates are given for task score, and only for it")
         return self
@@ -115,7 +115,7 @@ class RequestPayload(BaseModel):
     pool: PoolSpec | None = None  # an embeddings or rerank request (None: a generation)
 
     @model_validator(mode="after")
-    def _pool_inputs_add_up(self) -> "RequestPayload":
+    def _pool_inputs_add_up(self) -> RequestPayload:
         if self.pool is not None and sum(self.pool.lengths) != len(self.prompt_token_ids):
             raise ValueError(f"the pool's lengths add up to {sum(self.pool.lengths)}, "
                              f"not to the {len(self.prompt_token_ids)} prompt tokens")
@@ -173,7 +173,7 @@ class FinalEvent(BaseModel):
     pooled: list[str] | None = None
 
 
-Event = Annotated[Union[TokenEvent, StatusEvent, FinalEvent], Field(discriminator="type")]
+Event = Annotated[TokenEvent | StatusEvent | FinalEvent, Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 
 

@@ -231,7 +231,7 @@ def _agreed_commit(settings: CommonSettings, repo: str, revision: str) -> str:
 def _pin(url: str, key: str, commit: str | None) -> str | None:
     """GET `key`; with a commit, SET NX it first. Through the project's client (TLS, cluster), in a
     thread of its own, since the caller may be inside an event loop (the api's lifespan)."""
-    from shared.redis_client import connect  # noqa: PLC0415
+    from shared.redis_client import connect
 
     async def run() -> str | None:
         redis = connect(url)
@@ -258,8 +258,8 @@ def _pin(url: str, key: str, commit: str | None) -> str | None:
 
 def _resolve(repo: str, revision: str) -> str:
     """The commit `revision` of `repo` is at now: asked of the hub, else from the local cache."""
-    from huggingface_hub import HfApi, constants  # noqa: PLC0415
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError  # noqa: PLC0415
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     ref = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "refs" / revision
     try:
@@ -269,7 +269,7 @@ def _resolve(repo: str, revision: str) -> str:
             f"the hub at {constants.ENDPOINT} has no model {repo!r} at revision {revision!r} "
             f"({type(exc).__name__}): check the id and STREAMQ_MODEL_REVISION; a private or gated "
             "repo needs HF_TOKEN") from exc
-    except Exception as exc:  # noqa: BLE001 - no hub in reach: the local cache may know the revision
+    except Exception as exc:  # no hub in reach: the local cache may know the revision
         if ref.is_file():
             commit = ref.read_text().strip()
             log.warning("the hub is out of reach (%s); model %s revision %s: commit %s from the local cache",
@@ -287,7 +287,7 @@ def _resolve(repo: str, revision: str) -> str:
 
 
 def _unreachable(repo: str, which: str, exc: BaseException) -> str:
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import constants
 
     reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return (f"model {repo!r} ({which}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
@@ -299,7 +299,7 @@ def _unreachable(repo: str, which: str, exc: BaseException) -> str:
 
 def _hub_snapshot(settings: CommonSettings, repo: str, files: list[str]) -> Path:
     """The snapshot folder of the deployment's commit of `repo`, with those of `files` it has."""
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub import snapshot_download
 
     commit = hub_commit(settings, repo)
     with contextlib.suppress(Exception):  # every file in the cache: no network, no log
@@ -310,7 +310,7 @@ def _hub_snapshot(settings: CommonSettings, repo: str, files: list[str]) -> Path
     start = time.monotonic()
     try:
         folder = Path(snapshot_download(repo, revision=commit, allow_patterns=files))
-    except Exception as exc:  # noqa: BLE001 - reported as a start-up failure that says what to do
+    except Exception as exc:  # reported as a start-up failure that says what to do
         raise ModelNotFound(_unreachable(repo, f"revision {settings.model_revision}, commit {commit}", exc)) from exc
     log.info("model %s: downloaded into %s in %.1f s", repo, folder, time.monotonic() - start)
     return folder
@@ -319,11 +319,11 @@ def _hub_snapshot(settings: CommonSettings, repo: str, files: list[str]) -> Path
 def _probe(repo: str, commit: str, revision: str) -> None:
     """One quick request before a download: with no hub in reach, huggingface_hub retries each
     file's download for about 20 s before it gives up."""
-    from huggingface_hub import HfApi  # noqa: PLC0415
+    from huggingface_hub import HfApi
 
     try:
         HfApi().model_info(repo, revision=commit)
-    except Exception as exc:  # noqa: BLE001 - the same words as when resolving the revision failed
+    except Exception as exc:  # the same words as when resolving the revision failed
         raise ModelNotFound(_unreachable(repo, f"revision {revision}, commit {commit}", exc)) from exc
 
 
@@ -336,8 +336,8 @@ def _hub_weights(settings: CommonSettings, repo: str) -> Path:
 
 
 def _hub_file(settings: CommonSettings, repo: str, name: str) -> Path:
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache  # noqa: PLC0415
-    from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: PLC0415
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import RemoteEntryNotFoundError
 
     commit = hub_commit(settings, repo)
     if isinstance(cached := try_to_load_from_cache(repo, name, revision=commit), str):
@@ -349,7 +349,7 @@ def _hub_file(settings: CommonSettings, repo: str, name: str) -> Path:
     except RemoteEntryNotFoundError as exc:
         raise ModelNotFound(f"the hub repo {repo!r} has no file {name!r} at commit {commit}: check the name "
                             f"after the ':' in STREAMQ_MODEL (a file of the repo, e.g. model.Q4_K_M.gguf)") from exc
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ModelNotFound(_unreachable(f"{repo}:{name}", f"revision {settings.model_revision}, commit {commit}",
                                          exc)) from exc
 
@@ -369,8 +369,8 @@ def _convert_gguf(gguf: Path, target: Path, tokenizer_dir: Path) -> None:
     if _converted(target):
         return
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    import torch  # noqa: PLC0415 - heavy, worker side only
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    import torch  # heavy, worker side only
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None

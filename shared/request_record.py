@@ -91,14 +91,14 @@ class RequestRecord:
     requeue_outcome: str | None = None
 
     @classmethod
-    def queued(cls, payload: RequestPayload) -> "RequestRecord":
+    def queued(cls, payload: RequestPayload) -> RequestRecord:
         """The record the api writes as it queues the request."""
         return cls(status=RequestStatus.QUEUED, model=payload.model, tenant=payload.tenant,
                    params=payload.params.model_dump_json(), prompt_tokens=len(payload.prompt_token_ids),
                    created_at=payload.created_at, expires_at=payload.expires_at or None)
 
     @classmethod
-    def of(cls, fields: dict[str, str]) -> "RequestRecord | None":
+    def of(cls, fields: dict[str, str]) -> RequestRecord | None:
         """The record from its hash (HGETALL); None where it has no status: no record, or only what a
         late write left after it expired or was deleted."""
         if RecordField.STATUS not in fields:

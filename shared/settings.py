@@ -321,12 +321,12 @@ class WorkerSettings(CommonSettings):
     lora: ClassVar[_SectionOf[LoraSettings]] = _SectionOf(LoraSettings)
 
     @model_validator(mode="after")
-    def _budget_fits_batch(self) -> "WorkerSettings":
+    def _budget_fits_batch(self) -> WorkerSettings:
         check_budget(self.max_num_batched_tokens, self.batch_size)
         return self
 
     @model_validator(mode="after")
-    def _speculation_is_complete(self) -> "WorkerSettings":
+    def _speculation_is_complete(self) -> WorkerSettings:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min={self.ngram_min} must not exceed ngram_max={self.ngram_max}")
         if self.speculative_method == "draft" and not self.speculative_model:
@@ -338,14 +338,14 @@ class WorkerSettings(CommonSettings):
         return self
 
     @model_validator(mode="after")
-    def _lora_modules_parse(self) -> "WorkerSettings":
+    def _lora_modules_parse(self) -> WorkerSettings:
         if (parse_lora_modules(self.lora_modules) or self.enable_lora) and self.backend == "null":
             raise ValueError("LoRA adapters are served by the built-in engine (backend='hf') and by vLLM's, "
                              "not by the null backend")
         return self
 
     @model_validator(mode="after")
-    def _heartbeat_fits_ttl(self) -> "WorkerSettings":
+    def _heartbeat_fits_ttl(self) -> WorkerSettings:
         if self.heartbeat_interval_s * 2 > self.heartbeat_ttl_s:
             raise ValueError(
                 f"heartbeat_ttl_s={self.heartbeat_ttl_s} must be at least twice "

@@ -47,7 +47,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")
 
     @model_validator(mode="after")
-    def _one_form_that_compiles(self) -> "StructuredOutputs":
+    def _one_form_that_compiles(self) -> StructuredOutputs:
         given = [name for name in FORMS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("give exactly one of json, json_object, regex, choice and grammar"

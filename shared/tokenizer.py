@@ -9,7 +9,8 @@ import json
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -75,7 +76,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self) -> Callable[[int], Optional[str]]:
+    def decode_stream(self) -> Callable[[int], str | None]:
         """A fresh incremental decoder for one output: give it each new id; it returns the text
         that id completes (special tokens skipped, as `decode` does), or None while a character
         is still partial."""

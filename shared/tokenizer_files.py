@@ -81,7 +81,7 @@ def gguf_metadata(path: Path) -> dict[str, object]:
 def write_from_gguf(gguf: Path, folder: Path) -> None:
     """The tokenizer files of a GGUF file, from its metadata: tokenizer.json (transformers converts
     the vocabulary), the chat template, and config.json with the context length and EOS ids."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 - never in the api's process
+    from transformers import AutoTokenizer  # never in the api's process
 
     meta = gguf_metadata(gguf)
     arch = str(meta.get("general.architecture", ""))
@@ -99,7 +99,7 @@ def write_from_gguf(gguf: Path, folder: Path) -> None:
 
 def write_from_folder(source: Path, folder: Path) -> None:
     """tokenizer.json (and the rest) for a model folder that has none, e.g. only tokenizer.model."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 - never in the api's process
+    from transformers import AutoTokenizer  # never in the api's process
 
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     for name in ("config.json", "generation_config.json"):

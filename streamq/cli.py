@@ -6,8 +6,8 @@ import sys
 
 
 def _log(level: str | None) -> None:
-    from shared.logs import setup  # noqa: PLC0415
-    from shared.settings import CommonSettings  # noqa: PLC0415
+    from shared.logs import setup
+    from shared.settings import CommonSettings
 
     settings = CommonSettings()
     setup(level or settings.log_level, settings.log_format)
@@ -50,34 +50,34 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--concurrent", type=int, help="unfinished requests at once")
     limits.add_argument("--weight", type=float,
                         help="share of the workers' batches relative to other tenants (fair scheduling; default 1)")
-    from streamq.bench import add_arguments  # noqa: PLC0415 - light: httpx only
+    from streamq.bench import add_arguments  # light: httpx only
     add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
     args = parser.parse_args(argv)
     _log(args.log_level)
 
     if args.command == "serve":
-        from streamq.serve import serve as run_serve  # noqa: PLC0415
+        from streamq.serve import serve as run_serve
         sys.exit(run_serve(args.host, args.port, args.api_replicas, args.workers))
     if args.command == "keys":
         sys.exit(_keys(args))
     if args.command == "bench":
-        from streamq.bench import main as bench_main  # noqa: PLC0415
+        from streamq.bench import main as bench_main
         sys.exit(bench_main(args))
     if args.command == "api":
-        from api.main import main as api_main  # noqa: PLC0415
+        from api.main import main as api_main
         api_main()
     elif args.command == "worker":
-        from worker.model.openmp import restart_with_intel_openmp  # noqa: PLC0415 - imports no torch
+        from worker.model.openmp import restart_with_intel_openmp  # imports no torch
         restart_with_intel_openmp()
-        from worker.main import main as worker_main  # noqa: PLC0415
+        from worker.main import main as worker_main
         worker_main()
     elif args.command == "scheduler":
-        from scheduler.main import main as scheduler_main  # noqa: PLC0415
+        from scheduler.main import main as scheduler_main
         scheduler_main()
     elif args.command == "prepare-model":
-        from shared.logs import route_transformers  # noqa: PLC0415
-        from shared.model_paths import ModelNotFound, prepare_model  # noqa: PLC0415
-        from shared.settings import CommonSettings  # noqa: PLC0415
+        from shared.logs import route_transformers
+        from shared.model_paths import ModelNotFound, prepare_model
+        from shared.settings import CommonSettings
         route_transformers()
         try:
             print(prepare_model(CommonSettings()))
@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    import asyncio  # noqa: PLC0415
-    import time  # noqa: PLC0415
+    import asyncio
+    import time
 
-    from shared.api_keys import KeyStore  # noqa: PLC0415
-    from shared.redis_client import connect  # noqa: PLC0415
-    from shared.settings import CommonSettings  # noqa: PLC0415
+    from shared.api_keys import KeyStore
+    from shared.redis_client import connect
+    from shared.settings import CommonSettings
 
     async def run() -> int:
         settings = CommonSettings()
@@ -101,7 +101,7 @@ def _keys(args: argparse.Namespace) -> int:
             if args.keys_command == "create":
                 print(await store.create(args.tenant, args.name))
             elif args.keys_command == "limits":
-                from api.limits import Limits  # noqa: PLC0415
+                from api.limits import Limits
 
                 try:
                     await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent,

@@ -22,7 +22,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from shared import redis_keys
 from shared.children import die_with_parent, terminate
@@ -175,7 +175,7 @@ class Stack:
         self.children.append(child)
         return child.start()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         try:
             if self.redis_server:
                 self.redis_server.start()

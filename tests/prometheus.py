@@ -55,7 +55,7 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         self.folder.mkdir(parents=True, exist_ok=True)
         config = self.folder / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config))

@@ -67,7 +67,7 @@ class SecureRedis:
     def _quoted(self, password: str | None) -> str:
         return quote(self.password if password is None else password, safe="")  # percent-encoded, as URLs need
 
-    def start(self, timeout_s: float = 10.0) -> "SecureRedis":
+    def start(self, timeout_s: float = 10.0) -> SecureRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed")

@@ -96,13 +96,13 @@ def hold_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, heade
     for _ in range(attempts):
         held, seen, result, sent = threading.Event(), [], [], headers()
 
-        def watch(request_id: str) -> None:
+        def watch(request_id: str, held=held, seen=seen) -> None:
             if not held.is_set():
                 stack.pause_workers()
                 seen.append(request_id)
                 held.set()
 
-        def stream() -> None:
+        def stream(sent=sent, result=result, watch=watch) -> None:
             with httpx.Client(timeout=120, headers=sent) as client:
                 result.append(stream_posted(client, url, body, at_token, watch))
 

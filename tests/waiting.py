@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition") -> None:

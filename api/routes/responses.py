@@ -12,7 +12,8 @@ nothing is kept, and a dropped stream is cancelled.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Query
 

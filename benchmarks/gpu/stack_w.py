@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from streamq.stack import local_stack  # noqa: E402
-from streamq import bench  # noqa: E402
+from streamq.stack import local_stack
+from streamq import bench
 
 W = ROOT / "benchmarks" / "workload_w.json"
 

@@ -67,11 +67,11 @@ class Receiver:
                                      f"{[(s.service, s.name, s.trace_id[:8]) for s in self.spans]}")
             return list(self.spans)
 
-    def __enter__(self) -> "Receiver":
+    def __enter__(self) -> Receiver:
         receiver = self
         if self.protocol == "grpc":
             class Service(trace_service_pb2_grpc.TraceServiceServicer):
-                def Export(self, request, context):  # noqa: N802 - gRPC's method name
+                def Export(self, request, context):  # gRPC's method name
                     receiver.take(request)
                     return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -83,7 +83,7 @@ class Receiver:
             return self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's method name
+            def do_POST(self):  # http.server's method name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path != "/v1/traces":
                     self.send_response(404)

@@ -92,7 +92,7 @@ class Load:
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             self.errors.append(exc)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self.threads:
             thread.start()
         return self

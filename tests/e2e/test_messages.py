@@ -95,7 +95,8 @@ def test_a_tool_round_trip(stack, client, stream):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 21 C"}]}])
     # The call and its result are in the prompt now (the random tiny model's answer is no test).
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    prompt = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    def prompt(m) -> int:
+        return m.usage.input_tokens + m.usage.cache_read_input_tokens
     assert prompt(follow) > prompt(first) + first.usage.output_tokens // 2
 
 

@@ -27,7 +27,7 @@ def prompts(n: int, seed: int = 0, prefix: str = "") -> list[str]:
     return [prefix + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(folder: str, prompt_ids: tuple[int, ...]) -> list[int]:
     from transformers import AutoModelForCausalLM
 
@@ -37,7 +37,7 @@ def reference(folder: str, prompt_ids: tuple[int, ...]) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(folder: str):
     from transformers import AutoModelForCausalLM
 

@@ -35,7 +35,7 @@ def test_an_fp32_prepacked_weight_computes_the_plain_matmul_to_rounding_at_every
         for rows in range(1, 41):  # oneDNN picks its kernel by rows: one stream, decodes, chunks
             x = torch.randn((rows, shape[1]), generator=gen)
             torch.testing.assert_close(weight(x), torch.nn.functional.linear(x, w, b), rtol=0, atol=2e-5 * scale,
-                                       msg=lambda m: f"{shape}, {rows} rows: {m}")
+                                       msg=lambda m, shape=shape, rows=rows: f"{shape}, {rows} rows: {m}")
 
 
 def test_a_bf16_prepacked_weight_computes_the_plain_matmul():

@@ -39,7 +39,7 @@ def test_deep_nesting_and_huge_integers_are_refused():
 
 
 def test_what_is_fine_passes_unchanged():
-    body = '{"p": "caf\\u00e9 \\ud83d\\ude00", "t": 0.5, "big": 18446744073709551616, "l": [[[1]]]}'.encode()
+    body = b'{"p": "caf\\u00e9 \\ud83d\\ude00", "t": 0.5, "big": 18446744073709551616, "l": [[[1]]]}'
     assert loads(body) == json.loads(body)
     assert loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) == json.loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
 

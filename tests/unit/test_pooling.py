@@ -25,7 +25,7 @@ TEXTS = ["the cat sat on the mat", "a", "streams of tokens flow through the cach
          "embeddings are the mean of the last hidden states", "Paris is the capital of France"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_model(folder: str, causal: bool):
     from transformers import AutoModel, AutoModelForCausalLM
 

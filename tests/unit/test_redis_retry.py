@@ -10,8 +10,8 @@ from shared.redis_client import until_redis_answers
 class Flaky:
     """A call that fails `failures` times with `error`, then answers."""
 
-    def __init__(self, failures: int, error: Exception = ConnectionError("down")):
-        self.failures, self.error, self.calls = failures, error, 0
+    def __init__(self, failures: int, error: Exception | None = None):
+        self.failures, self.error, self.calls = failures, error or ConnectionError("down"), 0
 
     async def __call__(self) -> str:
         self.calls += 1

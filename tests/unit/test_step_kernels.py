@@ -205,7 +205,7 @@ def test_panel_linear_is_the_matmul_to_rounding_at_every_row_count(ops, dtype):
                 tolerance = dict(rtol=0, atol=2e-5 * inner ** 0.5) if dtype == torch.float32 else \
                     dict(rtol=2 ** -7, atol=1e-3 * inner ** 0.5)
                 torch.testing.assert_close(got.float(), want, **tolerance,
-                                           msg=lambda m: f"{n}x{inner}, {rows} rows: {m}")
+                                           msg=lambda m, n=n, inner=inner, rows=rows: f"{n}x{inner}, {rows} rows: {m}")
 
 
 def test_panel_linear_refuses_panels_of_another_weight(ops):
@@ -239,7 +239,7 @@ def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_lla
             engine.runner.one_token = None
         seen = []
         execute = engine.runner.execute
-        engine.runner.execute = lambda out: seen.append(execute(out)) or seen[-1]
+        engine.runner.execute = lambda out, seen=seen, execute=execute: seen.append(execute(out)) or seen[-1]
         run(engine, prompts(1, seed=3))  # one request alone: its decode steps are one token each
         logits.append(torch.cat(seen[1:]))  # past the prefill
     assert logits[0].shape[0] > 1 and torch.equal(logits[0], logits[1])

@@ -105,7 +105,7 @@ def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
 def batch_invariant() -> None:
     """Deterministic mode on vLLM: its batch-invariant mode (VLLM_BATCH_INVARIANT), which vLLM's
     CPU build does not have (its CPU attention backend does not support it)."""
-    from vllm.platforms import current_platform  # noqa: PLC0415 - only with backend=vllm
+    from vllm.platforms import current_platform  # only with backend=vllm
 
     if current_platform.is_cpu():
         raise ValueError("deterministic mode: vLLM's CPU build has no batch-invariant mode (VLLM_BATCH_INVARIANT "
@@ -120,9 +120,9 @@ class VllmBackend:
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
                  deterministic: bool = False, lora: dict[str, Path] | None = None):
         """`lora`: the adapters of lora_modules where LoRA is on (None: off), name -> folder."""
-        from vllm import SamplingParams as VllmSamplingParams  # noqa: PLC0415 - only with backend=vllm
-        from vllm import TokensPrompt  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: PLC0415
+        from vllm import SamplingParams as VllmSamplingParams  # only with backend=vllm
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._params_class, self._prompt_class, self._delta = VllmSamplingParams, TokensPrompt, RequestOutputKind.DELTA
         self._structured_class = StructuredOutputsParams
@@ -142,7 +142,7 @@ class VllmBackend:
     def require_vllm() -> None:
         """Raise VllmUnavailable, saying how to install it, when vLLM cannot be imported here."""
         try:
-            import vllm  # noqa: F401, PLC0415
+            import vllm  # noqa: F401
         except ImportError as exc:
             raise VllmUnavailable(
                 f"backend=vllm needs vLLM in this worker's environment ({exc}). Install it with "
@@ -152,9 +152,9 @@ class VllmBackend:
     @classmethod
     async def start(cls, settings: WorkerSettings, model_dir: str, tokenizer: Tokenizer) -> VllmBackend:
         cls.require_vllm()
-        from vllm import AsyncEngineArgs  # noqa: PLC0415
-        from vllm.config import StructuredOutputsConfig  # noqa: PLC0415
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+        from vllm import AsyncEngineArgs
+        from vllm.config import StructuredOutputsConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(settings.kv_cache_gb))))
         kwargs = engine_kwargs(settings, model_dir)
@@ -230,7 +230,7 @@ class VllmBackend:
 
     @property
     def plan(self) -> ExecutionPlan:
-        from vllm.platforms import current_platform  # noqa: PLC0415 - only with backend=vllm
+        from vllm.platforms import current_platform  # only with backend=vllm
 
         dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         return vllm_plan(dtype, current_platform.device_type, self.deterministic)
@@ -249,7 +249,7 @@ class VllmBackend:
             return None
         if name not in self._known:
             raise ValueError(f"adapter {name!r} is not served by this worker (served: {sorted(self._known) or 'none'})")
-        from vllm.lora.request import LoRARequest  # noqa: PLC0415 - only with backend=vllm
+        from vllm.lora.request import LoRARequest  # only with backend=vllm
 
         lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
         return LoRARequest(name, lora_id, str(self._known[name]))
@@ -290,7 +290,7 @@ class VllmBackend:
             if seq.finish_reason is FinishReason.CANCELLED:
                 self._events.put_nowait(step_output(seq, None, True))
             raise
-        except Exception as exc:  # noqa: BLE001 - one request's failure ends that request only
+        except Exception as exc:  # one request's failure ends that request only
             log.exception("vLLM failed request %s", seq.id)
             seq.finish(FinishReason.ERROR, f"vLLM: {type(exc).__name__}: {exc}")
             self._events.put_nowait(step_output(seq, None, True))

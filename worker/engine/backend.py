@@ -111,7 +111,7 @@ class Threaded:
         self._thread = thread or model_thread()
 
     @classmethod
-    async def build(cls, make: Callable[[], Any], name: str) -> "Threaded":
+    async def build(cls, make: Callable[[], Any], name: str) -> Threaded:
         """The engine `make` returns, made in the thread that will step it."""
         thread = model_thread()
         return cls(await asyncio.get_running_loop().run_in_executor(thread, make), name, thread)

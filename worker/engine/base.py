@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterable
+from collections.abc import Iterable
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams

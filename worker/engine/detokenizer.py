@@ -5,12 +5,12 @@ end in the middle of one), and never the start of what may turn out to be a stop
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
 # One generated id in; the text it completes, or None while a character is still partial.
 # A fresh one per request: `tokenizers.decoders.DecodeStream.step` bound to the tokenizer.
-Step = Callable[[int], Optional[str]]
+Step = Callable[[int], str | None]
 REPLACEMENT = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
 
 

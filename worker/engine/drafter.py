@@ -48,7 +48,7 @@ class DraftProposer:
         self._sampling: dict[str, SamplingRow] = {}  # the target's parameters, the draft's own random stream
 
     @classmethod
-    def beside(cls, target: PagedRunner, model: torch.nn.Module) -> "DraftProposer":
+    def beside(cls, target: PagedRunner, model: torch.nn.Module) -> DraftProposer:
         """The draft `model` next to the target's runner: on its device, with a KV cache of the
         same number and size of blocks."""
         runner = PagedRunner(model, target.device, target.num_blocks, target.block_size, target.kernels)

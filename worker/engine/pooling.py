@@ -38,7 +38,7 @@ class PoolJob:
     scheduled_at: float | None = None
 
     @classmethod
-    def of(cls, payload: RequestPayload) -> "PoolJob":
+    def of(cls, payload: RequestPayload) -> PoolJob:
         spec = payload.pool
         return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
                    payload.created_at, lane_of(payload))

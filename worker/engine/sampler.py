@@ -34,7 +34,7 @@ class SamplingRow:
     matcher: Any = None  # its structured-outputs constraint (an llguidance matcher; worker/engine/structured.py)
 
     @classmethod
-    def of(cls, seq: Sequence, generator: torch.Generator | None, matcher: Any = None) -> "SamplingRow":
+    def of(cls, seq: Sequence, generator: torch.Generator | None, matcher: Any = None) -> SamplingRow:
         return cls(seq.params, generator, seq.token_ids, seq.output_ids, matcher)
 
 
@@ -67,7 +67,7 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def one(self, i: int) -> "SamplingBatch":
+    def one(self, i: int) -> SamplingBatch:
         return SamplingBatch([self.rows[i]], [self.drafts[i]], [self.draft_probs[i]])
 
     def constraints(self) -> list[tuple[int, Any, list[int]]]:

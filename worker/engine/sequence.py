@@ -52,7 +52,7 @@ class Sequence:
             self.token_ids = list(self.prompt_ids) + list(self.output_ids)
 
     @classmethod
-    def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> "Sequence":
+    def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> Sequence:
         return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.tenant,
                    payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter)
 

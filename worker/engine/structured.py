@@ -43,7 +43,7 @@ class Grammars:
         self.tokenizer, self.vocab = tokenizer, vocab
         self._ll: LLTokenizer | None = None
 
-    def _ll_tokenizer(self) -> "LLTokenizer":
+    def _ll_tokenizer(self) -> LLTokenizer:
         if self._ll is None:
             from llguidance import LLTokenizer
 
@@ -51,7 +51,7 @@ class Grammars:
                                    eos_token=sorted(self.tokenizer.eos_token_ids))
         return self._ll
 
-    def matcher(self, params: SamplingParams, delivered: list[int]) -> "LLMatcher | None":
+    def matcher(self, params: SamplingParams, delivered: list[int]) -> LLMatcher | None:
         """The request's matcher, past the tokens `delivered` already; None when it has no
         constraint. GrammarError when the constraint does not compile or the tokens break it."""
         if params.structured_outputs is None:
@@ -106,7 +106,7 @@ class Compiler:
             timeout = min(most_s, max(0.0, min(deadline for _, deadline in pending) - time.monotonic()))
             wait([build for build, _ in pending], timeout, return_when=ALL_COMPLETED)
 
-    def matcher(self, seq: Sequence) -> "LLMatcher | None":
+    def matcher(self, seq: Sequence) -> LLMatcher | None:
         """A ready request's matcher (None without a constraint); GrammarError when the build
         failed or ran past the time limit."""
         job = self._jobs.pop(seq.id, None)
@@ -123,7 +123,7 @@ class Compiler:
             job[0].cancel()
 
 
-def allowed(constraints: list[tuple["LLMatcher", list[int]]], vocab: int) -> torch.Tensor:
+def allowed(constraints: list[tuple[LLMatcher, list[int]]], vocab: int) -> torch.Tensor:
     """[sum(1 + len(draft)), vocab] bool: for each (matcher, proposed tokens), the tokens it
     allows next, then after each proposed token in turn (the matcher is left where it was).
     Computed together, on llguidance's threads. Every proposed token must fit the grammar
@@ -157,13 +157,13 @@ _BITS = torch.arange(8, dtype=torch.uint8)
 
 
 @cache
-def _executor() -> "LLExecutor":
+def _executor() -> LLExecutor:
     from llguidance import LLExecutor
 
     return LLExecutor(max(1, torch.get_num_threads()))
 
 
-def follow_grammar(seq: Sequence, matcher: "LLMatcher", token: int) -> None:
+def follow_grammar(seq: Sequence, matcher: LLMatcher, token: int) -> None:
     """The request's matcher takes its new token; a grammar that is complete and can take no more
     ends the request (finish reason stop). A token the matcher refuses (the mask allowed it, so
     a failure of llguidance's own) ends it with an error."""

@@ -33,7 +33,7 @@ Weights = dict[str, QuantizedWeight | torch.Tensor]
 def gguf_config(path: str | Path):
     """The transformers config of a GGUF file, as `from_pretrained(folder, gguf_file=name)` makes
     it. Slow for a large vocabulary (transformers parses all the metadata, entry by entry)."""
-    from transformers import AutoConfig  # noqa: PLC0415 - heavy, worker side only
+    from transformers import AutoConfig  # heavy, worker side only
 
     path = Path(path)
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -42,8 +42,8 @@ def gguf_config(path: str | Path):
 def _empty_model(config, dtype: torch.dtype) -> nn.Module:
     """The causal LM of `config` with its parameters on the meta device (no memory) and its
     buffers (rotary frequencies, embedding scales) computed on the CPU."""
-    from accelerate import init_empty_weights  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -55,7 +55,7 @@ def _processor(architecture: str, config):
     transformers exports no public API for its GGUF name and tensor mapping: this reads its
     modeling_gguf_pytorch_utils (an internal module, the one its own from_pretrained uses);
     tests/unit/test_gguf_weights.py checks the result against transformers' own load of the file."""
-    from transformers.modeling_gguf_pytorch_utils import (  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         Gemma2TensorProcessor,
         LlamaTensorProcessor,
@@ -75,7 +75,7 @@ def _names(model: nn.Module, architecture: str, num_layers: int, processor) -> d
     """{GGUF tensor name: transformers parameter name}, as transformers' get_gguf_hf_weights_map
     finds it for these models, with gguf's name table built once (that helper rebuilds it for
     every submodule: seconds, for a model of hundreds of modules)."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # noqa: PLC0415
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == architecture), None)
     if arch is None:

@@ -128,7 +128,7 @@ def load_from(folder: Path) -> ModuleType | None:
         with _builder(directory):
             module = cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=FLAGS,
                                         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-    except Exception as exc:  # a missing compiler or ninja, a failed build: the eager path still serves
+    except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a failed build: the eager path still serves
         log.warning("CPU step kernels unavailable, the eager path serves (slower): %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None

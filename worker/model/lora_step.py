@@ -43,7 +43,7 @@ class StepLora:
         self._masks: dict[tuple, torch.Tensor] = {}  # a stacked projection's column owners -> its row mask
 
     @classmethod
-    def of(cls, chunks: list, adapters: Adapters | None, device: torch.device) -> "StepLora | None":
+    def of(cls, chunks: list, adapters: Adapters | None, device: torch.device) -> StepLora | None:
         """The step's adapter rows, chunk by chunk (a chunk's tokens are consecutive rows, proposed
         tokens included); None where every row is the base model's."""
         rows: dict[str, list[int]] = {}

@@ -57,7 +57,7 @@ def load_weights(settings: WorkerSettings, device: torch.device, dtype: torch.dt
     if gguf is not None and step.gguf_weights == "quantized" and device.type == "cpu":
         config = gguf_config(settings, gguf)
         if config.model_type in QUANTIZABLE:
-            from worker.model.gguf_weights import build_model, load_gguf  # noqa: PLC0415
+            from worker.model.gguf_weights import build_model, load_gguf
 
             model = build_model(config, load_gguf(gguf, config)[1], dtype)
             log.info("loaded %s with its quantized tensors kept quantized", gguf.name)
@@ -83,7 +83,7 @@ def gguf_config(settings: WorkerSettings, gguf: Path):
     folder = converted.with_name(converted.name + "-config")
     if (folder / "config.json").is_file():
         return AutoConfig.from_pretrained(folder)
-    from worker.model.gguf_weights import gguf_config as parse  # noqa: PLC0415
+    from worker.model.gguf_weights import gguf_config as parse
 
     config = parse(gguf)
     partial = partial_folder(folder)

@@ -187,7 +187,7 @@ class WorkerMetrics:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - probes every few seconds: no access log
+    def log_message(self, format, *args) -> None:  # probes every few seconds: no access log
         pass
 
 

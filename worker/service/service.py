@@ -164,7 +164,7 @@ class WorkerService:
         started = time.perf_counter()
         try:
             outputs = await self.backend.step()
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
+        except Exception as exc:  # a failed step fails its requests, not the worker
             log.exception("step failed")
             outputs = self.backend.fail_all(f"{type(exc).__name__}: {exc}")
         # Counted before publishing: whoever sees a request end sees it in /metrics too.
