@@ -16,6 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import redis_keys
+from shared.batch_record import BatchField, BatchStatus
 from shared.messages import RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
 from shared.request_record import RequestRecord
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
 
 # KEYS: the batch's results, its record (one slot: {batch id}). ARGV: custom id, result line, the
-# count to add it to. A result and its count in one step, each once (a job run again finds it).
+# count to add it to (BatchField.COMPLETED or FAILED). A result and its count in one step, each once
+# (a job run again finds it).
 _RECORD_RESULT = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
 """
@@ -59,7 +61,7 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
     record_result = redis.register_script(_RECORD_RESULT)
     record_key, results_key = redis_keys.batch_record(prefix, batch_id), redis_keys.batch_results(prefix, batch_id)
     queue = RequestQueue(redis, prefix, model)
-    await redis.hset(record_key, mapping={"status": "in_progress", "started_at": now()})
+    await redis.hset(record_key, mapping={BatchField.STATUS: BatchStatus.IN_PROGRESS, BatchField.STARTED_AT: now()})
     items = [json.loads(i) for i in await redis.lrange(redis_keys.batch_items(prefix, batch_id), 0, -1)]
     finished = set(await redis.hkeys(results_key))
     todo = [i for i in items if i["custom_id"] not in finished]
@@ -78,10 +80,10 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
                 text = "".join(t.text for t in await store.output(rid))
                 line, ok = result_line(rid, item, record, text, model)
                 await record_result(keys=[results_key, record_key], args=[
-                    item["custom_id"], json.dumps(line, ensure_ascii=False), "completed" if ok else "failed"])
+                    item["custom_id"], json.dumps(line, ensure_ascii=False), BatchField.COMPLETED if ok else BatchField.FAILED])
                 del in_flight[rid]
         await asyncio.sleep(POLL_S)
-    await redis.hset(record_key, mapping={"status": "completed", "completed_at": now()})
+    await redis.hset(record_key, mapping={BatchField.STATUS: BatchStatus.COMPLETED, BatchField.COMPLETED_AT: now()})
     for key in (record_key, results_key, redis_keys.batch_items(prefix, batch_id)):
         await redis.expire(key, redis_keys.RESULT_TTL_S)
     log.info("batch %s: %d requests in %.1f s", batch_id, len(items), time.monotonic() - started)

@@ -23,6 +23,7 @@ from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.openai import plan_chat, plan_completion
 from shared import redis_keys
+from shared.batch_record import BatchRecord
 
 router = APIRouter(tags=["batches"], route_class=StrictJSONRoute)
 
@@ -77,15 +78,13 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
         items.append(json.dumps({"custom_id": item.custom_id, "endpoint": body.endpoint,
                                  "payload": json.loads(payloads[0].model_dump_json())}))
     batch_id = f"batch_{uuid.uuid4().hex}"
-    created = int(time.time())
+    record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata)
     redis = store.redis
     # The items before the record (one round trip, no MULTI: a cluster's async client has none), so
     # the batch exists only once whole.
     async with redis.pipeline(transaction=False) as pipe:
         pipe.rpush(redis_keys.batch_items(store.prefix, batch_id), *items)
-        pipe.hset(redis_keys.batch_record(store.prefix, batch_id), mapping={
-            "status": "validating", "endpoint": body.endpoint, "created_at": created, "total": len(items),
-            "completed": 0, "failed": 0, "metadata": json.dumps(body.metadata or {}), "owner": tenant})
+        pipe.hset(redis_keys.batch_record(store.prefix, batch_id), mapping=record.fields())
         await pipe.execute()
     await arq.enqueue_job("run_batch", batch_id, _job_id=redis_keys.arq_job_id(store.prefix, batch_id),
                           _queue_name=redis_keys.arq_queue(store.prefix))
@@ -93,19 +92,17 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
 
 
 async def _batch_object(store, batch_id: str, tenant: str) -> dict:
-    record = await store.redis.hgetall(redis_keys.batch_record(store.prefix, batch_id))
-    if not record or record.get("owner", "") != tenant:
+    record = BatchRecord.of(await store.redis.hgetall(redis_keys.batch_record(store.prefix, batch_id)))
+    if record is None or record.tenant != tenant:
         raise ApiError(404, f"no batch {batch_id!r}", code="not_found")
 
-    def stamp(name):
-        return int(float(record[name])) if record.get(name) else None
-    return {"id": batch_id, "object": "batch", "endpoint": record["endpoint"], "status": record["status"],
-            "completion_window": "24h", "created_at": stamp("created_at"), "in_progress_at": stamp("started_at"),
-            "completed_at": stamp("completed_at"),
-            "request_counts": {"total": int(record["total"]), "completed": int(record["completed"]),
-                               "failed": int(record["failed"])},
-            "metadata": json.loads(record.get("metadata") or "{}"),
-            "results_url": f"/v1/batches/{batch_id}/results"}
+    def stamp(at: float | None) -> int | None:
+        return int(at) if at else None
+    return {"id": batch_id, "object": "batch", "endpoint": record.endpoint, "status": record.status.value,
+            "completion_window": "24h", "created_at": stamp(record.created_at),
+            "in_progress_at": stamp(record.started_at), "completed_at": stamp(record.completed_at),
+            "request_counts": {"total": record.total, "completed": record.completed, "failed": record.failed},
+            "metadata": record.metadata, "results_url": f"/v1/batches/{batch_id}/results"}
 
 
 @router.get("/v1/batches/{batch_id}")

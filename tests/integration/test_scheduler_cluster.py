@@ -16,8 +16,10 @@ from scheduler.main import supervise, worker_settings
 from shared.requeue import Requeue
 from shared import redis_keys
 from shared.arq_cluster import ArqSlot, arq_pool, parse_cluster_url
-from shared.messages import RequestPayload
+from shared.batch_record import BatchField, BatchRecord, BatchStatus
+from shared.messages import RequestPayload, RequestStatus
 from shared.redis_client import connect
+from shared.request_record import RecordField, RequestRecord
 from shared.sampling import SamplingParams
 from shared.settings import SchedulerSettings
 from streamq.testing.redis_cluster import RedisCluster
@@ -51,7 +53,8 @@ async def _taken_by_a_dead_worker(client, stream: str, prefix: str) -> tuple[Req
     """A running request whose entry a worker read and died with (it has no heartbeat)."""
     payload = RequestPayload(id=RID, model="m", prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=8))
     await client.xgroup_create(stream, redis_keys.WORKER_GROUP, id="0", mkstream=True)
-    await client.hset(redis_keys.request_record(prefix, RID), mapping={"status": "running", "worker": "w-dead"})
+    await client.hset(redis_keys.request_record(prefix, RID), mapping={RecordField.STATUS: RequestStatus.RUNNING,
+                                                                         RecordField.WORKER: "w-dead"})
     await client.xadd(stream, {"payload": payload.model_dump_json()})
     [(_, [(entry_id, _)])] = await client.xreadgroup(redis_keys.WORKER_GROUP, "w-dead", {stream: ">"})
     return payload, entry_id
@@ -67,7 +70,7 @@ async def test_the_requeue_runs_on_a_cluster_once_across_two_schedulers_and_a_de
     assert await second.decide(entry_id, payload) == ("requeued", False)
     assert await second.release(stream, entry_id, "requeued", payload) == "requeued"
     assert await first(stream, entry_id, {"payload": payload.model_dump_json()}) == "gone"  # its next round
-    assert (await client.hgetall(record))["attempts"] == "1"
+    assert RequestRecord.of(await client.hgetall(record)).attempts == 1
     entries = await client.xrange(stream)
     assert [e for e, _ in entries][0] == entry_id and len(entries) == 2
     assert RequestPayload.model_validate_json(entries[1][1]["payload"]) == payload
@@ -78,11 +81,11 @@ async def test_reclaim_runs_on_a_cluster_and_a_poison_request_reaches_the_dead_l
     stream = redis_keys.request_stream(prefix, "m", LANE)
     await client.sadd(redis_keys.request_lanes(prefix, "m"), LANE)
     payload, _ = await _taken_by_a_dead_worker(client, stream, prefix)
-    await client.hset(redis_keys.request_record(prefix, RID), "attempts", "2")
+    await client.hset(redis_keys.request_record(prefix, RID), RecordField.ATTEMPTS, 2)
     outcomes = await asyncio.gather(*(reclaim_dead_workers(client, prefix, "m", 0.0, 3) for _ in range(3)))
     assert sum(o.get("dead", 0) for o in outcomes) == 1
-    record = await client.hgetall(redis_keys.request_record(prefix, RID))
-    assert record["status"] == "failed" and record["attempts"] == "3"
+    record = RequestRecord.of(await client.hgetall(redis_keys.request_record(prefix, RID)))
+    assert (record.status, record.attempts) == (RequestStatus.FAILED, 3)
     [(_, dead)] = await client.xrange(redis_keys.dead_letter_stream(prefix))
     assert dead["id"] == payload.id
     assert len(await client.xrange(redis_keys.token_log(prefix, RID))) == 1  # one final event
@@ -90,11 +93,12 @@ async def test_reclaim_runs_on_a_cluster_and_a_poison_request_reaches_the_dead_l
 
 async def _empty_batch(client, prefix: str, batch_id: str) -> None:
     """A batch with no requests: its job only marks it in progress, then completed."""
-    await client.hset(redis_keys.batch_record(prefix, batch_id), mapping={"status": "validating", "total": 0})
+    record = BatchRecord.created("/v1/completions", "", int(time.time()), 0, None)
+    await client.hset(redis_keys.batch_record(prefix, batch_id), mapping=record.fields())
 
 
 async def _batch_status(client, prefix: str, batch_id: str) -> str | None:
-    return await client.hget(redis_keys.batch_record(prefix, batch_id), "status")
+    return await client.hget(redis_keys.batch_record(prefix, batch_id), BatchField.STATUS)
 
 
 async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, prefix):
@@ -126,7 +130,7 @@ async def test_a_batch_job_and_the_cron_jobs_run_on_a_cluster(cluster, client, p
         # arq's close then re-raises its cancellation. What is checked is the five done above.
         with contextlib.suppress(asyncio.CancelledError):
             await worker.close()
-    assert await _batch_status(client, prefix, "batch_1") == "completed"
+    assert await _batch_status(client, prefix, "batch_1") == BatchStatus.COMPLETED
     assert await client.exists(f"arq:result:{redis_keys.arq_job_id(prefix, 'batch_1')}") == 1
 
 
@@ -147,7 +151,7 @@ async def _follows_the_slot(tmp_path, prefix: str, move) -> None:
                                            _queue_name=queue)
 
                 async def completed() -> bool:
-                    return await _batch_status(client, prefix, batch_id) == "completed"
+                    return await _batch_status(client, prefix, batch_id) == BatchStatus.COMPLETED
                 await until(completed, 60, f"{batch_id} completed")
 
             await run("batch_before")

@@ -1,0 +1,94 @@
+"""The batch record: the hash each offline batch has in Redis (shared/redis_keys.batch_record).
+
+Its field names are said once, here (`BatchField`), as the request record's are in
+shared/request_record.py: the api writes a new batch's fields (`BatchRecord.created`) and reads
+the batch back for its owner (api/routes/batches.py); the scheduler's batch job marks it in
+progress and completed and counts its results (scheduler/batches.py), its Lua script given the
+count's field name as an argument, so it spells none itself.
+
+Read back, a record is one typed value (`BatchRecord.of`), with `fields()` the inverse: the hash
+as Redis keeps it (numbers as redis-py writes them, repr of the int or float).
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+
+class BatchStatus(enum.StrEnum):
+    """The statuses a batch record takes, in OpenAI's Batch API names (the batch object repeats them)."""
+
+    VALIDATING = "validating"  # written by the api; the scheduler's job has not started it yet
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"  # every request ended, each counted completed or failed
+
+
+class BatchField(enum.StrEnum):
+    """The record's hash fields. The member names are the BatchRecord attributes."""
+
+    STATUS = "status"
+    ENDPOINT = "endpoint"  # the OpenAI endpoint every request of the batch is for
+    # The tenant that created it ("" when auth is off). Stored as "owner", the name every batch was
+    # written with before the code said `tenant`: renaming it in Redis would need a migration,
+    # since a replica of the previous version reads it (and so does the request record's, likewise).
+    TENANT = "owner"
+    CREATED_AT = "created_at"  # whole seconds since the epoch
+    TOTAL = "total"  # requests in the batch
+    COMPLETED = "completed"  # requests that ended done (HINCRBY by the batch job)
+    FAILED = "failed"  # requests that ended otherwise
+    METADATA = "metadata"  # the caller's metadata, as JSON
+    STARTED_AT = "started_at"  # when the scheduler's job began it (seconds since the epoch, a float)
+    COMPLETED_AT = "completed_at"  # when its last request ended
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """A batch's record as read from Redis; None stands for a field not written (yet)."""
+
+    status: BatchStatus
+    endpoint: str
+    tenant: str = ""
+    created_at: int = 0
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    started_at: float | None = None
+    completed_at: float | None = None
+
+    @classmethod
+    def created(cls, endpoint: str, tenant: str, created_at: int, total: int,
+                metadata: dict[str, str] | None) -> BatchRecord:
+        """The record the api writes as it hands the batch to the scheduler."""
+        return cls(status=BatchStatus.VALIDATING, endpoint=endpoint, tenant=tenant, created_at=created_at,
+                   total=total, metadata=metadata or {})
+
+    @classmethod
+    def of(cls, fields: dict[str, str]) -> BatchRecord | None:
+        """The record from its hash (HGETALL); None where it has no status: no batch, or only the
+        count a late result added after it expired."""
+        if BatchField.STATUS not in fields:
+            return None
+        get = fields.get
+
+        def stamp(name: BatchField) -> float | None:
+            return float(get(name)) if get(name) else None
+        return cls(
+            status=BatchStatus(fields[BatchField.STATUS]), endpoint=get(BatchField.ENDPOINT, ""),
+            tenant=get(BatchField.TENANT, ""), created_at=int(get(BatchField.CREATED_AT) or 0),
+            total=int(get(BatchField.TOTAL) or 0), completed=int(get(BatchField.COMPLETED) or 0),
+            failed=int(get(BatchField.FAILED) or 0), metadata=json.loads(get(BatchField.METADATA) or "{}"),
+            started_at=stamp(BatchField.STARTED_AT), completed_at=stamp(BatchField.COMPLETED_AT))
+
+    def fields(self) -> dict[str, str]:
+        """The hash as Redis keeps it: every field that is set (the counts even at 0, the tenant even
+        when ""), numbers as redis-py writes them, the metadata as json.dumps writes it."""
+        out = {BatchField.STATUS.value: self.status.value, BatchField.ENDPOINT.value: self.endpoint,
+               BatchField.CREATED_AT.value: repr(self.created_at), BatchField.TOTAL.value: repr(self.total),
+               BatchField.COMPLETED.value: repr(self.completed), BatchField.FAILED.value: repr(self.failed),
+               BatchField.METADATA.value: json.dumps(self.metadata), BatchField.TENANT.value: self.tenant}
+        for name, at in ((BatchField.STARTED_AT, self.started_at), (BatchField.COMPLETED_AT, self.completed_at)):
+            if at is not None:
+                out[name.value] = repr(at)
+        return out
