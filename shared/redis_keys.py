@@ -151,7 +151,8 @@ def kept_responses(prefix: str) -> str:
 
 
 def batch_record(prefix: str, batch_id: str) -> str:
-    """Hash: an offline batch's status, endpoint, counts and timestamps."""
+    """Hash: an offline batch's status, endpoint, tenant, counts and timestamps; its fields are named
+    in shared/batch_record.py."""
     return f"{prefix}:batch:{{{batch_id}}}"
 
 
