@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import print_table
+from shared.messages import RequestStatus
 from shared.redis_server import RedisServer
 from streamq.stack import Stack
 from streamq.testing.sse import parse_sse
@@ -93,8 +94,8 @@ def scenario(name: str, stack_kwargs: dict, inject, redis: RedisServer | None = 
 
 def kill_a_busy_worker(stack: Stack, redis: RedisServer) -> None:
     """SIGKILL the worker that runs the first running request found (not an idle one)."""
-    record = stack.wait_for_record(lambda r: r.get("status") == "running")
-    stack.kill_worker(record["worker"])
+    record = stack.wait_for_record(lambda r: r.status == RequestStatus.RUNNING)
+    stack.kill_worker(record.worker)
 
 
 def kill_replica(stack: Stack, redis: RedisServer) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from shared import redis_keys
 from shared.children import die_with_parent, terminate
 from shared.redis_server import RedisServer, free_port
+from shared.request_record import RequestRecord
 
 log = logging.getLogger("streamq.stack")
 ROOT = Path(__file__).resolve().parent.parent  # the checkout, where `-m streamq.cli` runs without an install
@@ -274,15 +275,27 @@ class Stack:
             streams = [redis_keys.request_stream(self.prefix, model, lane) for lane in lanes]
             return sum(int(client.xinfo_stream(stream)["entries-added"]) for stream in streams)
 
-    def wait_for_record(self, match, timeout_s: float = 60.0) -> dict:
-        """The first request record (a dict) for which `match(record)` holds, re-read until one does."""
-        deadline = time.monotonic() + timeout_s
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The request's record as it is now (None: it has none)."""
         with self.redis() as client:
-            while time.monotonic() < deadline:
-                for key in client.scan_iter(match=f"{self.prefix}:req:{{*}}", count=1000):
-                    if client.type(key) == "hash" and match(record := client.hgetall(key)):
-                        return record
-                time.sleep(0.05)  # re-read Redis; the worker's progress is not ours to order
+            return RequestRecord.of(client.hgetall(redis_keys.request_record(self.prefix, request_id)))
+
+    def records(self) -> list[RequestRecord]:
+        """Every request record of the stack's prefix, as it is now."""
+        with self.redis() as client:
+            found = [RequestRecord.of(client.hgetall(key))
+                     for key in client.scan_iter(match=redis_keys.request_record(self.prefix, "*"), count=1000)
+                     if client.type(key) == "hash"]  # the token logs beside them are streams
+        return [r for r in found if r is not None]
+
+    def wait_for_record(self, match, timeout_s: float = 60.0) -> RequestRecord:
+        """The first request record for which `match(record)` holds, re-read until one does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for record in self.records():
+                if match(record):
+                    return record
+            time.sleep(0.05)  # re-read Redis; the worker's progress is not ours to order
         raise AssertionError(f"no matching request record within {timeout_s} s")
 
     def logs(self) -> str:

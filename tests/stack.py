@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from shared import redis_keys
+from shared.messages import RequestStatus
+from shared.request_record import RequestRecord
 from streamq import stack as launcher
 from streamq.stack import ROOT  # noqa: F401 - tests run the command from the checkout too
 from streamq.testing.sse import parse_sse
@@ -79,7 +80,7 @@ class HeldStream:
     result: list[list[dict]]
     request_id: str
     headers: dict  # those sent
-    record: dict  # the request's record at the pause: `running`, on `worker`
+    record: RequestRecord  # the request's record at the pause: running, on its worker
 
     def events(self, timeout_s: float = 120) -> list[dict]:
         """The stream's events, to its final one."""
@@ -110,8 +111,8 @@ def hold_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, heade
         runner.start()
         if not held.wait(120):
             raise AssertionError(f"no token {at_token} within 120 s:\n{stack.logs()}")
-        record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, seen[0]))
-        if record.get("status") == "running":
+        record = stack.record(seen[0])
+        if record is not None and record.status == RequestStatus.RUNNING:
             return HeldStream(runner, result, seen[0], sent, record)
         stack.resume_workers()
         runner.join(120)
@@ -124,5 +125,5 @@ def kill_mid_stream(stack: Stack, url: str, body: dict, at_token: int = 1, heade
     `at_token`-th token (hold_mid_stream) and SIGKILL the one running the request, the others
     resumed; the stream's events, the headers sent, the request's id and the killed worker's name."""
     held = hold_mid_stream(stack, url, body, at_token, headers, attempts)
-    stack.kill_paused_worker(held.record["worker"])
-    return held.events(), held.headers, held.request_id, held.record["worker"]
+    stack.kill_paused_worker(held.record.worker)
+    return held.events(), held.headers, held.request_id, held.record.worker

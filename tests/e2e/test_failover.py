@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from shared.messages import RequestStatus
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
@@ -57,8 +58,8 @@ def test_worker_crash_is_invisible_to_clients(redis_url, tiny_llama, tmp_path, s
         # The request seen mid-stream was taken over: another worker finished it, on its 2nd attempt.
         state = client.get(f"{api}/v1/requests/{first_id[0]}").json()
         assert state["worker"] != victim and state["status"] == "done"
-        record = stack.wait_for_record(lambda r: r.get("worker") == state["worker"] and r.get("attempts") == "1")
-        assert record["status"] == "done"
+        record = stack.wait_for_record(lambda r: r.worker == state["worker"] and r.attempts == 1)
+        assert record.status == RequestStatus.DONE
 
 
 def test_api_replica_crash_clients_resume_on_the_other(redis_url, tiny_llama, tmp_path):
@@ -102,10 +103,10 @@ def test_a_poison_request_is_dead_lettered_and_the_rest_are_served(redis_url, ti
         poison = client.post(f"{api}/v1/requests", json={"prompt": "poison", "max_tokens": 200}).json()["id"]
         killed: set[str] = set()
         for _attempt in range(2):  # kill whichever live worker runs it now
-            record = stack.wait_for_record(lambda r: r.get("status") == "running" and r.get("worker") not in killed
-                                           and '"max_tokens":200' in r["params"])
-            killed.add(record["worker"])
-            stack.kill_worker(record["worker"])
+            record = stack.wait_for_record(lambda r: r.status == RequestStatus.RUNNING and r.worker not in killed
+                                           and '"max_tokens":200' in (r.params or ""))
+            killed.add(record.worker)
+            stack.kill_worker(record.worker)
         final = events_of(client, api, poison)[-1]["data"]
         assert final["status"] == "failed" and "2 times" in final["error"]
         state = client.get(f"{api}/v1/requests/{poison}").json()
@@ -121,10 +122,10 @@ def test_a_worker_with_room_takes_over_without_the_scheduler(redis_url, tiny_lla
     body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=False, env=env) as stack:
         events, _, rid, victim = kill_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
-        record = stack.redis().hgetall(f"{stack.prefix}:req:{{{rid}}}")
+        record = stack.record(rid)
     tokens = [e for e in events if e["event"] == "token"]
     assert [int(e["id"]) for e in tokens] == list(range(120))
-    assert record["worker"] != victim and record["status"] == "done" and int(record["attempts"]) == 1
+    assert record.worker != victim and record.status == RequestStatus.DONE and record.attempts == 1
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
                                                                 ignore_eos=True)
 
@@ -137,13 +138,13 @@ def test_a_worker_whose_heartbeat_lapsed_takes_its_own_request_back_and_finishes
     body = {"prompt": "Once", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with Stack(redis_url, tiny_llama, tmp_path, scheduler=True, env=env) as stack:
         held = hold_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
-        stack.wait_for_record(lambda r: r.get("attempts") == "1")  # put back by the scheduler
+        stack.wait_for_record(lambda r: r.attempts == 1)  # put back by the scheduler
         stack.resume_worker()
         events = held.events()
-        record = stack.wait_for_record(lambda r: r.get("status") in ("done", "failed"))
+        record = stack.wait_for_record(lambda r: r.status in (RequestStatus.DONE, RequestStatus.FAILED))
         logs = stack.logs()
     tokens = [e for e in events if e["event"] == "token"]
-    assert record["status"] == "done", logs
+    assert record.status == RequestStatus.DONE, logs
     assert [int(e["id"]) for e in tokens] == list(range(120))
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
                                                                 ignore_eos=True)

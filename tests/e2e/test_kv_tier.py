@@ -44,10 +44,10 @@ def test_a_takeover_fetches_the_dead_workers_blocks_and_continues_its_text(redis
         events, _, rid, victim = kill_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body, at_token=50)
         tokens = [e["data"]["token_id"] for e in events if e["event"] == "token"]
         assert [int(e["id"]) for e in events if e["event"] == "token"] == list(range(TOKENS))
-        record = stack.redis().hgetall(f"{stack.prefix}:req:{{{rid}}}")
+        record = stack.record(rid)
     prompt_ids = Tokenizer(tiny_llama).encode(PROMPT)
-    assert record["worker"] != victim and int(record["attempts"]) >= 1, record
-    reused = int(record["reused_tokens"])
+    assert record.worker != victim and record.attempts >= 1, record
+    reused = record.reused_tokens
     # The prompt's blocks and at least one of the dead worker's output blocks (it had delivered 50
     # tokens, maybe more) came from the tier, on a worker that had computed none of them: the
     # continuation prefilled only what was left.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import anthropic
 import pytest
 
+from shared.messages import RequestStatus
+from shared.request_record import RequestRecord
 from tests.stack import Stack
 from streamq.testing.tiny_models import CHAT_TEMPLATE, build_model
 
@@ -22,11 +24,8 @@ def stack(redis_url, tmp_path_factory) -> Stack:
         yield running
 
 
-def _running(stack: Stack) -> list[dict]:
-    with stack.redis() as client:
-        records = [client.hgetall(key) for key in client.scan_iter(match=f"{stack.prefix}:req:{{*}}", count=1000)
-                   if client.type(key) == "hash"]
-    return [r for r in records if r.get("status") == "running"]
+def _running(stack: Stack) -> list[RequestRecord]:
+    return [r for r in stack.records() if r.status == RequestStatus.RUNNING]
 
 
 def _text(events) -> str:
@@ -48,7 +47,7 @@ def test_a_worker_killed_mid_message_stream_goes_on_to_the_undisturbed_text(stac
                     break
             running = _running(stack)  # the workers are paused: what runs stays so
             if len(running) == 1:
-                stack.kill_paused_worker(running[0]["worker"])
+                stack.kill_paused_worker(running[0].worker)
                 seen += list(events)
                 message = stream.get_final_message()
                 break
@@ -60,7 +59,4 @@ def test_a_worker_killed_mid_message_stream_goes_on_to_the_undisturbed_text(stac
     assert _text(seen) == undisturbed.content[0].text
     assert message.content[0].text == undisturbed.content[0].text
     assert message.stop_reason == undisturbed.stop_reason and message.usage.output_tokens == undisturbed.usage.output_tokens
-    with stack.redis() as redis:
-        records = [redis.hgetall(k) for k in redis.scan_iter(match=f"{stack.prefix}:req:{{*}}", count=1000)
-                   if redis.type(k) == "hash"]
-    assert any(int(r.get("attempts", 0)) == 1 and r.get("status") == "done" for r in records)
+    assert any(r.attempts == 1 and r.status == RequestStatus.DONE for r in stack.records())

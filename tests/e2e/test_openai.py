@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from shared.messages import FinishReason, RequestStatus
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy
 
@@ -116,8 +117,8 @@ def test_streaming_client_that_disconnects_cancels(stack, model):
             for line in reply.iter_lines():
                 if line.startswith("data: {"):
                     break
-    record = stack.wait_for_record(lambda r: '"max_tokens":200' in r["params"] and r["status"] != "running")
-    assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
+    record = stack.wait_for_record(lambda r: '"max_tokens":200' in (r.params or "") and r.status != RequestStatus.RUNNING)
+    assert (record.status, record.finish_reason) == (RequestStatus.CANCELLED, FinishReason.CANCELLED)
 
 
 @pytest.mark.parametrize("argument", [{"functions": [{"name": "f"}]}, {"function_call": "auto"}, {"frobnicate": 1}])

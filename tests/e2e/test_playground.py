@@ -27,6 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from shared.messages import FinishReason, RequestStatus
 from tests.stack import ROOT, Stack, stream_events
 from streamq.testing.tiny_models import build_model
 
@@ -220,8 +221,9 @@ def test_stop_cancels_the_generation_and_a_key_is_asked_for(browser, secured_nul
         wait(browser, lambda d: last_reply(d) != "", "the first token over the OpenAI endpoint")
         browser.find_element(By.ID, "stop").click()
         wait(browser, lambda d: page_state(d) == "stopped", "the page to show the stream stopped")
-        record = secured_null.wait_for_record(lambda r: '"max_tokens":199' in r["params"] and r["status"] != "running")
-        assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
+        record = secured_null.wait_for_record(lambda r: '"max_tokens":199' in (r.params or "")
+                                              and r.status != RequestStatus.RUNNING)
+        assert (record.status, record.finish_reason) == (RequestStatus.CANCELLED, FinishReason.CANCELLED)
     finally:
         screenshot(browser, tmp_path, "playground-stopped.png")
 

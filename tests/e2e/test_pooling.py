@@ -13,6 +13,7 @@ import torch
 
 from api.pooling import rerank_candidates, rerank_prompt
 from shared import redis_keys
+from shared.messages import RequestStatus
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack
 from tests.waiting import until_sync
@@ -123,8 +124,8 @@ def test_an_embeddings_request_whose_worker_died_is_answered_by_another(redis_ur
         assert sum(len(entries) for _, entries in taken) == 1
         stack.resume_worker()
         call.join(timeout=120)
-        record = stack.wait_for_record(lambda r: r.get("status") == "done")
+        record = stack.wait_for_record(lambda r: r.status == RequestStatus.DONE)
     assert replies and replies[0].status_code == 200, replies
     got = np.array([d["embedding"] for d in replies[0].json()["data"]])
     np.testing.assert_allclose(got, reference_embeddings(tiny_llama, SENTENCES[:4]), atol=1e-4)
-    assert int(record["attempts"]) == 1
+    assert record.attempts == 1

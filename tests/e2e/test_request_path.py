@@ -7,7 +7,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared import redis_keys
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy, submit, token_ids, wait_done
 from tests.stack import stream_events
@@ -127,9 +126,7 @@ def test_disconnecting_a_stream_cancels_its_request(stack, client):
                     stack.pause_worker()
                     paused = True
                     break  # one token arrived: the request is running; now hang up
-        with stack.redis() as r:
-            record = redis_keys.request_record(stack.prefix, rid)
-            until_sync(lambda: r.hget(record, "cancel_requested") == "1", 30, "the api flagged the cancel")
+        until_sync(lambda: stack.record(rid).cancel_requested, 30, "the api flagged the cancel")
     finally:
         if paused:
             stack.resume_worker()

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from shared import redis_keys
+from shared.messages import RequestStatus
 from shared.redis_server import RedisServer
 from tests.stack import Stack
 
@@ -65,8 +66,8 @@ def _held_mid_response(client: openai.OpenAI, stack: Stack, attempts: int = 5):
                 break
         else:
             raise AssertionError(f"the stream ended before any text: {seen}")
-        record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
-        if record.get("status") == "running":
+        record = stack.record(_request_id(stack, created.id))
+        if record is not None and record.status == RequestStatus.RUNNING:
             return created, stream, seen
         stack.resume_workers()
         list(stream)
@@ -96,13 +97,13 @@ def test_a_worker_killed_mid_response(stack):
     client = _client(stack.urls[1])
     reference = _undisturbed(client)
     created, stream, events = _held_mid_response(client, stack)
-    record = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
-    assert record["status"] == "running", record
-    stack.kill_paused_worker(record["worker"])
+    record = stack.record(_request_id(stack, created.id))
+    assert record.status == RequestStatus.RUNNING, record
+    stack.kill_paused_worker(record.worker)
     events += list(stream)
     _check(events, reference)
-    taken = stack.redis().hgetall(redis_keys.request_record(stack.prefix, _request_id(stack, created.id)))
-    assert taken["worker"] != record["worker"]  # another worker finished it: a takeover happened
+    taken = stack.record(_request_id(stack, created.id))
+    assert taken.worker != record.worker  # another worker finished it: a takeover happened
     assert client.responses.retrieve(created.id).output_text == reference[0]
 
 
