@@ -7,6 +7,8 @@ import pytest
 from api.errors import ApiError
 from api.limits import Limits
 from shared import redis_keys
+from shared.messages import RequestStatus
+from shared.request_record import RecordField
 
 
 def rid() -> str:
@@ -46,10 +48,10 @@ async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
     first, second = rid(), rid()
     for r in (first, second):
         await limits.admit("acme", [r], 1)
-        await redis.hset(redis_keys.request_record(prefix, r), "status", "running")
+        await redis.hset(redis_keys.request_record(prefix, r), RecordField.STATUS, RequestStatus.RUNNING)
     with pytest.raises(ApiError, match="concurrent"):
         await limits.admit("acme", [rid()], 1)
-    await redis.hset(redis_keys.request_record(prefix, first), "status", "done")
+    await redis.hset(redis_keys.request_record(prefix, first), RecordField.STATUS, RequestStatus.DONE)
     await limits.admit("acme", [rid()], 1)  # a finished request frees its slot
 
 

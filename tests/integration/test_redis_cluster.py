@@ -46,6 +46,8 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
     from api.errors import ApiError
     from api.limits import Limits
     from shared import redis_keys
+    from shared.messages import RequestStatus
+    from shared.request_record import RecordField
 
     cluster = RedisCluster(tmp_path, masters=3)
     try:
@@ -57,11 +59,11 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
             ids = ["0b6a5a8e-0000-4000-8000-00000000000" + str(i) for i in range(4)]
             for rid in ids[:2]:
                 await limits.admit("acme", [rid], 1)
-                await client.hset(redis_keys.request_record("c", rid), "status", "running")
+                await client.hset(redis_keys.request_record("c", rid), RecordField.STATUS, RequestStatus.RUNNING)
             assert len({client.keyslot(redis_keys.request_record("c", rid)) for rid in ids}) > 1  # records spread
             with pytest.raises(ApiError, match="concurrent"):
                 await limits.admit("acme", [ids[2]], 1)
-            await client.hset(redis_keys.request_record("c", ids[0]), "status", "done")
+            await client.hset(redis_keys.request_record("c", ids[0]), RecordField.STATUS, RequestStatus.DONE)
             await limits.admit("acme", [ids[3]], 1)  # the ended request freed its slot
         finally:
             await client.aclose()

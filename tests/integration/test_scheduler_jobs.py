@@ -1,10 +1,12 @@
 """Scheduler jobs against a real Redis stream and consumer group."""
 import asyncio
+import dataclasses
 
 from scheduler.jobs import expire_waiting
 from shared.reclaim import reclaim_dead_workers
 from shared.requeue import Requeue
-from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, encode_event, now
+from shared.messages import FinalEvent, RequestPayload, RequestStatus, TokenEvent, decode_event, encode_event, now
+from shared.request_record import RecordField
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
 from scheduler.jobs import trim_request_stream
@@ -48,7 +50,8 @@ async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix
 
 
 async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record):
-    """A request a worker took and delivered `tokens` tokens of, as a worker leaves it."""
+    """A request a worker took and delivered `tokens` tokens of, as a worker leaves it; `record`
+    changes its record's fields, by their RequestRecord names (attempts=2)."""
     store = RequestStore(redis, prefix)
     stream = redis_keys.request_stream(prefix, "m", LANE)
     payload = RequestPayload(id="7d1c2a8e-1111-4222-8333-444455556666", model="m", prompt_token_ids=[1, 2],
@@ -60,7 +63,8 @@ async def _running_request(redis, prefix, consumer="w-dead", tokens=2, **record)
         await redis.xadd(redis_keys.token_log(prefix, payload.id),
                          {EVENT_FIELD: encode_event(TokenEvent(index=i, token_id=5, text="x"))})
     if record:
-        await redis.hset(redis_keys.request_record(prefix, payload.id), mapping=record)
+        changed = dataclasses.replace(await store.record(payload.id), **record)
+        await redis.hset(redis_keys.request_record(prefix, payload.id), mapping=changed.fields())
     return store, stream, payload, entry_id
 
 
@@ -89,7 +93,7 @@ async def test_a_live_worker_keeps_its_requests(redis, prefix):
 
 
 async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
-    store, stream, payload, _ = await _running_request(redis, prefix, attempts="2")
+    store, stream, payload, _ = await _running_request(redis, prefix, attempts=2)
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"dead": 1}
     record = await store.record(payload.id)
     assert record.status == "failed" and "3 times" in record.error
@@ -100,7 +104,7 @@ async def test_a_poison_request_goes_to_the_dead_letter_stream(redis, prefix):
 
 
 async def test_a_cancelled_request_of_a_dead_worker_ends_cancelled(redis, prefix):
-    store, _, payload, _ = await _running_request(redis, prefix, cancel_requested="1")
+    store, _, payload, _ = await _running_request(redis, prefix, cancel_requested=True)
     assert await reclaim_dead_workers(redis, prefix, "m", 0.0, 3) == {"cancelled": 1}
     assert (await store.record(payload.id)).status == "cancelled"
 
@@ -186,7 +190,7 @@ async def test_a_scheduler_that_dies_between_the_two_steps_leaves_one_entry_and_
 
 
 async def test_a_dead_request_reaches_the_dead_letter_stream_once_across_a_death_between_the_steps(redis, prefix):
-    store, stream, payload, entry_id = await _running_request(redis, prefix, attempts="2")
+    store, stream, payload, entry_id = await _running_request(redis, prefix, attempts=2)
     await redis.xclaim(stream, redis_keys.WORKER_GROUP, redis_keys.RECLAIMER, 0, [entry_id])
     assert await Requeue(redis, prefix, 3).decide(entry_id, payload) == ("dead", True)
     outcomes = await asyncio.gather(*(reclaim_dead_workers(redis, prefix, "m", 0.0, 3) for _ in range(2)))
@@ -221,8 +225,8 @@ async def test_keep_responses_keeps_a_finished_request_as_long_as_its_response(r
 
     kept = redis_keys.kept_responses(prefix)
     day = redis_keys.RESULT_TTL_S
-    for name, status in (("done", "done"), ("running", "running"), ("gone", "done")):
-        await redis.hset(redis_keys.request_record(prefix, name), mapping={"status": status})
+    for name, status in (("done", RequestStatus.DONE), ("running", RequestStatus.RUNNING), ("gone", RequestStatus.DONE)):
+        await redis.hset(redis_keys.request_record(prefix, name), RecordField.STATUS, status)
         await redis.expire(redis_keys.request_record(prefix, name), day)
         await redis.xadd(redis_keys.token_log(prefix, name), {EVENT_FIELD: "x"})
         await redis.expire(redis_keys.token_log(prefix, name), day)
@@ -237,6 +241,6 @@ async def test_keep_responses_keeps_a_finished_request_as_long_as_its_response(r
     for name in ("running", "gone"):
         assert await redis.ttl(redis_keys.token_log(prefix, name)) <= day
     assert [json.loads(m)[2] for m in await redis.zrange(kept, 0, -1)] == ["running"]
-    await redis.hset(redis_keys.request_record(prefix, "running"), "status", "cancelled")
+    await redis.hset(redis_keys.request_record(prefix, "running"), RecordField.STATUS, RequestStatus.CANCELLED)
     assert await keep_responses(redis, prefix) == 1 and await redis.zcard(kept) == 0
     assert await redis.ttl(redis_keys.token_log(prefix, "running")) > day + 3600
