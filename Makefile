@@ -27,7 +27,7 @@ test: $(STAMP) vllm-env
 	@# The linter first ([tool.ruff] in pyproject.toml): a mistake it sees fails the run at once.
 	$(PY) -m ruff check .
 	@# The CPU step kernels, compiled once here: a worker started by a test then loads them at once.
-	$(PY) -c 'from worker import kernels; import sys; sys.exit(kernels.load() is None)'
+	$(PY) -c 'from worker.model import kernels; import sys; sys.exit(kernels.load() is None)'
 	@# The default model, converted once here, not by two test processes at once.
 	STREAMQ_MODEL=default $(PY) -m streamq.cli --log-level warning prepare-model
 	@# Two test processes (pytest-xdist), a test file each at a time: most of an e2e test's time is

@@ -27,7 +27,8 @@ from api.responses import ResponseStore
 from api.routes import batches, health, lora, messages, openai, playground, pooling, requests, responses, seed
 from shared import redis_keys, tracing
 from shared.api_keys import KeyStore
-from shared.model_paths import model_dir, served_name
+from shared.model_paths import model_dir
+from shared.model_source import served_name
 from shared.settings import ApiSettings
 from shared.store import RequestStore
 from shared.tokenizer import Tokenizer

@@ -6,7 +6,8 @@ import logging
 import uvicorn
 
 from api.app import create_app
-from shared.model_paths import ModelNotFound, model_dir
+from shared.model_paths import model_dir
+from shared.model_source import ModelNotFound
 from shared.settings import ApiSettings
 from shared.tokenizer import Tokenizer
 

@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 from streamq.stack import local_stack
 from benchmarks.report import cores, machine, print_machine, print_table
 from streamq import bench
-from shared.model_paths import prepare_model, served_name, weights_dir
+from shared.model_paths import prepare_model, weights_dir
+from shared.model_source import served_name
 from shared.redis_server import free_port
 from shared.settings import WorkerSettings
 from worker.model.model_loader import pick_dtype

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from streamq.stack import local_stack
 from benchmarks.report import machine, print_machine, print_table
 from streamq import bench
-from shared.model_paths import served_name
+from shared.model_source import served_name
 from shared.settings import WorkerSettings
 from worker.model.model_loader import pick_dtype
 

@@ -44,7 +44,8 @@ from benchmarks.backends import BATCH, BUDGET, KV_CACHE_GB, vllm_serve
 from benchmarks.gguf_peers import llama_server
 from streamq.stack import local_stack
 from benchmarks.report import cpu_flags, cpu_model, print_table
-from shared.model_paths import default_gguf_path, prepare_model, served_name, weights_dir
+from shared.model_paths import prepare_model, weights_dir
+from shared.model_source import default_gguf_path, served_name
 from shared.settings import WorkerSettings
 from streamq import bench
 

@@ -20,7 +20,7 @@ from scheduler.batches import run_batch as run_batch_job
 from scheduler.jobs import expire_waiting, keep_responses, trim_request_stream
 from shared.reclaim import reclaim_dead_workers
 from shared import redis_keys
-from shared.model_paths import served_name
+from shared.model_source import served_name
 from shared.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ def lora_adapters(prefix: str, model: str) -> str:
 def model_commit(prefix: str, repo: str, revision: str) -> str:
     """String: the commit a hub model's revision (a branch or tag) resolved to, set once (SET NX)
     by the first process of the deployment, so the api and every worker load one snapshot. No
-    TTL: a later push to the branch changes nothing until this key is deleted (shared/model_paths.py)."""
+    TTL: a later push to the branch changes nothing until this key is deleted (shared/hub_revision.py)."""
     return f"{prefix}:model:{repo}:commit:{revision}"
 
 

@@ -1,5 +1,6 @@
-"""A served model's tokenizer files: written from a GGUF's metadata or a folder without
-tokenizer.json (shared/model_paths.py puts them in place), and shared through Redis.
+"""A served model's tokenizer files: their names (once, for every use), written from a GGUF's
+metadata or a folder without tokenizer.json (in a child process for the api, which never imports
+transformers), and shared through Redis.
 
 A worker publishes the files the api needs (tokenizer, chat template, context length, EOS) when
 it starts; an api replica asked for a model it has not loaded fetches them into its cache
@@ -9,15 +10,38 @@ with no shared file system.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import struct
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from redis.asyncio import Redis
 
 from shared import redis_keys
+from shared.atomic_folder import atomic_folder
+from shared.model_source import ModelNotFound
 
-FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json", "chat_template.jinja")
+log = logging.getLogger(__name__)
+
+# What the api's Tokenizer (shared/tokenizer.py) reads of a tokenizer, and of the model's config
+# (context length, EOS ids): the files a worker publishes.
+API = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+CONFIG = ("config.json", "generation_config.json")
+FILES = API + CONFIG
+# The tokenizer as transformers saves it (vLLM reads the special tokens' map too): what goes beside
+# weights written into a folder of their own.
+TOKENIZER = (*API, "special_tokens_map.json")
+# What transformers builds tokenizer.json from where a repo has none, and an older chat template's file.
+SOURCES = ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json")
+# What the api needs of a hub repo.
+HUB = CONFIG + TOKENIZER + SOURCES
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file()
 
 
 async def publish(redis: Redis, prefix: str, model: str, folder: Path) -> None:
@@ -102,6 +126,26 @@ def write_from_folder(source: Path, folder: Path) -> None:
     from transformers import AutoTokenizer  # never in the api's process
 
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
+    for name in CONFIG:
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
+
+
+def build(writer: Callable[[Path, Path], None], source: Path, target: Path, in_child: bool) -> None:
+    """Write the tokenizer folder `target` from `source` with `writer` (write_from_gguf or
+    write_from_folder), whole or not at all; `in_child`: in a child process, so this one (the api)
+    never imports transformers."""
+    log.info("writing the tokenizer of %s into %s (once%s)", source.name, target,
+             ", in a child process" if in_child else "")
+    with atomic_folder(target, whole=has_tokenizer) as partial:
+        if not in_child:
+            writer(source, partial)
+        else:
+            code = ("import sys; from pathlib import Path; from shared import tokenizer_files as t; "
+                    "getattr(t, sys.argv[1])(Path(sys.argv[2]), Path(sys.argv[3]))")
+            done = subprocess.run([sys.executable, "-c", code, writer.__name__, str(source), str(partial)],
+                                  capture_output=True, text=True)
+            if done.returncode or not has_tokenizer(partial):
+                tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+                raise ModelNotFound(f"could not build the tokenizer of {source} (`streamq prepare-model` "
+                                    f"shows why):\n{tail}")

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler_main()
     elif args.command == "prepare-model":
         from shared.logs import route_transformers
-        from shared.model_paths import ModelNotFound, prepare_model
+        from shared.model_paths import prepare_model
+        from shared.model_source import ModelNotFound
         from shared.settings import CommonSettings
         route_transformers()
         try:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.model_paths import served_name
+from shared.model_source import served_name
 from shared.nginx import serve_config
 from shared.redis_server import RedisServer
 from shared.settings import CommonSettings

@@ -10,7 +10,8 @@ from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, unt
 
 from shared import tokenizer_files, tracing
 from shared.logs import route_transformers
-from shared.model_paths import ModelNotFound, gguf_file, model_dir, prepare_model, served_name, weights_dir
+from shared.model_paths import gguf_file, model_dir, prepare_model, weights_dir
+from shared.model_source import ModelNotFound, served_name
 from shared.redis_client import connect_blocking
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer, served_context

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shared import tokenizer_files
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -121,7 +123,7 @@ def first_layers(folder: Path, target: Path, layers: int) -> Path:
     model.model.layers = model.model.layers[:layers]
     model.config.num_hidden_layers = layers
     model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    for name in (*tokenizer_files.TOKENIZER, "generation_config.json"):
         if (folder / name).is_file():
             shutil.copy(folder / name, target / name)
     return target

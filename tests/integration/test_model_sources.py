@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from shared import model_paths
+from shared import hub_revision, model_paths, model_source
 from shared.settings import CommonSettings
 from shared.tokenizer import Tokenizer
 from streamq.testing.tiny_models import write_tiny_gguf
@@ -135,7 +135,7 @@ DECOYS = {"pytorch_model.bin": b"old weights", "other.Q4_K_M.gguf": b"GGUF", "RE
 
 SIDE = """
 import json, sys
-from shared import model_paths
+from shared import hub_revision, model_paths, model_source
 from shared.settings import CommonSettings
 settings = CommonSettings()
 out = {call: str(getattr(model_paths, call)(settings)) for call in sys.argv[1:]}
@@ -261,7 +261,7 @@ def tiny_gguf(tiny_llama, tmp_path_factory) -> Path:
 
 def test_a_gguf_file_is_enough(tiny_gguf, tiny_llama, tmp_path):
     settings = CommonSettings(model=str(tiny_gguf), model_cache_dir=tmp_path / "models")
-    assert model_paths.served_name(settings) == "tiny-llama.F32"
+    assert model_source.served_name(settings) == "tiny-llama.F32"
     assert model_paths.gguf_file(settings) == tiny_gguf
     folder = model_paths.prepare_model(settings, weights=False)
     assert folder == model_paths.model_dir(settings)
@@ -309,7 +309,7 @@ def test_a_hub_repos_gguf_file_is_the_one_file_downloaded(hub, env, tiny_gguf, t
     assert api["heavy"] == []  # the tokenizer was built in a child process
     tok, reference = Tokenizer(api["model_dir"]), Tokenizer(tiny_llama)
     assert tok.encode("Once upon a time") == reference.encode("Once upon a time")
-    assert model_paths.served_name(CommonSettings(model="org/tiny-GGUF:tiny.F32.gguf")) == "tiny.F32"
+    assert model_source.served_name(CommonSettings(model="org/tiny-GGUF:tiny.F32.gguf")) == "tiny.F32"
 
 
 def test_of_two_first_processes_the_one_that_records_first_wins(redis_url, prefix, monkeypatch):
@@ -322,6 +322,6 @@ def test_of_two_first_processes_the_one_that_records_first_wins(redis_url, prefi
     def resolve_while_another_records(repo: str, revision: str) -> str:
         sync_redis.Redis.from_url(redis_url).set(key, "b" * 40)
         return "a" * 40
-    monkeypatch.setattr(model_paths, "_resolve", resolve_while_another_records)
+    monkeypatch.setattr(hub_revision, "_resolve", resolve_while_another_records)
     settings = CommonSettings(model="org/tiny", redis_url=redis_url, prefix=prefix)
-    assert model_paths.hub_commit(settings, "org/tiny") == "b" * 40
+    assert hub_revision.hub_commit(settings, "org/tiny") == "b" * 40

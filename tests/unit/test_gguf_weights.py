@@ -184,7 +184,7 @@ def test_tiny_models_load_as_transformers_loads_them(tiny_gguf):
 
 @pytest.mark.slow
 def test_the_default_model_loads_as_transformers_loads_it():
-    from shared.model_paths import default_gguf_path
+    from shared.model_source import default_gguf_path
 
     path = default_gguf_path()
     theirs = transformers_load(path)

@@ -23,7 +23,7 @@ from kubernetes_validate import utils as k8s
 
 from api.app import create_app
 from api.metrics import ApiMetrics
-from shared.model_paths import served_name
+from shared.model_source import served_name
 from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, WorkerSettings
 from streamq.cli import main as cli_main
 from worker.engine.backend import Threaded

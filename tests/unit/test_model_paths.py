@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import transformers
 
-from shared import model_paths, tokenizer_files
-from shared.model_paths import DEFAULT_NAME, ModelNotFound, Source, move_into_place
+from shared import gguf_convert, hub_revision, model_paths, model_source, tokenizer_files
+from shared.atomic_folder import move_into_place
+from shared.gguf_convert import converted
+from shared.model_source import DEFAULT_GGUF, DEFAULT_NAME, ModelNotFound, Source
 from shared.settings import CommonSettings
 
 
@@ -24,14 +26,14 @@ def _whole(folder: Path, mark: str) -> Path:
 
 
 def test_the_converted_folder_is_renamed_into_place(tmp_path):
-    move_into_place(_whole(tmp_path / "m.partial-a", "a"), tmp_path / "m")
+    move_into_place(_whole(tmp_path / "m.partial-a", "a"), tmp_path / "m", converted)
     assert (tmp_path / "m" / "model.safetensors").read_text() == "a"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
 
 def test_a_whole_folder_another_process_put_there_first_is_kept(tmp_path):
     target = _whole(tmp_path / "m", "first")
-    move_into_place(_whole(tmp_path / "m.partial-b", "second"), target)
+    move_into_place(_whole(tmp_path / "m.partial-b", "second"), target, converted)
     assert (target / "model.safetensors").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
 
@@ -40,7 +42,7 @@ def test_a_half_made_folder_is_replaced(tmp_path):
     target = tmp_path / "m"
     target.mkdir()
     (target / "tokenizer.json").write_text("old")  # no weights
-    move_into_place(_whole(tmp_path / "m.partial-c", "new"), target)
+    move_into_place(_whole(tmp_path / "m.partial-c", "new"), target, converted)
     assert (target / "model.safetensors").read_text() == "new"
 
 
@@ -72,7 +74,7 @@ def test_two_conversions_at_once_each_write_their_own_folder(tmp_path, monkeypat
 
     def convert() -> None:
         try:
-            model_paths._convert_gguf(tmp_path / "package" / model_paths.DEFAULT_GGUF, target, tokenizer)
+            gguf_convert.convert_gguf(tmp_path / "package" / DEFAULT_GGUF, target, tokenizer)
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
     threads = [threading.Thread(target=convert) for _ in range(2)]
@@ -83,7 +85,7 @@ def test_two_conversions_at_once_each_write_their_own_folder(tmp_path, monkeypat
     assert not errors
     partials = set(folders)
     assert len(partials) == 2, "both conversions wrote into one folder"
-    assert model_paths._converted(target)
+    assert converted(target)
     assert (target / "model.safetensors").read_text() in {str(p) for p in partials}
     assert [p.name for p in target.parent.iterdir()] == [DEFAULT_NAME]  # the loser's folder is gone
 
@@ -125,7 +127,7 @@ def test_what_the_model_setting_names(tmp_path):
 
     def named(model: str) -> tuple[Source, str]:
         settings = CommonSettings(model=model, model_cache_dir=tmp_path / "cache")
-        return model_paths.source(settings), model_paths.served_name(settings)
+        return model_source.source(settings), model_source.served_name(settings)
     assert named(str(folder)) == (Source("folder", str(folder)), "my-model")
     assert named(str(file)) == (Source("gguf", str(file)), "small.Q4_K_M")
     assert named("Qwen/Qwen2.5-0.5B-Instruct") == (Source("hub", "Qwen/Qwen2.5-0.5B-Instruct"),
@@ -138,15 +140,15 @@ def test_what_the_model_setting_names(tmp_path):
     with pytest.raises(ModelNotFound, match="no folder or .gguf file"):
         named("not a model")
     renamed = CommonSettings(model=str(file), served_model_name="mine")
-    assert model_paths.served_name(renamed) == "mine"
+    assert model_source.served_name(renamed) == "mine"
 
 
 def test_the_default_model_is_a_gguf_file_like_any_other(tmp_path):
     settings = CommonSettings(model_cache_dir=tmp_path)
-    path = model_paths.default_gguf_path()
-    assert model_paths.source(settings) == Source("gguf", str(path))
+    path = model_source.default_gguf_path()
+    assert model_source.source(settings) == Source("gguf", str(path))
     assert model_paths.gguf_file(settings) == path
-    assert model_paths.served_name(settings) == DEFAULT_NAME
+    assert model_source.served_name(settings) == DEFAULT_NAME
     assert model_paths.weights_dir(settings).parent == tmp_path
     assert model_paths.weights_dir(settings).name.startswith("SmolLM2-135M-Instruct.Q4_1-")
 
@@ -162,4 +164,4 @@ def test_a_changed_gguf_file_gets_other_cache_folders(tmp_path):
 def test_a_commit_as_the_revision_needs_neither_redis_nor_the_hub():
     commit = "0123456789abcdef0123456789abcdef01234567"
     settings = CommonSettings(model="org/name", model_revision=commit, redis_url="redis://127.0.0.1:1/0")
-    assert model_paths.hub_commit(settings, "org/name") == commit
+    assert hub_revision.hub_commit(settings, "org/name") == commit

@@ -8,13 +8,14 @@ and STREAMQ_QUANTIZATION may then compress their projections.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared.model_paths import gguf_cache, gguf_file, move_into_place, partial_folder, prepare_model, weights_dir
+from shared.atomic_folder import atomic_folder
+from shared.gguf_convert import gguf_cache
+from shared.model_paths import gguf_file, prepare_model, weights_dir
 from shared.settings import WorkerSettings
 from worker.model import quant_model
 from worker.model.kernels import cpu_has
@@ -86,11 +87,6 @@ def gguf_config(settings: WorkerSettings, gguf: Path):
     from worker.model.gguf_weights import gguf_config as parse
 
     config = parse(gguf)
-    partial = partial_folder(folder)
-    try:
+    with atomic_folder(folder, whole=lambda f: (f / "config.json").is_file()) as partial:
         config.save_pretrained(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    move_into_place(partial, folder, whole=lambda f: (f / "config.json").is_file())
     return config
