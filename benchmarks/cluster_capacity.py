@@ -27,11 +27,9 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.redis_cost import counters
 from benchmarks.report import cores, cpu_flags, cpu_model, print_table
-from shared.children import terminate
-from shared.redis_server import RedisServer, free_port
-from streamq.stack import wait_ready
+from shared.redis_server import RedisServer
+from streamq.stack import Stack
 from streamq.testing.redis_cluster import RedisCluster
 
 SETUPS = ("single", "cluster")
@@ -62,53 +59,6 @@ def redis_setup(kind: str, folder: Path) -> Iterator[tuple[str, list[int]]]:
         yield url, [node.port for node in getattr(server, "nodes", [server])]
     finally:
         server.stop()
-
-
-@contextmanager
-def stack(url: str, folder: Path, settings: dict[str, str], workers: int, replicas: int,
-          ) -> Iterator[tuple[list[str], dict[str, list[int]]]]:
-    """Workers and api replicas as subprocesses; yield the replicas' URLs, once every replica sees
-    every worker, and the process ids by role."""
-    env = {**os.environ, "REDIS_URL": url, **settings}
-    cli = [sys.executable, "-m", "streamq.cli", "--log-level", "warning"]
-    subprocess.run(cli + ["prepare-model"], env=env, cwd=ROOT, check=True, capture_output=True)
-    procs: list[subprocess.Popen] = []
-
-    def spawn(name: str, args: list[str], more: dict[str, str]) -> subprocess.Popen:
-        with open(folder / f"{name}.log", "wb") as log:
-            procs.append(subprocess.Popen(cli + args, env={**env, **more}, cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT))
-        return procs[-1]
-
-    try:
-        pids = {"worker": [spawn(f"worker{i}", ["worker"], {"STREAMQ_WORKER_NAME": f"cap-worker{i}"}).pid
-                           for i in range(workers)], "api": []}
-        urls = []
-        for i in range(replicas):
-            port = free_port()
-            pids["api"].append(spawn(f"api{i}", ["api"], {"STREAMQ_PORT": str(port)}).pid)
-            urls.append(f"http://127.0.0.1:{port}")
-        for u in urls:
-            if not wait_ready(u, 180) or not _wait_workers(u, workers, 60):
-                raise SystemExit(f"the stack did not become ready; see {folder}")
-        yield urls, pids
-    finally:
-        for p in procs:
-            terminate(p, 30)
-
-
-def _wait_workers(url: str, count: int, timeout_s: float) -> bool:
-    """Until the replica's /readyz lists `count` live workers (their heartbeats)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if len(json.loads(reply.read())["workers"]) >= count:
-                    return True
-        except OSError:  # 503 while no heartbeat is fresh
-            pass
-        time.sleep(0.2)  # polling the workers' heartbeats
-    return False
 
 
 @dataclass
@@ -187,8 +137,12 @@ def run_round(kind: str, args: argparse.Namespace) -> dict:
     folder = Path(tempfile.mkdtemp(prefix=f"streamq-capacity-{kind}-"))
     settings = {"STREAMQ_BACKEND": "null", "STREAMQ_NULL_TOKENS_PER_S": str(args.rate),
                 "STREAMQ_BATCH_SIZE": str(args.batch_size), "STREAMQ_PREFIX": "cap"}
-    with redis_setup(kind, folder) as (url, ports), stack(url, folder, settings, args.workers, args.replicas) as (
-            urls, pids):
+    with redis_setup(kind, folder) as (url, ports), Stack(
+            folder, settings, redis_url=url, workers=args.workers, replicas=args.replicas, name="cap",
+            options=["--log-level", "warning"]) as stack:
+        stack.wait_workers(args.workers, 60)  # every replica sees every worker
+        urls = stack.urls
+        pids = {"worker": [w.process.pid for w in stack.workers.values()], "api": [a.process.pid for a in stack.apis]}
         asyncio.run(_load(Load(urls, list(range(8)), 4, 8)))  # warm-up: lanes, groups, pub/sub connections
         nodes = [redis.Redis(port=p, decode_responses=True) for p in ports]
         before = [counters(n) for n in nodes]

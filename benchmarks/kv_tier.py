@@ -29,25 +29,23 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, print_machine, print_table
 from shared import redis_keys
-from shared.redis_server import RedisServer, free_port
 from shared.request_record import RecordField
+from streamq.stack import Stack
 
 WORDS = ("the service keeps every request in order and answers with care while the model reads a long "
          "instruction about tone format safety sources dates names numbers tables lists code errors users "
@@ -57,71 +55,17 @@ KILL_AT = 8
 TAKEOVER_TOKENS = 48
 
 
-class Stack:
-    """A private Redis, workers, the scheduler and one api replica; workers can be held, killed and replaced."""
+def tier_stack(name: str, settings: dict[str, str], workers: int) -> Stack:
+    """A private Redis, `workers` workers, the scheduler and one api replica routing without prefix
+    affinity, with the quick failover above; entered, it waits until every worker is live."""
+    return Stack(Path(tempfile.mkdtemp(prefix=f"streamq-kvtier-{name}-")),
+                 {"STREAMQ_PREFIX_AFFINITY": "false", **FAILOVER, **settings}, workers=workers, scheduler=True,
+                 name=name, options=["--log-level", "warning"], ready_timeout_s=300)
 
-    def __init__(self, name: str, settings: dict[str, str], workers: int):
-        self.name, self.folder = name, Path(tempfile.mkdtemp(prefix=f"streamq-kvtier-{name}-"))
-        self.redis = RedisServer(self.folder / "redis")
-        self.env = {**os.environ, "REDIS_URL": self.redis.start(), "STREAMQ_PREFIX_AFFINITY": "false",
-                    **FAILOVER, **settings}
-        self.cli = [sys.executable, "-m", "streamq.cli", "--log-level", "warning"]
-        subprocess.run(self.cli + ["prepare-model"], env=self.env, check=True, capture_output=True)
-        self.workers: dict[str, subprocess.Popen] = {}
-        self.spawned = 0
-        for _ in range(workers):
-            self.spawn_worker()
-        self.others = [subprocess.Popen(self.cli + ["scheduler"], env=self.env, cwd=ROOT)]
-        port = free_port()
-        self.others.append(subprocess.Popen(self.cli + ["api"], env={**self.env, "STREAMQ_PORT": str(port)},
-                                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            self.wait_for_workers(workers)
-        except BaseException:
-            self.close()
-            raise
 
-    def wait_for_workers(self, count: int, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if len(httpx.get(f"{self.url}/readyz", timeout=5).json().get("workers", [])) >= count:
-                    return
-            except httpx.HTTPError:
-                pass  # the api is still starting
-            time.sleep(0.5)  # start-up polling only
-        raise SystemExit(f"{self.name}: fewer than {count} live workers after {timeout_s} s")
-
-    def spawn_worker(self) -> None:
-        name = f"{self.name}-w{self.spawned}"
-        self.spawned += 1
-        self.workers[name] = subprocess.Popen(self.cli + ["worker"], env={**self.env, "STREAMQ_WORKER_NAME": name},
-                                              cwd=ROOT)
-
-    def hold(self, name: str) -> None:
-        self.workers[name].send_signal(signal.SIGSTOP)
-
-    def release(self, name: str) -> None:
-        self.workers[name].send_signal(signal.SIGCONT)
-
-    def other(self, name: str) -> str:
-        return next(w for w in self.workers if w != name)
-
-    def kill_and_replace(self, name: str) -> None:
-        proc = self.workers.pop(name)
-        proc.kill()
-        proc.wait()
-        self.spawn_worker()
-        self.wait_for_workers(len(self.workers))
-
-    def close(self) -> None:
-        for proc in [*self.workers.values(), *getattr(self, "others", [])]:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-        for proc in [*self.workers.values(), *getattr(self, "others", [])]:
-            proc.wait(30)
-        self.redis.stop()
+def other(stack: Stack, name: str) -> str:
+    """The other worker of a two-worker stack."""
+    return next(w for w in stack.slots if w != name)
 
 
 def words(seed: str, n: int) -> str:
@@ -150,21 +94,20 @@ def turn2(client: httpx.Client, stack: Stack, seed: str, tokens: int, same_worke
     other (or the same)."""
     first = history(seed, tokens)
     one = run(client, stack.url, {"prompt": first, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
-    held = stack.other(one["worker"]) if same_worker else one["worker"]
-    stack.hold(held)
+    held = other(stack, one["worker"]) if same_worker else one["worker"]
+    stack.pause_worker(held)
     try:
         two = run(client, stack.url, {"prompt": first + one["text"] + " And then?", "max_tokens": 8,
                                       "temperature": 0, "ignore_eos": True})
     finally:
-        stack.release(held)
+        stack.resume_worker(held)
     assert (two["worker"] == one["worker"]) == same_worker, (one["worker"], two["worker"])
     return two["timings"]["ttft_s"], _reused(stack, two["id"])
 
 
 def _reused(stack: Stack, rid: str) -> int:
-    prefix = stack.env.get("STREAMQ_PREFIX", "streamq")
-    value = redis.Redis.from_url(stack.env["REDIS_URL"]).hget(redis_keys.request_record(prefix, rid),
-                                                               RecordField.REUSED_TOKENS)
+    with stack.redis() as client:
+        value = client.hget(redis_keys.request_record(stack.prefix, rid), RecordField.REUSED_TOKENS)
     return int(value or 0)
 
 
@@ -183,11 +126,12 @@ def takeover(client: httpx.Client, stack: Stack, prompt: str) -> dict:
                 arrivals.append(time.time())
                 if len(tokens) == KILL_AT and killed is None:
                     name = record(client, stack.url, rid)["worker"]
-                    stack.workers[name].kill()
+                    stack.kill_worker(name)
                     killed = time.time()
     after = next(t for t in arrivals if t > killed)
     rec = record(client, stack.url, rid)
-    stack.kill_and_replace(name)
+    stack.replace_worker(name)
+    stack.wait_workers(len(stack.slots), 300)
     claimed = rec["timings"]["created_at"] + rec["timings"]["queue_s"]  # the last claim's started_at
     return {"gap": after - killed, "detect": claimed - killed, "resume": after - claimed, "tokens": tokens,
             "reused": _reused(stack, rid), "worker": rec["worker"], "victim": name}
@@ -222,10 +166,11 @@ def main() -> None:
     takeovers: dict[str, list[dict]] = {"on": [], "off": []}
     exact = {"on": 0, "off": 0}
     w: dict[str, list[float]] = {"on": [], "off": []}
-    try:
+    with ExitStack() as running:
         for name, (extra, count) in plan.items():
             if name != "ref" or "takeover" in args.parts:
-                stacks[name] = Stack(name, extra, count)
+                stacks[name] = running.enter_context(tier_stack(name, extra, count))
+                stacks[name].wait_workers(count, 300)
         with httpx.Client(timeout=600) as client:
             for r in range(args.rounds):
                 modes = [("tier, other worker", "on", False), ("recompute, other worker", "off", False),
@@ -242,9 +187,6 @@ def main() -> None:
                       + "; " + ", ".join(f"takeover {k} gap {v[-1]['gap']:.2f} s resume {v[-1]['resume']:.2f} s"
                                          for k, v in takeovers.items() if v)
                       + "; " + ", ".join(f"W {k} {v[-1]:.1f} tok/s" for k, v in w.items() if v), flush=True)
-    finally:
-        for stack in stacks.values():
-            stack.close()
     report(args, ttft, reused, takeovers, exact, w)
 
 

@@ -5,8 +5,8 @@ Each process is a `streamq` subcommand (Child) in its own process group, so stop
 it also ends what it started (vLLM's engine process). A Stack starts a private redis-server
 unless given a Redis URL, converts the model once (prepare-model) before any process reads it,
 then the workers, the scheduler and the api replicas, each with its log in the stack's folder,
-and waits until every replica's /readyz answers. It can kill, pause and restart workers and kill
-replicas, as a crash or a test would.
+and waits until every replica's /readyz answers. It can kill, pause, restart and replace workers
+(each known by its consumer name, a replacement too) and kill replicas, as a crash or a test would.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import json
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -97,11 +98,16 @@ class Child:
 
 def ready(url: str) -> bool:
     """Whether `url`/readyz answers 200 now."""
+    return live_workers(url) is not None
+
+
+def live_workers(url: str) -> list[dict] | None:
+    """The live workers `url`/readyz lists now; None while it does not answer 200."""
     try:
         with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+            return json.loads(reply.read()).get("workers", []) if reply.status == 200 else None
+    except (OSError, ValueError):  # 503 while no heartbeat is fresh; a reply cut short
+        return None
 
 
 def wait_ready(url: str, timeout_s: float, children: list[Child] | tuple = ()) -> bool:
@@ -129,7 +135,11 @@ class Stack:
     replica's own settings), all with `settings` (STREAMQ_* variables, REDIS_URL) over this
     process's environment; an empty value unsets a variable. `worker_settings` and
     `worker_python`, when given, are per worker: more settings, and the Python to run it with
-    (e.g. the vLLM virtualenv's). `options` go before every subcommand (e.g. --log-level)."""
+    (e.g. the vLLM virtualenv's). `options` go before every subcommand (e.g. --log-level).
+
+    Worker i runs in slot i, first as `{name}-worker{i}` (its consumer name, in request records
+    and heartbeats); a worker started again in a slot has the slot's settings and a name of its
+    own, and every worker method takes that name (or, where it says so, the slot)."""
 
     def __init__(self, folder: Path, settings: dict[str, str] | None = None, *, redis_url: str | None = None,
                  workers: int = 1, replicas: int | list[dict[str, str]] = 1, scheduler: bool = False,
@@ -147,7 +157,7 @@ class Stack:
         self.env = {k: v for k, v in env.items() if v != ""}
         self.prefix = self.env.get("STREAMQ_PREFIX", "streamq")
         self.model_name: str | None = None  # the served model's name, where the caller knows it (queued)
-        self.name = name or self.prefix  # workers are named {name}-worker{i}
+        self.name = name or self.prefix  # a worker's consumer name is {name}-{its child's name}
         self.n_workers, self.with_scheduler = workers, scheduler
         self.replica_settings = [{} for _ in range(replicas)] if isinstance(replicas, int) else replicas
         self.n_replicas = len(self.replica_settings)
@@ -156,7 +166,11 @@ class Stack:
         self.options = list(options)
         self.ready_timeout_s = ready_timeout_s
         self.children: list[Child] = []
+        self.workers: dict[str, Child] = {}  # consumer name -> process, every worker started (a replaced one's too)
+        self.slots = [f"{self.name}-worker{i}" for i in range(workers)]  # the name of the worker now in each slot
+        self.apis: list[Child] = []
         self.urls: list[str] = []
+        self.killed: list[Child] = []  # the children killed on purpose: their exit is no failure
 
     @property
     def url(self) -> str:
@@ -171,10 +185,11 @@ class Stack:
     def child(self, name: str) -> Child:
         return next(child for child in reversed(self.children) if child.name == name)
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> Child:
         child = Child(name, [*cli(python), *self.options, *args], env, log=self.folder / f"{name}.log", cwd=ROOT)
         self.children.append(child)
-        return child.start()
+        child.start()
+        return child
 
     def __enter__(self) -> Stack:
         try:
@@ -182,12 +197,12 @@ class Stack:
                 self.redis_server.start()
             prepare_model(self.env, ROOT)
             for i in range(self.n_workers):
-                self._spawn(f"worker{i}", ["worker"], self._worker_env(i, self.worker_name(i)), self.worker_python[i])
+                self.start_worker(i, f"worker{i}")
             if self.with_scheduler:
                 self._spawn("scheduler", ["scheduler"], self.env)
             for i, extra in enumerate(self.replica_settings):
                 port = free_port()
-                self._spawn(f"api{i}", ["api"], {**self.env, **extra, "STREAMQ_PORT": str(port)})
+                self.apis.append(self._spawn(f"api{i}", ["api"], {**self.env, **extra, "STREAMQ_PORT": str(port)}))
                 self.urls.append(f"http://127.0.0.1:{port}")
             self.wait_ready(self.ready_timeout_s)
         except BaseException:
@@ -195,61 +210,94 @@ class Stack:
             raise
         return self
 
-    def _worker_env(self, i: int, name: str) -> dict[str, str]:
-        return {**self.env, "STREAMQ_WORKER_NAME": name, **self.worker_settings[i]}
-
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Wait until every replica's /readyz answers (it has a live worker); fail, with the logs,
         if a process dies first or time runs out."""
         deadline = time.monotonic() + timeout_s
         for url in self.urls:
-            if not wait_ready(url, max(0.0, deadline - time.monotonic()), self.children):
-                dead = [c for c in self.children if not c.running]
-                why = f"{dead[0].name} exited with {dead[0].process.returncode}" if dead else \
-                    f"not ready after {timeout_s} s"
-                raise RuntimeError(f"{why}:\n{self.logs()}")
+            if not wait_ready(url, max(0.0, deadline - time.monotonic()), self._watched()):
+                self._fail(f"not ready after {timeout_s} s")
+
+    def wait_workers(self, count: int, timeout_s: float = 180.0) -> None:
+        """Wait until every replica's /readyz lists at least `count` live workers (their heartbeats);
+        fail, with the logs, if a process dies first (one not killed on purpose) or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        for url in self.urls:
+            while (seen := live_workers(url)) is None or len(seen) < count:
+                if self._dead() or time.monotonic() > deadline:
+                    self._fail(f"fewer than {count} live workers after {timeout_s} s")
+                time.sleep(0.2)  # polling the workers' heartbeats
+
+    def _watched(self) -> list[Child]:
+        """The children whose exit is a failure: all but those killed on purpose."""
+        return [c for c in self.children if not any(c is k for k in self.killed)]
+
+    def _dead(self) -> list[Child]:
+        return [c for c in self._watched() if not c.running]
+
+    def _fail(self, why: str) -> None:
+        if dead := self._dead():
+            why = f"{dead[0].name} exited with {dead[0].process.returncode}"
+        raise RuntimeError(f"{why}:\n{self.logs()}")
 
     def worker_name(self, i: int) -> str:
-        return f"{self.name}-worker{i}"
+        """The name of the worker now in slot i."""
+        return self.slots[i]
+
+    def start_worker(self, i: int, name: str) -> str:
+        """Start a worker in slot i (after kill_worker), as the child `name`, with the slot's
+        settings and Python; its consumer name, `{stack's name}-{name}`, is returned."""
+        worker = f"{self.name}-{name}"
+        env = {**self.env, "STREAMQ_WORKER_NAME": worker, **self.worker_settings[i]}
+        self.workers[worker] = self._spawn(name, ["worker"], env, self.worker_python[i])
+        self.slots[i] = worker
+        return worker
+
+    def replace_worker(self, name: str) -> str:
+        """SIGKILL the worker `name` if it still runs and start a new one in its slot; the new one's
+        name. Wait for it with wait_workers."""
+        self.kill_worker(name)
+        i = self.slots.index(name)
+        return self.start_worker(i, f"worker{i}-{len(self.workers)}")  # a name no worker of the stack had
 
     def kill_worker(self, name: str) -> None:
         """SIGKILL the worker process with this consumer name, as a crash would (vLLM's engine
         process with it: the machine went)."""
-        i = next(i for i in range(self.n_workers) if self.worker_name(i) == name)
-        self.child(f"worker{i}").kill()
+        self.killed.append(self.workers[name])
+        self.workers[name].kill()
 
-    def start_worker(self, i: int, name: str) -> None:
-        """Start worker i again (after kill_worker) as the child `name`, with its own settings and Python."""
-        self._spawn(name, ["worker"], self._worker_env(i, f"{self.worker_name(i)}-{name}"), self.worker_python[i])
+    def pause_worker(self, which: int | str = 0) -> None:
+        """SIGSTOP a worker (and what it started), by name or slot: it takes no request and runs no
+        step until resume_worker. Tests use it to hold a request where it is, not to wait for time to pass."""
+        self._worker(which).signal_group(signal.SIGSTOP)
 
-    def pause_worker(self, i: int = 0) -> None:
-        """SIGSTOP worker i (and what it started): it takes no request and runs no step until
-        resume_worker. Tests use it to hold a request where it is, not to wait for time to pass."""
-        self.child(f"worker{i}").signal_group(signal.SIGSTOP)
+    def resume_worker(self, which: int | str = 0) -> None:
+        self._worker(which).signal_group(signal.SIGCONT)
 
-    def resume_worker(self, i: int = 0) -> None:
-        self.child(f"worker{i}").signal_group(signal.SIGCONT)
+    def _worker(self, which: int | str) -> Child:
+        return self.workers[self.slots[which] if isinstance(which, int) else which]
 
     def pause_workers(self) -> None:
-        """SIGSTOP every worker: whatever each runs stays where it is (see pause_worker)."""
-        for i in range(self.n_workers):
-            self.pause_worker(i)
+        """SIGSTOP every running worker: whatever each runs stays where it is (see pause_worker)."""
+        for name in self.slots:
+            if self.workers[name].running:
+                self.pause_worker(name)
 
     def resume_workers(self) -> None:
-        """SIGCONT every worker (after pause_workers)."""
-        for i in range(self.n_workers):
-            self.resume_worker(i)
+        """SIGCONT every running worker (after pause_workers)."""
+        for name in self.slots:
+            if self.workers[name].running:
+                self.resume_worker(name)
 
     def kill_paused_worker(self, name: str) -> None:
         """After pause_workers: SIGKILL the worker `name`, mid-request for certain, and resume the others."""
         self.kill_worker(name)
-        for i in range(self.n_workers):
-            if self.worker_name(i) != name:
-                self.resume_worker(i)
+        self.resume_workers()
 
     def kill_replica(self, i: int) -> None:
         """SIGKILL api replica i, as a crash would."""
-        proc = self.child(f"api{i}").process
+        self.killed.append(self.apis[i])
+        proc = self.apis[i].process
         proc.kill()
         proc.wait()
 

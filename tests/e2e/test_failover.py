@@ -13,6 +13,7 @@ from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
 from tests.stack import Stack, hold_mid_stream, kill_mid_stream, parse_sse, stream_posted
+from tests.waiting import until_sync
 
 PROMPTS = ["Once", "The capital of France is", "a b c", "Seoul and Paris", "🚀", "streams", "x y", "cache"]
 TOKENS = 200
@@ -148,3 +149,26 @@ def test_a_worker_whose_heartbeat_lapsed_takes_its_own_request_back_and_finishes
     assert [int(e["id"]) for e in tokens] == list(range(120))
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
                                                                 ignore_eos=True)
+
+
+def test_a_replaced_worker_can_itself_be_paused_killed_and_replaced(redis_url, tiny_llama, tmp_path):
+    """The launcher knows every worker by its consumer name, a replacement's too: benchmarks/kv_tier.py
+    kills the worker named in a request's record, replaces it, and later kills the replacement."""
+    env = {"STREAMQ_BACKEND": "null", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1"}
+
+    def live() -> set[str]:
+        return {w["worker"] for w in httpx.get(f"{stack.url}/readyz", timeout=10).json()["workers"]}
+
+    with Stack(redis_url, tiny_llama, tmp_path, workers=2, env=env) as stack:
+        stack.wait_workers(2)
+        first, other = stack.slots
+        second = stack.replace_worker(first)
+        assert stack.worker_name(0) == second != first and not stack.workers[first].running
+        until_sync(lambda: live() == {second, other}, 60, "the replacement live, the killed one's heartbeat gone")
+        stack.pause_workers()  # the two in the slots (the killed one's process group is gone)
+        stack.resume_worker(second)
+        stack.resume_worker(1)
+        third = stack.replace_worker(second)
+        assert third not in (first, second) and not stack.workers[second].running
+        until_sync(lambda: live() == {third, other}, 60, "the second replacement live")
+        stack.wait_workers(2)
