@@ -62,3 +62,22 @@ def test_labels_are_strings_for_the_metric_and_the_null_engines_plan():
     null = plan_of(NullEngine(4, 10.0))
     assert null.engine == "null" and null.labels()["one_token_stack"] == "false"
     assert all(isinstance(v, str) for v in null.labels().values())
+
+
+def test_each_weight_has_one_kind_that_its_kernel_follows(tiny_llama):
+    """A Weight's kind is chosen once; the tensors it keeps are those of its kind."""
+    from worker.model.fused_layers import MATMUL, ONEDNN, PANELS, QUANTIZED, Weight
+    from worker.model.quantized import quantize as quantize_rows
+
+    w = torch.randn(32, 64)
+    built = kernels.load()
+    panels = Weight(w, None, CPU, built)
+    assert panels.kind == PANELS and panels.panels is not None and panels.packed is None
+    onednn = Weight(w, None, CPU, kernels.with_isa(built, "portable"))  # no panels for any dtype
+    assert onednn.kind in (ONEDNN, MATMUL) and onednn.panels is None
+    assert (onednn.kind == ONEDNN) == (onednn.packed is not None)
+    quantized = Weight(quantize_rows(w, 8, 32), None, CPU, built)
+    assert quantized.kind == QUANTIZED and quantized.w is None and quantized.panels is None
+    x = torch.randn(3, 64)
+    for weight in (panels, onednn):
+        torch.testing.assert_close(weight(x), x @ w.T, rtol=0, atol=1e-4)

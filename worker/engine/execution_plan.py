@@ -13,7 +13,7 @@ from typing import Any
 class ExecutionPlan:
     engine: str  # paged | static | null | vllm
     forward: str  # paged: llama-kernels | llama-fused | llama-eager | gemma3 | opt; else the engine's
-    projections: str  # panels (AVX2/AVX-512 kernels) | onednn | panels, onednn from N rows | quantized... | n/a
+    projections: str  # each Weight kind, +-joined: panels (AVX2/AVX-512 kernels) | panels, onednn from N rows | onednn | matmul (a GPU) | quantized... ("..., tiled": deterministic mode) | modules | n/a
     one_token_stack: bool  # a one-token step runs the whole layer stack in one kernel call
     cuda_graphs: bool
     dtype: str
@@ -53,12 +53,12 @@ def _projections(runner) -> str:
 
 
 def _kind(w) -> str:
-    if w.quant is not None:
+    if w.kind == "quantized":
         quant = w.quant
         return "quantized-int8" if quant.int8 else "quantized" if quant.packed is not None else "quantized-portable"
-    if w.panels is not None:
+    if w.kind == "panels":
         return f"panels, onednn from {w.matmul_rows} rows" if w.matmul_rows else "panels"
-    return "tiled" if w.tile else "onednn"
+    return f"{w.kind}, tiled" if w.tile else w.kind
 
 
 def _dtype(runner) -> str:

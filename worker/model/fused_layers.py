@@ -25,11 +25,19 @@ from worker.model.quantized import QuantizedWeight, concat_rows
 log = logging.getLogger(__name__)
 
 
+# A Weight's kind, chosen once when it is built (its kernel then follows from it alone).
+QUANTIZED = "quantized"  # a QuantizedWeight: quant_linear on the kernels, else dequantized a slice at a time
+PANELS = "panels"  # the kernels' panel_linear (with matmul_rows: calls of that many rows or more on oneDNN)
+ONEDNN = "onednn"  # prepacked once into oneDNN's blocked layout (a CPU)
+MATMUL = "matmul"  # the plain matmul (a GPU, or a CPU whose oneDNN does not pack the dtype)
+
+
 class Weight:
     """A projection, x @ w.T + b, for a float weight or a QuantizedWeight. With the step kernels
     (`kernels`, their projections on its `isa`): a float w runs on panel_linear where that computes
     w's dtype, a quantized one on quant_linear. Without: a float w is prepacked for oneDNN on a CPU
-    (the plain matmul on a GPU), a quantized one dequantized a slice at a time (QuantLinear)."""
+    (the plain matmul on a GPU), a quantized one dequantized a slice at a time (QuantLinear).
+    `kind` says which, once; the tensors a kind does not use are None."""
 
     def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                  kernels: ModuleType | None = None, matmul_rows: int = 0):
@@ -40,14 +48,15 @@ class Weight:
         self.out_features = w.shape[0]
         self.matmul_rows = 0
         if isinstance(w, QuantizedWeight):
-            self.quant = QuantLinear(w, bias, kernels)
+            self.kind, self.quant = QUANTIZED, QuantLinear(w, bias, kernels)
         elif kernels is not None and str(w.dtype).removeprefix("torch.") in kernels.panel_dtypes:
-            self.w, self.panels, self.panel_linear = w, kernels.pack_panels(w), kernels.panel_linear
+            self.kind, self.w, self.panels, self.panel_linear = PANELS, w, kernels.pack_panels(w), kernels.panel_linear
             if matmul_rows and device.type == "cpu":
                 self.packed = _pack(w)
                 self.matmul_rows = matmul_rows if self.packed is not None else 0
         else:
             self.w, self.packed = w, _pack(w) if device.type == "cpu" else None
+            self.kind = ONEDNN if self.packed is not None else MATMUL
         # Rows a matmul call takes, padded, in deterministic mode where rows are not computed alone
         # (0: any number). panel_linear and quant_linear compute each row alone; a library matmul
         # picks its blocking by the row count, so a row's result would hang on how many others share the call.
@@ -62,18 +71,20 @@ class Weight:
     @property
     def row_independent(self) -> bool:
         """Whether each row's result is the same whatever other rows share the call, untiled."""
-        return (self.panels is not None and not self.matmul_rows) or (self.quant is not None and self.quant.row_independent)
+        if self.kind == PANELS:
+            return not self.matmul_rows
+        return self.kind == QUANTIZED and self.quant.row_independent
 
     def compute_rows_alone(self, tile: int) -> None:
         """Deterministic mode: a row's result is the same whatever other rows share the call. The
         kernels compute each row alone already; a library matmul gets calls of exactly `tile` rows."""
-        if self.panels is not None:
+        if self.kind == PANELS:
             self.matmul_rows, self.packed = 0, None  # the panels take every call
         if not self.row_independent:
             self.tile = tile
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and not (self.matmul_rows and x.shape[0] >= self.matmul_rows):
+        if self.kind == PANELS and not (self.matmul_rows and x.shape[0] >= self.matmul_rows):
             return self.panel_linear(x, self.panels, self.out_features, self.bias, self.isa)
         if self.tile:
             return self._tiled(x)
@@ -82,16 +93,16 @@ class Weight:
     def projection(self, ops: ModuleType):
         """This projection for the step kernels' one-token Layers (`ops`); None where it runs in
         Python only (a quantized weight on the portable path)."""
-        if self.quant is not None:
+        if self.kind == QUANTIZED:
             return self.quant.projection(ops)
-        if self.panels is not None:
+        if self.kind == PANELS:
             return ops.Projection.panels(self.panels, self.out_features, self.bias, self.isa)
         return ops.Projection.matmul(self.w, self.packed, self.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
+        if self.kind == QUANTIZED:
             return self.quant(x)
-        if self.packed is not None:
+        if self.packed is not None:  # ONEDNN, or PANELS' calls of matmul_rows and more
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.w, self.bias)
 

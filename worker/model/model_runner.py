@@ -421,7 +421,7 @@ class PagedRunner:
         its modules' own norms: embeddings scaled, q and k normalised per head, a norm after the
         attention and after the MLP as well as before each, local layers (the sliding window, their
         own rotary base) between global ones, and optionally softcapped logits. With the CPU
-        kernels, decodes and short chunks attend through the paged kernel, as the llama layers'."""
+        kernels, every chunk attends through the paged kernel, as the llama layers' do."""
         core, config, paged = self.model.model, self.model.config, step.paged
         h = core.embed_tokens(step.input_ids)
         total, heads = h.shape[0], config.num_attention_heads
