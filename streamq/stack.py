@@ -297,9 +297,7 @@ class Stack:
     def kill_replica(self, i: int) -> None:
         """SIGKILL api replica i, as a crash would."""
         self.killed.append(self.apis[i])
-        proc = self.apis[i].process
-        proc.kill()
-        proc.wait()
+        self.apis[i].kill()
 
     def redis(self):
         """A synchronous client on the stack's Redis (a cluster client for a redis+cluster:// URL)."""

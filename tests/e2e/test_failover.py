@@ -10,6 +10,7 @@ import pytest
 
 from shared.messages import RequestStatus
 from shared.tokenizer import Tokenizer
+from streamq.stack import live_workers
 from tests.e2e.helpers import events_of, hf_greedy
 from tests.e2e.test_speculative import SPEC_ENV
 from tests.stack import Stack, hold_mid_stream, kill_mid_stream, parse_sse, stream_posted
@@ -157,7 +158,7 @@ def test_a_replaced_worker_can_itself_be_paused_killed_and_replaced(redis_url, t
     env = {"STREAMQ_BACKEND": "null", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1"}
 
     def live() -> set[str]:
-        return {w["worker"] for w in httpx.get(f"{stack.url}/readyz", timeout=10).json()["workers"]}
+        return {w["worker"] for w in live_workers(stack.url) or []}
 
     with Stack(redis_url, tiny_llama, tmp_path, workers=2, env=env) as stack:
         stack.wait_workers(2)
