@@ -93,7 +93,6 @@ class PagedRunner:
         self.num_blocks = num_blocks
         plan = self.plan = choose(model, device, kernels=kernels is not None, graph_batch=graph_batch,
                                   deterministic=deterministic, matmul_rows=matmul_rows, fuse=fuse)
-        self.arch = plan.arch
         layers, self.kv_heads, self.head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
         self.context_length = served_context(model.config.to_dict())
@@ -116,18 +115,21 @@ class PagedRunner:
         # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        self.matmul_rows = plan.matmul_rows
         self.fused = self._fuse(dtype, plan.matmul_rows) if plan.fused else None
         self.adapters = None  # the LoRA adapters served (worker/model/lora.py Adapters), set by the worker where any
         # The whole layer stack in one kernel call, for a step of one token, where every projection
         # has a kernel form.
         self.one_token = self._one_token_layers() if self.kernels is not None and self.arch == "llama" else None
-        self.deterministic = plan.deterministic
         if plan.deterministic:
             self._compute_rows_alone()
         # On CUDA, decode steps replay CUDA graphs (worker/model/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if plan.graphs else None
+
+    # What the plan chose, read from it (self.plan is the one record of it).
+    arch = property(lambda self: self.plan.arch)
+    matmul_rows = property(lambda self: self.plan.matmul_rows)
+    deterministic = property(lambda self: self.plan.deterministic)
 
     def _fuse(self, dtype: torch.dtype, matmul_rows: int) -> list:
         """The fused layers' weights, and the head's (the panels or packed codes of the kernels
