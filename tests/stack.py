@@ -3,12 +3,16 @@ prefix of its own, fp32 on the CPU, a tiny model) and helpers to read and hold i
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from shared import redis_keys
 from shared.messages import RequestStatus
 from shared.request_record import RequestRecord
 from streamq import stack as launcher
@@ -32,6 +36,27 @@ class Stack(launcher.Stack):
         super().__init__(folder, settings, redis_url=redis_url, workers=workers, replicas=replicas,
                          scheduler=scheduler, worker_settings=worker_envs, worker_python=worker_python)
         self.model_name = model.name if model else "SmolLM2-135M-Instruct"
+
+    @contextmanager
+    def cancel_published(self, timeout_s: float = 60.0) -> Iterator[None]:
+        """Listen on the workers' cancel channel while the block runs, then wait until a cancel
+        was published there. A paused worker has it in its connection by then: resumed, it stops
+        the request within a step, before the tiny model can run it to its end. (A record's
+        cancel_requested flag is set a round trip before the api publishes, so it is no such sign.)"""
+        with self.redis() as client, client.pubsub() as pubsub:
+            pubsub.ssubscribe(redis_keys.cancel_channel(self.prefix))
+            self._next_message(pubsub, "ssubscribe", timeout_s)  # subscribed before the block asks
+            yield
+            self._next_message(pubsub, "smessage", timeout_s)
+
+    @staticmethod
+    def _next_message(pubsub, kind: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = pubsub.get_sharded_message(ignore_subscribe_messages=False, timeout=1.0)
+            if message is not None and message["type"] == kind:
+                return message
+        raise AssertionError(f"no {kind} on the cancel channel within {timeout_s} s")
 
 
 def stream_events(client: httpx.Client, method: str, url: str, stop_after: int | None = None, **kwargs) -> list[dict]:

@@ -10,7 +10,6 @@ import pytest
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy, submit, token_ids, wait_done
 from tests.stack import stream_events
-from tests.waiting import until_sync
 
 PROMPTS = ["Once", "The capital of France is", "안녕하세요, 반갑습니다. 😀 and then a longer tail of words here",
            "a b c", "Streams, batches and caches", "x", "Paris. The capital of Korea is Seoul. And the", "🚀🚀"]
@@ -113,20 +112,20 @@ def test_chat_messages_use_the_template(stack, client):
 
 
 def test_disconnecting_a_stream_cancels_its_request(stack, client):
-    """The worker is paused from the first token until the api has flagged the cancel, so the tiny
-    model cannot finish its 200 tokens first, however slowly a loaded machine notices the hang-up."""
+    """The worker is paused from the first token until the api has published the cancel, so the
+    tiny model cannot finish its 200 tokens first, however slowly a loaded machine notices the hang-up."""
     api = stack.urls[0]
     paused = False
     try:
-        with client.stream("POST", f"{api}/v1/requests",
-                           json={"prompt": "Go on", "max_tokens": 200, "ignore_eos": True, "stream": True}) as reply:
+        with stack.cancel_published(), client.stream(
+                "POST", f"{api}/v1/requests",
+                json={"prompt": "Go on", "max_tokens": 200, "ignore_eos": True, "stream": True}) as reply:
             rid = reply.headers["X-Request-Id"]
             for line in reply.iter_lines():
                 if line.startswith("id: "):
                     stack.pause_worker()
                     paused = True
                     break  # one token arrived: the request is running; now hang up
-        until_sync(lambda: stack.record(rid).cancel_requested, 30, "the api flagged the cancel")
     finally:
         if paused:
             stack.resume_worker()
