@@ -13,7 +13,7 @@ from shared import redis_keys
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
 from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
-from shared.request_record import LUA_NAMES, RequestRecord
+from shared.request_record import LUA_NAMES, RecordField, RequestRecord
 
 # Field of a token-log entry that holds the encoded event.
 EVENT_FIELD = "e"
@@ -203,6 +203,13 @@ class RequestStore:
     async def record(self, request_id: str) -> RequestRecord | None:
         """The request's record; None if there is none (never written, or expired)."""
         return RequestRecord.of(await self.redis.hgetall(redis_keys.request_record(self.prefix, request_id)))
+
+    async def cancel_flagged(self, request_ids: list[str]) -> list[str]:
+        """Those of the requests whose record says a cancel came while they ran."""
+        pipe = self.redis.pipeline(transaction=False)  # on a cluster, the records are on many nodes
+        for request_id in request_ids:
+            pipe.hget(redis_keys.request_record(self.prefix, request_id), RecordField.CANCEL_REQUESTED.value)
+        return [rid for rid, flag in zip(request_ids, await pipe.execute()) if flag == "1"]
 
     async def output(self, request_id: str) -> list[TokenEvent]:
         """The request's token events so far, by index (a retried publish may log one twice)."""

@@ -2,8 +2,10 @@
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
 
 from shared import redis_keys
+from shared.request_record import RecordField
 from shared.settings import WorkerSettings
 from tests.waiting import until
 from worker.engine.backend import Counts, Threaded
@@ -32,7 +34,7 @@ class BlockingEngine:
         self.stepping = threading.Event()
         self.cancelled: list[str] = []
         self.waiting: list = []
-        self.running: list = [object()]
+        self.running: list = [SimpleNamespace(id="running")]
         self._work = True
 
     def has_work(self):
@@ -81,6 +83,48 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
     service.stop()
     await asyncio.wait_for(run, 10)
     assert await redis.get(beat_key) is None  # a stopped worker removes its heartbeat
+
+
+async def test_a_cancel_flagged_while_the_listener_was_away_stops_its_request(redis, redis_url, prefix):
+    """A cancel is published once, to whoever listens then. Whatever was flagged before the
+    listener (re)subscribed is cancelled when it does: at start, and after its connection is cut."""
+    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                              intake_block_ms=50, served_model_name="m")
+    engine = BlockingEngine()
+    engine.running = [SimpleNamespace(id="flagged-before"), SimpleNamespace(id="flagged-later")]
+    engine.waiting = [SimpleNamespace(id="never-flagged")]
+    flag = RecordField.CANCEL_REQUESTED.value
+    await redis.hset(redis_keys.request_record(prefix, "flagged-before"), flag, "1")
+    service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
+    run = asyncio.create_task(service.run())
+    await asyncio.to_thread(engine.stepping.wait, 30)
+    await until(lambda: _true(engine.cancelled == ["flagged-before"]), what="the earlier cancel taken at start")
+
+    # As if the api's SPUBLISH was lost: the flag alone, then the listener's connection cut.
+    await redis.hset(redis_keys.request_record(prefix, "flagged-later"), flag, "1")
+    await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    await until(lambda: _true("flagged-later" in engine.cancelled), what="the cancel taken after resubscribing")
+    assert "never-flagged" not in engine.cancelled
+
+    engine.release.set()
+    service.stop()
+    await asyncio.wait_for(run, 10)
+
+
+async def test_a_cancel_listener_that_fails_stops_the_worker(redis, redis_url, prefix):
+    """Not a worker left running deaf to cancels: its run ends with the listener's error."""
+    import pytest
+
+    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                              intake_block_ms=50, served_model_name="m")
+    engine = BlockingEngine()
+    engine.running = [object()]  # no id: reading what it holds fails when the listener subscribes
+    service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
+    try:
+        with pytest.raises(AttributeError):
+            await asyncio.wait_for(service.run(), 30)
+    finally:
+        engine.release.set()
 
 
 async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):

@@ -26,7 +26,7 @@ from shared import redis_keys
 from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
 from shared.prefix_affinity import PrefixAffinity
-from shared.pubsub import MESSAGE, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
+from shared.pubsub import MESSAGE, SUBSCRIBED, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
 from shared.queue import RequestQueue
 from shared.reclaim import reclaim_dead_workers
 from shared.redis_client import REDIS_DOWN, until_redis_answers
@@ -115,9 +115,11 @@ class WorkerService:
             log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         loop = asyncio.create_task(self._loop())
         heartbeat = asyncio.create_task(self._heartbeat())
-        tasks = [loop, heartbeat, asyncio.create_task(self._listen_cancels())]
+        listener = asyncio.create_task(self._listen_cancels())
+        tasks = [loop, heartbeat, listener]
         try:
-            done, _ = await asyncio.wait({loop, heartbeat}, return_when=asyncio.FIRST_COMPLETED)
+            # The listener ends only by failing: a worker deaf to cancels stops, and says why.
+            done, _ = await asyncio.wait({loop, heartbeat, listener}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
         finally:
@@ -306,14 +308,26 @@ class WorkerService:
                 async for message in pubsub.listen():
                     if message["type"] == MESSAGE:
                         self.backend.cancel(message["data"])
+                    elif message["type"] == SUBSCRIBED:  # listening from here on: catch up on before
+                        await self._cancel_flagged()
                     elif message["type"] == UNSUBSCRIBED:  # its slot moved to another node
                         break
-            except (*REDIS_DOWN, RedisClusterException) as exc:
+            except (*REDIS_DOWN, RedisClusterException, ResponseError) as exc:  # e.g. MOVED: the slot's new node
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
             finally:
                 if pubsub is not None:
                     await close_pubsub(self.redis, pubsub)
+
+    async def _cancel_flagged(self) -> None:
+        """Stop what this worker holds whose record was flagged cancelled while its listener was not
+        subscribed. A cancel is published once, to whoever listens then: without this, one sent
+        while Redis restarted, the connection was lost or the channel's slot moved would leave its
+        request running to its end."""
+        held = [seq.id for seq in self.backend.running + self.backend.waiting]
+        for request_id in await self.store.cancel_flagged(held) if held else []:
+            log.info("request %s was cancelled while the cancel listener was away", request_id)
+            self.backend.cancel(request_id)
 
     async def _heartbeat(self) -> None:
         """Announce this worker every heartbeat interval while its loop goes round (beat)."""
