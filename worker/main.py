@@ -23,7 +23,7 @@ from worker.engine.drafter import DraftProposer
 from worker.engine.core import Engine
 from worker.engine.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
 from worker.model.lora import Adapters
-from worker.model.model_runner import DETERMINISTIC_TILE, PagedRunner, blocks_for_bytes, supports
+from worker.model.model_runner import PagedRunner, blocks_for_bytes, supports
 from worker.model.model_loader import load_model, load_weights, pick_device, pick_dtype
 from worker.backends.null_engine import NullEngine
 from worker.service.service import EngineStalled, WorkerService
@@ -110,7 +110,7 @@ def build_adapters(settings: WorkerSettings, runner: PagedRunner) -> Adapters | 
         return None
     # Deterministic mode: the deltas' matmuls in fixed tiles, as the projections' (batch_invariant holds).
     adapters = Adapters(runner.model, lora.max_loras, lora.max_rank, paths,
-                        DETERMINISTIC_TILE if runner.deterministic else 0, runner.kernels)
+                        runner.plan.tile, runner.kernels)
     for name, path in list(paths.items())[:lora.max_loras]:
         adapter = adapters.load(name, path)
         log.info("LoRA adapter %s: r=%d, scale %.3g, on %s (%s)", name, adapter.rank, adapter.scale,

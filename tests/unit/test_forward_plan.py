@@ -52,7 +52,25 @@ def test_onednn_from_a_few_rows_for_bf16_where_the_cpu_has_amx(tiny_llama, monke
     assert choose(bf16, CPU, kernels=True).matmul_rows == (AMX_MATMUL_ROWS if amx else 0)
     assert choose(bf16, CPU, kernels=True, deterministic=True).matmul_rows == 0  # every row alone
     assert choose(bf16, CPU, kernels=True, matmul_rows=7).matmul_rows == 7  # a setting wins
+    with pytest.raises(ValueError, match="deterministic mode gives every call"):
+        choose(bf16, CPU, kernels=True, deterministic=True, matmul_rows=7)
     assert choose(load_model(tiny_llama, CPU, torch.float32), CPU, kernels=True).matmul_rows == 0
+
+
+def test_deterministic_mode_is_built_in_not_applied_after(tiny_llama):
+    """The plan's tile reaches each projection as it is built: a weight on the kernels' panels
+    computes each row alone and needs none, a library matmul (the portable path) takes calls of
+    exactly that many rows, and then the one-token stack, which would call it on one row, is not built."""
+    model = load_model(tiny_llama, CPU, torch.float32)
+    assert choose(model, CPU, kernels=True, deterministic=True).tile == forward_plan.DETERMINISTIC_TILE
+    assert choose(model, CPU, kernels=True).tile == 0
+    built = kernels.load()
+    for ops in (built, kernels.with_isa(built, "portable")):
+        runner = PagedRunner(load_model(tiny_llama, CPU, torch.float32), CPU, 64, 4, ops, deterministic=True)
+        weights = [w for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        panels = "float32" in ops.panel_dtypes
+        assert {w.tile for w in [*weights, runner.lm_head]} == {0 if panels else forward_plan.DETERMINISTIC_TILE}
+        assert runner.batch_invariant and (runner.one_token is None) == (not panels)
 
 
 @pytest.mark.parametrize("path", ["kernels", "portable", "fused", "eager"])

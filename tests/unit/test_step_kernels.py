@@ -248,8 +248,8 @@ def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_lla
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_weight_on_panels_runs_calls_of_matmul_rows_or_more_on_onednn(ops, dtype):
     """As on a CPU with AMX (forced here on any CPU with panels for the dtype): calls of fewer
-    rows on panel_linear, more on oneDNN's prepacked matmul; deterministic mode gives every call
-    back to the panels, which compute each row alone."""
+    rows on panel_linear, more on oneDNN's prepacked matmul; built for deterministic mode, every
+    call goes to the panels, which compute each row alone."""
     if str(dtype).removeprefix("torch.") not in ops.panel_dtypes:
         pytest.skip(f"this CPU has no panel_linear for {dtype}")
     gen = torch.Generator().manual_seed(15)
@@ -261,9 +261,10 @@ def test_a_weight_on_panels_runs_calls_of_matmul_rows_or_more_on_onednn(ops, dty
         panels = ops.panel_linear(x[:rows], weight.panels, 96, b)
         onednn = torch.ops.mkldnn._linear_pointwise(x[:rows], weight.packed, b, "none", [], "")
         assert torch.equal(weight(x[:rows]), panels if rows < 5 else onednn), rows
-    weight.compute_rows_alone(16)
-    assert weight.row_independent and weight.packed is None and weight.tile == 0
-    assert torch.equal(weight(x), ops.panel_linear(x, weight.panels, 96, b))
+    # Deterministic mode's plan: matmul_rows 0 and a tile, which a weight on panels does not need.
+    exact = Weight(w, b, torch.device("cpu"), ops, matmul_rows=0, tile=16)
+    assert exact.row_independent and exact.packed is None and exact.tile == 0
+    assert torch.equal(exact(x), ops.panel_linear(x, exact.panels, 96, b))
 
 
 def test_bf16_projections_go_to_onednn_from_five_rows_on_amx_only_and_never_in_deterministic_mode(tiny_llama):

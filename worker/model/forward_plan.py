@@ -18,6 +18,10 @@ from worker.model.kernels import cpu_has
 # head, 2 cores); panel_linear took 0.4-0.8x oneDNN's at 1 and 2 rows (docs/engine.md).
 AMX_MATMUL_ROWS = 5
 
+# Deterministic mode: a projection that does not compute each row alone (a library matmul) gets
+# calls of exactly this many rows, the last padded, whatever the step holds.
+DETERMINISTIC_TILE = 16
+
 ARCHS = {"opt": "opt", "gemma3_text": "gemma3"}  # model_type -> forward; any other: the llama family's
 
 
@@ -29,6 +33,11 @@ class ForwardPlan:
     graphs: bool  # decode steps replayed from CUDA graphs (on a CPU, their static buffers, for tests)
     matmul_rows: int  # from how many rows a projection on panels calls oneDNN's matmul instead (0: never)
     deterministic: bool  # every token computed alone, whatever else the step holds
+
+    @property
+    def tile(self) -> int:
+        """Rows a library matmul call takes, padded (0: any number; deterministic mode's DETERMINISTIC_TILE)."""
+        return DETERMINISTIC_TILE if self.deterministic else 0
 
     @property
     def forward(self) -> str:
@@ -59,6 +68,9 @@ def choose(model: torch.nn.Module, device: torch.device, *, kernels: bool, graph
     if deterministic and not (kernels and arch == "llama"):
         raise ValueError("deterministic mode runs on the CPU step kernels (fp32 or bf16, cpu_kernels on, "
                          "a llama-like model); this worker has none")
+    if deterministic and matmul_rows:
+        raise ValueError("deterministic mode gives every call of a projection on panels to the panels "
+                         f"(matmul_rows 0), not {matmul_rows}")
     if matmul_rows is None:
         amx = dtype == torch.bfloat16 and device.type == "cpu" and cpu_has("amx_bf16") and not deterministic
         matmul_rows = AMX_MATMUL_ROWS if amx else 0

@@ -40,9 +40,11 @@ class Weight:
     `kind` says which, once; the tensors a kind does not use are None."""
 
     def __init__(self, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                 kernels: ModuleType | None = None, matmul_rows: int = 0):
+                 kernels: ModuleType | None = None, matmul_rows: int = 0, tile: int = 0):
         """`matmul_rows` > 0: a weight on panels is also prepacked for oneDNN, and a call of that many
-        rows or more runs there (AMX_MATMUL_ROWS on a CPU with AMX); 0: the panels take every call."""
+        rows or more runs there (AMX_MATMUL_ROWS on a CPU with AMX); 0: the panels take every call.
+        `tile` > 0 (deterministic mode, the plan's tile): where this weight's rows are not computed
+        alone, every call runs in calls of exactly that many rows."""
         self.bias, self.isa = bias, getattr(kernels, "isa", "auto")
         self.w = self.panels = self.packed = self.quant = None
         self.out_features = w.shape[0]
@@ -60,7 +62,7 @@ class Weight:
         # Rows a matmul call takes, padded, in deterministic mode where rows are not computed alone
         # (0: any number). panel_linear and quant_linear compute each row alone; a library matmul
         # picks its blocking by the row count, so a row's result would hang on how many others share the call.
-        self.tile = 0
+        self.tile = 0 if self.row_independent else tile
 
     def nbytes(self) -> int:
         """Bytes of the weight this projection holds, in every form it keeps (the float weight and
@@ -74,14 +76,6 @@ class Weight:
         if self.kind == PANELS:
             return not self.matmul_rows
         return self.kind == QUANTIZED and self.quant.row_independent
-
-    def compute_rows_alone(self, tile: int) -> None:
-        """Deterministic mode: a row's result is the same whatever other rows share the call. The
-        kernels compute each row alone already; a library matmul gets calls of exactly `tile` rows."""
-        if self.kind == PANELS:
-            self.matmul_rows, self.packed = 0, None  # the panels take every call
-        if not self.row_independent:
-            self.tile = tile
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == PANELS and not (self.matmul_rows and x.shape[0] >= self.matmul_rows):
@@ -155,10 +149,10 @@ def fusable(model: torch.nn.Module) -> bool:
 
 
 def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | None = None,
-         matmul_rows: int = 0) -> list[FusedLayer]:
+         matmul_rows: int = 0, tile: int = 0) -> list[FusedLayer]:
     """Concatenate each layer's q/k/v and gate/up weights; point the modules at views of them.
     `kernels`: the step kernels, whose projection kernels run what they compute (Weight);
-    `matmul_rows`: Weight's.
+    `matmul_rows`, `tile`: Weight's.
     A module that carries a `quantized` weight (worker/model/quant_model.py) is projected through it;
     its own `weight` is left as it is (a placeholder)."""
     layers = []
@@ -170,7 +164,7 @@ def fuse(model: torch.nn.Module, device: torch.device, kernels: ModuleType | Non
             if any(q is not None for q in found) and any(q is None for q in found):
                 raise ValueError("q, k and v (or gate and up) must be all quantized or none: they run as one projection")
             w = concat_rows(found) if found[0] is not None else _concat(modules, "weight")
-            return Weight(w, bias, device, kernels, matmul_rows)
+            return Weight(w, bias, device, kernels, matmul_rows, tile)
 
         qkv = qkv_modules(attn)
         bqkv = _concat(qkv, "bias") if qkv[0].bias is not None else None

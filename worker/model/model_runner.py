@@ -70,9 +70,6 @@ def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int
     return max(1, budget_bytes // per_block)
 
 
-# Rows of each library matmul call in deterministic mode where panel_linear is not available.
-DETERMINISTIC_TILE = 16
-
 
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
@@ -115,13 +112,11 @@ class PagedRunner:
         # 1.2-2x at one or two rows, on par (within the noise of a shared machine) from 4 rows up.
         # The fused weights come after the cache: made first, one-stream bf16 decoding measured
         # 5 % slower (benchmarks/engine.py single, interleaved rounds); the pages' placement, not understood.
-        self.fused = self._fuse(dtype, plan.matmul_rows) if plan.fused else None
+        self.fused = self._fuse(dtype, plan.matmul_rows, plan.tile) if plan.fused else None
         self.adapters = None  # the LoRA adapters served (worker/model/lora.py Adapters), set by the worker where any
         # The whole layer stack in one kernel call, for a step of one token, where every projection
         # has a kernel form.
         self.one_token = self._one_token_layers() if self.kernels is not None and self.arch == "llama" else None
-        if plan.deterministic:
-            self._compute_rows_alone()
         # On CUDA, decode steps replay CUDA graphs (worker/model/cuda_graphs.py); on a CPU the same
         # static-buffer step runs eagerly, which only the tests ask for.
         self.graphs = DecodeGraphs(self, graph_batch, num_blocks) if plan.graphs else None
@@ -131,29 +126,24 @@ class PagedRunner:
     matmul_rows = property(lambda self: self.plan.matmul_rows)
     deterministic = property(lambda self: self.plan.deterministic)
 
-    def _fuse(self, dtype: torch.dtype, matmul_rows: int) -> list:
+    def _fuse(self, dtype: torch.dtype, matmul_rows: int, tile: int) -> list:
         """The fused layers' weights, and the head's (the panels or packed codes of the kernels
-        where they run); a quantized tied embedding reads the head's table."""
+        where they run); a quantized tied embedding reads the head's table. Deterministic mode
+        (`tile`): a token's result depends on its own sequence only. Every chunk attends through
+        the paged kernel (as it does without the mode), and every projection computes each row
+        alone: panel_linear or the quantized kernels (as without the mode, but for bf16 on a CPU
+        with AMX, whose calls of many rows go to oneDNN otherwise: the plan's matmul_rows is 0),
+        or the library's matmul in fixed tiles where the CPU has no panels for the dtype."""
         model = self.model
-        fused = fuse(model, self.device, self.kernels, matmul_rows)
+        fused = fuse(model, self.device, self.kernels, matmul_rows, tile)
         head = quant_model.quantized(model.lm_head) or model.lm_head.weight.data
-        self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), self.device, self.kernels, matmul_rows)
+        self.lm_head = Weight(head, getattr(model.lm_head, "bias", None), self.device, self.kernels, matmul_rows,
+                              tile)
         quant_model.install_embedding(model, dtype, self.lm_head.quant)
         first = model.model.layers[0]  # every layer's norm epsilon and attention scale are the first's
         self.eps = getattr(first.input_layernorm, "variance_epsilon", None)
         self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
         return fused
-
-    def _compute_rows_alone(self) -> None:
-        """Deterministic mode: a token's result depends on its own sequence only. Every chunk
-        attends through the paged kernel (as it does without the mode), and every projection
-        computes each row alone: panel_linear or the quantized kernels (as without the mode, but
-        for bf16 on a CPU with AMX, whose calls of many rows go to oneDNN otherwise), or the
-        library's matmul in fixed tiles where the CPU has no panels for the dtype."""
-        for w in self._weights():
-            w.compute_rows_alone(DETERMINISTIC_TILE)
-        if not all(w.row_independent for w in self._weights()):
-            self.one_token = None  # it calls the library's matmul on one row
 
     def _weights(self) -> list[Weight]:
         """Every fused projection of every layer, and the head."""
@@ -215,8 +205,11 @@ class PagedRunner:
         return sum(w.nbytes() for w in self._weights()) + table + norms
 
     def _one_token_layers(self):
-        """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)."""
+        """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)
+        or in tiles (deterministic mode without panels: the stack would call the library's matmul on one row)."""
         ops, layers = self.kernels, self.fused
+        if any(w.tile for w in self._weights()):
+            return None
         args = {name: [getattr(w, name).projection(ops) for w in layers] for name in ("qkv", "o", "gate_up", "down")}
         if any(p is None for projections in args.values() for p in projections):
             return None
