@@ -4,7 +4,9 @@ Its field names are said once, here (`BatchField`), as the request record's are 
 shared/request_record.py: the api writes a new batch's fields (`BatchRecord.created`) and reads
 the batch back for its owner (api/routes/batches.py); the scheduler's batch job marks it in
 progress and completed and counts its results (scheduler/batches.py), its Lua script given the
-count's field name as an argument, so it spells none itself.
+count's field name as an argument, so it spells none itself. Each request of a batch is a
+`BatchEntry`, one JSON string in the batch's list (shared/redis_keys.batch_items), written by the
+api and read by the scheduler's job and the results route.
 
 Read back, a record is one typed value (`BatchRecord.of`), with `fields()` the inverse: the hash
 as Redis keeps it (numbers as redis-py writes them, repr of the int or float).
@@ -14,6 +16,8 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+
+from shared.messages import RequestPayload
 
 
 class BatchStatus(enum.StrEnum):
@@ -92,3 +96,22 @@ class BatchRecord:
             if at is not None:
                 out[name.value] = repr(at)
         return out
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request of a batch as the api checked it: the caller's id for it, the endpoint it is for,
+    and the request ready to queue (its id is the result's request id)."""
+
+    custom_id: str
+    endpoint: str
+    payload: RequestPayload
+
+    def to_json(self) -> str:
+        return json.dumps({"custom_id": self.custom_id, "endpoint": self.endpoint,
+                           "payload": json.loads(self.payload.model_dump_json())})
+
+    @classmethod
+    def of(cls, data: str) -> BatchEntry:
+        item = json.loads(data)
+        return cls(item["custom_id"], item["endpoint"], RequestPayload.model_validate(item["payload"]))

@@ -7,7 +7,6 @@ Difference from OpenAI: there is no Files API, so the requests come inline (`req
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -23,7 +22,7 @@ from api.json_body import StrictJSONRoute
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.routes.openai import plan_chat, plan_completion
 from shared import redis_keys
-from shared.batch_record import BatchRecord
+from shared.batch_record import BatchEntry, BatchRecord
 
 router = APIRouter(tags=["batches"], route_class=StrictJSONRoute)
 
@@ -75,8 +74,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     for item in body.requests:
         payloads = await _plan(body.endpoint, item, generation)
         payloads[0].tenant = tenant
-        items.append(json.dumps({"custom_id": item.custom_id, "endpoint": body.endpoint,
-                                 "payload": json.loads(payloads[0].model_dump_json())}))
+        items.append(BatchEntry(item.custom_id, body.endpoint, payloads[0]).to_json())
     batch_id = f"batch_{uuid.uuid4().hex}"
     record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata)
     redis = store.redis
@@ -116,5 +114,5 @@ async def batch_results(batch_id: str, store: StoreDep, tenant: TenantDep):
     await _batch_object(store, batch_id, tenant)
     items = await store.redis.lrange(redis_keys.batch_items(store.prefix, batch_id), 0, -1)
     results = await store.redis.hgetall(redis_keys.batch_results(store.prefix, batch_id))
-    lines = [results[cid] for cid in (json.loads(i)["custom_id"] for i in items) if cid in results]
+    lines = [results[cid] for cid in (BatchEntry.of(i).custom_id for i in items) if cid in results]
     return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""), media_type="application/jsonl")

@@ -2,12 +2,15 @@
 through its hash, and the hash keeps the names and encodings batches were written with, so a
 batch an earlier version wrote reads back."""
 import dataclasses
+import json
 import re
 
 import pytest
 
 from scheduler import batches
-from shared.batch_record import BatchField, BatchRecord, BatchStatus
+from shared.batch_record import BatchEntry, BatchField, BatchRecord, BatchStatus
+from shared.messages import RequestPayload
+from shared.sampling import SamplingParams
 
 FULL = BatchRecord(status=BatchStatus.COMPLETED, endpoint="/v1/chat/completions", tenant="acme",
                    created_at=1712000000, total=3, completed=2, failed=1, metadata={"run": "nightly"},
@@ -49,6 +52,17 @@ def test_a_hash_without_an_owner_or_metadata_reads_as_the_route_read_it():
     record = BatchRecord.of({"status": "in_progress", "endpoint": "/v1/completions", "created_at": "1712000000",
                              "total": "1", "completed": "0", "failed": "0", "started_at": "1712000001.0"})
     assert (record.tenant, record.metadata, record.completed_at) == ("", {}, None)
+
+
+def test_an_entry_is_written_as_batches_always_were_and_reads_back():
+    payload = RequestPayload(id="r1", model="m", params=SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3],
+                             tenant="acme")
+    # What the route wrote for each request before BatchEntry said it once (a batch left queued by it).
+    earlier = json.dumps({"custom_id": "q0", "endpoint": "/v1/completions",
+                          "payload": json.loads(payload.model_dump_json())})
+    entry = BatchEntry("q0", "/v1/completions", payload)
+    assert entry.to_json() == earlier
+    assert BatchEntry.of(earlier) == entry
 
 
 @pytest.mark.parametrize("fields", [{}, {"completed": "1"}])
