@@ -83,7 +83,24 @@ def worker_settings(settings: SchedulerSettings) -> type:
     })
 
 
+# arq's formats of a job's start and end lines, in arq/worker.py (tests/unit/test_scheduler_logs.py checks them there).
+ARQ_RUN_LINES = ("%6.2fs → %s(%s)%s", "%6.2fs ← %s ● %s")
+
+
+class QuietCron(logging.Filter):
+    """arq logs each run of a job at INFO as it starts and as it ends. The cron jobs run every few
+    seconds (four lines each time, thousands an hour) and log themselves what they did (trimmed,
+    expired, reclaimed): their start and end lines are dropped, unless arq's log is at DEBUG.
+    A batch job's lines, a retry, and every warning and error of any job still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or logging.getLogger("arq.worker").isEnabledFor(logging.DEBUG):
+            return True
+        return not (record.msg in ARQ_RUN_LINES and ":cron:" in record.getMessage())
+
+
 def main(settings: SchedulerSettings | None = None) -> None:
+    logging.getLogger("arq.worker").addFilter(QuietCron())
     asyncio.run(supervise(settings or SchedulerSettings()))
 
 
