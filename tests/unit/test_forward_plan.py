@@ -67,9 +67,8 @@ def test_deterministic_mode_is_built_in_not_applied_after(tiny_llama):
     built = kernels.load()
     for ops in (built, kernels.with_isa(built, "portable")):
         runner = PagedRunner(load_model(tiny_llama, CPU, torch.float32), CPU, 64, 4, ops, deterministic=True)
-        weights = [w for layer in runner.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         panels = "float32" in ops.panel_dtypes
-        assert {w.tile for w in [*weights, runner.lm_head]} == {0 if panels else forward_plan.DETERMINISTIC_TILE}
+        assert {w.tile for w in runner.projections()} == {0 if panels else forward_plan.DETERMINISTIC_TILE}
         assert runner.batch_invariant and (runner.one_token is None) == (not panels)
 
 

@@ -48,7 +48,7 @@ def vllm_plan(dtype: str, device: str, deterministic: bool) -> ExecutionPlan:
 def _projections(runner) -> str:
     if runner.fused is None:
         return "modules"  # the model's own nn.Linear
-    kinds = sorted({_kind(w) for w in runner._weights()})
+    kinds = sorted({_kind(w) for w in runner.projections()})
     return "+".join(kinds)
 
 

@@ -145,7 +145,7 @@ class PagedRunner:
         self.scale = getattr(first.self_attn, "scaling", self.head_dim ** -0.5)
         return fused
 
-    def _weights(self) -> list[Weight]:
+    def projections(self) -> list[Weight]:
         """Every fused projection of every layer, and the head."""
         return [w for layer in self.fused for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
@@ -162,7 +162,7 @@ class PagedRunner:
         that count, unless in deterministic mode (fixed tiles); a base row gets no delta at all."""
         if self.kernels is None or self.arch != "llama" or self.fused is None:
             return False
-        return all(w.row_independent or w.tile for w in self._weights())
+        return all(w.row_independent or w.tile for w in self.projections())
 
     @property
     def numerics(self) -> tuple:
@@ -202,13 +202,13 @@ class PagedRunner:
         else:
             table = embed.weight.numel() * embed.weight.element_size()
         norms = sum(w.ln1.numel() + w.ln2.numel() for w in self.fused) * self.fused[0].ln1.element_size()
-        return sum(w.nbytes() for w in self._weights()) + table + norms
+        return sum(w.nbytes() for w in self.projections()) + table + norms
 
     def _one_token_layers(self):
         """The kernels' Layers, or None where a projection runs in Python only (quantized, portable)
         or in tiles (deterministic mode without panels: the stack would call the library's matmul on one row)."""
         ops, layers = self.kernels, self.fused
-        if any(w.tile for w in self._weights()):
+        if any(w.tile for w in self.projections()):
             return None
         args = {name: [getattr(w, name).projection(ops) for w in layers] for name in ("qkv", "o", "gate_up", "down")}
         if any(p is None for projections in args.values() for p in projections):
