@@ -70,7 +70,6 @@ def blocks_for_bytes(model: torch.nn.Module, dtype: torch.dtype, block_size: int
     return max(1, budget_bytes // per_block)
 
 
-
 class PagedRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
                  kernels: ModuleType | None = None, graph_batch: int = 0, deterministic: bool = False,
