@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import httpx
@@ -38,16 +39,19 @@ class Stack(launcher.Stack):
         self.model_name = model.name if model else "SmolLM2-135M-Instruct"
 
     @contextmanager
-    def cancel_published(self, timeout_s: float = 60.0) -> Iterator[None]:
+    def cancel_published(self, timeout_s: float = 60.0) -> Iterator[SimpleNamespace]:
         """Listen on the workers' cancel channel while the block runs, then wait until a cancel
-        was published there. A paused worker has it in its connection by then: resumed, it stops
-        the request within a step, before the tiny model can run it to its end. (A record's
+        was published there (unless the block set the `expected` of what it is given to False: no
+        cancel is due after all). A paused worker has it in its connection by then: resumed, it
+        stops the request within a step, before the tiny model can run it to its end. (A record's
         cancel_requested flag is set a round trip before the api publishes, so it is no such sign.)"""
         with self.redis() as client, client.pubsub() as pubsub:
             pubsub.ssubscribe(redis_keys.cancel_channel(self.prefix))
             self._next_message(pubsub, "ssubscribe", timeout_s)  # subscribed before the block asks
-            yield
-            self._next_message(pubsub, "smessage", timeout_s)
+            watch = SimpleNamespace(expected=True)
+            yield watch
+            if watch.expected:
+                self._next_message(pubsub, "smessage", timeout_s)
 
     @staticmethod
     def _next_message(pubsub, kind: str, timeout_s: float) -> dict:
