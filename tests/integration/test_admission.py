@@ -43,7 +43,7 @@ async def _submit(replica: Generation, n: int = 1, tenant: str = "") -> bool:
 
 
 async def _records(redis: Redis, prefix: str) -> int:
-    return len([k async for k in redis.scan_iter(match=f"{prefix}:req:*")])
+    return len([k async for k in redis.scan_iter(match=redis_keys.request_record(prefix, "*"))])
 
 
 async def test_two_replicas_together_never_queue_past_the_limit(redis, redis_url, prefix):
