@@ -5,8 +5,11 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
-from tests.stack import stream_events
+from shared import redis_keys
+from shared.messages import RequestStatus
+from tests.stack import Stack, stream_events
 
 
 def submit(client: httpx.Client, url: str, **body) -> dict:
@@ -66,3 +69,36 @@ def fp32_activations_env() -> dict[str, str]:
     from worker.model import kernels
 
     return {"STREAMQ_CPU_ISA": kernels.widest_fp32(kernels.load())}
+
+
+def response_request_id(stack: Stack, response_id: str) -> str:
+    """The id of the request that runs a stored response (a tenant-less stack's)."""
+    with stack.redis() as client:
+        return client.hget(redis_keys.response_record(stack.prefix, "", response_id), "request_id")
+
+
+def held_mid_response(client: openai.OpenAI, stack: Stack, prompt: str, max_output_tokens: int,
+                      attempts: int = 5):
+    """A background response streamed up to its first text delta, then every worker paused while
+    its request still runs: (the created response, its open stream, the events so far). A worker
+    runs ahead of its client, and on a loaded machine may end the response before the client saw
+    a delta (the stream replays from the start); then the workers go on and a new response is
+    tried, so the pause is mid-response."""
+    for _ in range(attempts):
+        created = client.responses.create(input=prompt, temperature=0, max_output_tokens=max_output_tokens,
+                                          background=True)
+        stream = client.responses.retrieve(created.id, stream=True)
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta":
+                stack.pause_workers()
+                break
+        else:
+            raise AssertionError(f"the stream ended before any text: {seen}")
+        record = stack.record(response_request_id(stack, created.id))
+        if record is not None and record.status == RequestStatus.RUNNING:
+            return created, stream, seen
+        stack.resume_workers()
+        list(stream)
+    raise AssertionError(f"the response ended before its workers were paused, {attempts} times")

@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared import redis_keys
+from tests.e2e.helpers import held_mid_response
 from tests.stack import Stack, parse_sse
 from streamq.testing.tiny_models import build_model
 
@@ -197,40 +198,22 @@ def test_parse_gives_the_pydantic_model(client, model):
 
 def test_cancel_stops_a_running_background_response(stack, client, model):
     """The worker is paused at a delta until the cancel is published to it, so the tiny model
-    cannot end the response first, however late the cancel comes on a loaded machine. The stream
-    replays from the response's start, so the pause may come late: where the response had ended
-    by then, the test tries a new one."""
-    for _ in range(5):
-        created = client.responses.create(model=model, input="Go on and on", temperature=0,
-                                          max_output_tokens=1500, background=True)
-        stream = client.responses.retrieve(created.id, stream=True)
-        paused = False
-        try:
-            for event in stream:
-                if event.type == "response.output_text.delta":
-                    stack.pause_worker()
-                    paused = True
-                    break
-            stream.close()
-            record = redis_keys.response_record(stack.prefix, "", created.id)
-            if stack.record(stack.redis().hget(record, "request_id")).status != "running":
-                continue
-            with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
-                with stack.cancel_published():  # the cancel answers once the worker stopped: it waits beside
-                    pending = pool.submit(http.post, f"{stack.urls[1]}/v1/responses/{created.id}/cancel")
-                stack.resume_worker()
-                paused = False
-                cancelled = pending.result().json()
-        finally:
-            if paused:
-                stack.resume_worker()
-        assert cancelled["status"] == "cancelled", cancelled
-        assert 1 <= cancelled["usage"]["output_tokens"] < 1500
-        assert client.responses.retrieve(created.id).status == "cancelled"
-        finished = client.responses.cancel(created.id)  # a finished one is answered as it is
-        assert finished.status == "cancelled"
-        return
-    raise AssertionError("the response ended before its worker was paused, 5 times")
+    cannot end the response first, however late the cancel comes on a loaded machine."""
+    created, stream, _ = held_mid_response(client, stack, "Go on and on", 1500)
+    stream.close()
+    try:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            with stack.cancel_published():  # the cancel answers once the worker stopped: it waits beside
+                pending = pool.submit(http.post, f"{stack.urls[1]}/v1/responses/{created.id}/cancel")
+            stack.resume_workers()
+            cancelled = pending.result().json()
+    finally:
+        stack.resume_workers()
+    assert cancelled["status"] == "cancelled", cancelled
+    assert 1 <= cancelled["usage"]["output_tokens"] < 1500
+    assert client.responses.retrieve(created.id).status == "cancelled"
+    finished = client.responses.cancel(created.id)  # a finished one is answered as it is
+    assert finished.status == "cancelled"
 
 
 def test_a_queued_background_response_is_cancelled_at_once(stack, client, model):

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from shared import redis_keys
 from shared.messages import RequestStatus
 from shared.redis_server import RedisServer
+from tests.e2e.helpers import held_mid_response, response_request_id
 from tests.stack import Stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,10 +33,6 @@ def _undisturbed(client: openai.OpenAI) -> tuple[str, str]:
     return reference.output_text, reference.status
 
 
-def _request_id(stack: Stack, response_id: str) -> str:
-    return stack.redis().hget(redis_keys.response_record(stack.prefix, "", response_id), "request_id")
-
-
 def _check(events: list, reference: tuple[str, str]) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))  # none lost, none twice
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reference[0]
@@ -50,35 +46,11 @@ def stack(redis_url, tiny_llama, tmp_path_factory):
         yield running
 
 
-def _held_mid_response(client: openai.OpenAI, stack: Stack, attempts: int = 5):
-    """A background response streamed up to its first text delta, then every worker paused while
-    its request still runs: (the created response, its open stream, the events so far). A worker
-    runs ahead of its client, and on a loaded machine may end the response before the client saw
-    a delta; then the workers go on and a new response is tried, so the pause is mid-response."""
-    for _ in range(attempts):
-        created = client.responses.create(input=PROMPT, temperature=0, max_output_tokens=TOKENS, background=True)
-        stream = client.responses.retrieve(created.id, stream=True)
-        seen = []
-        for event in stream:
-            seen.append(event)
-            if event.type == "response.output_text.delta":
-                stack.pause_workers()
-                break
-        else:
-            raise AssertionError(f"the stream ended before any text: {seen}")
-        record = stack.record(_request_id(stack, created.id))
-        if record is not None and record.status == RequestStatus.RUNNING:
-            return created, stream, seen
-        stack.resume_workers()
-        list(stream)
-    raise AssertionError(f"the response ended before its workers were paused, {attempts} times")
-
-
 def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
     """First in this module: it kills replica 0 (the next test uses replica 1)."""
     client, other = _client(stack.urls[0]), _client(stack.urls[1])
     reference = _undisturbed(other)
-    created, stream, events = _held_mid_response(client, stack)
+    created, stream, events = held_mid_response(client, stack, PROMPT, TOKENS)
     try:
         stack.kill_replica(0)
         # The dead replica's connection ends in an error, or (seen under load) as a plain end of
@@ -96,13 +68,13 @@ def test_the_replica_holding_the_stream_killed_then_resumed_on_the_other(stack):
 def test_a_worker_killed_mid_response(stack):
     client = _client(stack.urls[1])
     reference = _undisturbed(client)
-    created, stream, events = _held_mid_response(client, stack)
-    record = stack.record(_request_id(stack, created.id))
+    created, stream, events = held_mid_response(client, stack, PROMPT, TOKENS)
+    record = stack.record(response_request_id(stack, created.id))
     assert record.status == RequestStatus.RUNNING, record
     stack.kill_paused_worker(record.worker)
     events += list(stream)
     _check(events, reference)
-    taken = stack.record(_request_id(stack, created.id))
+    taken = stack.record(response_request_id(stack, created.id))
     assert taken.worker != record.worker  # another worker finished it: a takeover happened
     assert client.responses.retrieve(created.id).output_text == reference[0]
 
@@ -114,7 +86,7 @@ def test_a_redis_restart_under_aof_mid_response(tiny_llama, tmp_path):
         with Stack(url, tiny_llama, tmp_path / "stack") as stack:
             client = _client(stack.urls[0])
             reference = _undisturbed(client)
-            created, stream, events = _held_mid_response(client, stack)
+            created, stream, events = held_mid_response(client, stack, PROMPT, TOKENS)
             redis.crash_and_restart()
             stack.resume_worker(0)
             events += list(stream)  # the same connection: the stream waited for Redis
