@@ -260,7 +260,7 @@ class WorkerService:
             # Cancelled (or otherwise ended) while queued: nothing to run.
             await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
             return None
-        if any(seq.id == payload.id for seq in self.backend.running + self.backend.waiting):
+        if payload.id in self._held():
             # Put back while this worker still ran it (its heartbeat came late: a stalled machine, a
             # long pause): it goes on here, and its end acks the entry it came back as.
             log.warning("request %s came back to the worker that still runs it; it goes on", payload.id)
@@ -324,10 +324,14 @@ class WorkerService:
         subscribed. A cancel is published once, to whoever listens then: without this, one sent
         while Redis restarted, the connection was lost or the channel's slot moved would leave its
         request running to its end."""
-        held = [seq.id for seq in self.backend.running + self.backend.waiting]
+        held = self._held()
         for request_id in await self.store.cancel_flagged(held) if held else []:
             log.info("request %s was cancelled while the cancel listener was away", request_id)
             self.backend.cancel(request_id)
+
+    def _held(self) -> list[str]:
+        """The ids of the requests this worker holds: running, or taken and waiting to run."""
+        return [seq.id for seq in self.backend.running + self.backend.waiting]
 
     async def _heartbeat(self) -> None:
         """Announce this worker every heartbeat interval while its loop goes round (beat)."""
