@@ -4,12 +4,20 @@ import json
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from shared import redis_keys
 from shared.request_record import RecordField
 from shared.settings import WorkerSettings
 from tests.waiting import until
 from worker.engine.backend import Counts, Threaded
 from worker.service.service import WorkerService
+
+
+def _settings(redis_url: str, prefix: str, **more) -> WorkerSettings:
+    """A worker that beats and reads its lanes often, serving the model "m"."""
+    return WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
+                          intake_block_ms=50, served_model_name="m", **more)
 
 
 def _subscribed(redis, channel):
@@ -61,8 +69,7 @@ class BlockingEngine:
 
 
 async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, prefix):
-    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
-                              intake_block_ms=50, served_model_name="m")
+    settings = _settings(redis_url, prefix)
     engine = BlockingEngine()
     service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
     run = asyncio.create_task(service.run())
@@ -88,8 +95,7 @@ async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, p
 async def test_a_cancel_flagged_while_the_listener_was_away_stops_its_request(redis, redis_url, prefix):
     """A cancel is published once, to whoever listens then. Whatever was flagged before the
     listener (re)subscribed is cancelled when it does: at start, and after its connection is cut."""
-    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
-                              intake_block_ms=50, served_model_name="m")
+    settings = _settings(redis_url, prefix)
     engine = BlockingEngine()
     engine.running = [SimpleNamespace(id="flagged-before"), SimpleNamespace(id="flagged-later")]
     engine.waiting = [SimpleNamespace(id="never-flagged")]
@@ -113,10 +119,7 @@ async def test_a_cancel_flagged_while_the_listener_was_away_stops_its_request(re
 
 async def test_a_cancel_listener_that_fails_stops_the_worker(redis, redis_url, prefix):
     """Not a worker left running deaf to cancels: its run ends with the listener's error."""
-    import pytest
-
-    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
-                              intake_block_ms=50, served_model_name="m")
+    settings = _settings(redis_url, prefix)
     engine = BlockingEngine()
     engine.running = [object()]  # no id: reading what it holds fails when the listener subscribes
     service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
@@ -128,12 +131,9 @@ async def test_a_cancel_listener_that_fails_stops_the_worker(redis, redis_url, p
 
 
 async def test_a_stuck_step_withdraws_the_worker(redis, redis_url, prefix):
-    import pytest
-
     from worker.service.service import EngineStalled
 
-    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
-                              intake_block_ms=50, served_model_name="m", engine_stall_s=0.5)
+    settings = _settings(redis_url, prefix, engine_stall_s=0.5)
     engine = BlockingEngine()  # its step never returns until released
     service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
     beat_key = redis_keys.worker_heartbeat(prefix, settings.worker_name)
@@ -155,8 +155,7 @@ async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
     server = RedisServer(tmp_path / "redis")
     url = server.start()
     redis = connect(url)
-    settings = WorkerSettings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:8]}", heartbeat_interval_s=0.05,
-                              heartbeat_ttl_s=5, intake_block_ms=50, served_model_name="m")
+    settings = _settings(url, f"t{uuid.uuid4().hex[:8]}")
     service = WorkerService(redis, Threaded(NullEngine(batch_size=2, tokens_per_s=100), "null"), settings, "m")
     run = asyncio.create_task(service.run())
     free_key = redis_keys.worker_free_slots(settings.prefix, "m")
@@ -171,8 +170,7 @@ async def test_a_worker_told_to_stop_while_redis_is_away_stops(tmp_path):
 async def test_the_probes_follow_the_heartbeat_and_a_stop(redis, redis_url, prefix):
     import httpx
 
-    settings = WorkerSettings(redis_url=redis_url, prefix=prefix, heartbeat_interval_s=0.05, heartbeat_ttl_s=5,
-                              intake_block_ms=50, served_model_name="m", metrics_port=0)
+    settings = _settings(redis_url, prefix, metrics_port=0)
     engine = BlockingEngine()
     service = WorkerService(redis, Threaded(engine, "stub"), settings, "m")
     run = asyncio.create_task(service.run())
