@@ -14,17 +14,22 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.arq_cluster import arq_pool
 from shared.redis_client import REDIS_DOWN, connect, refuse_cluster
 
-from api.auth import TenantDep, auth_enabled
-from api.deps import Replica
-from api.limits import Limits
-from api.metrics import ApiMetrics, BodyLimit, CountRequests
-from api.served_models import Models
-from api.errors import ApiError
-from api.hub import PubSubHub
-from api.relay import Relay
-from api.tracing import TraceRequests
-from api.responses import ResponseStore
-from api.routes import batches, health, lora, messages, openai, playground, pooling, requests, responses, seed
+from api.core.auth import TenantDep, auth_enabled
+from api.core.deps import Replica
+from api.core.limits import Limits
+from api.core.metrics import ApiMetrics, BodyLimit, CountRequests
+from api.core.served_models import Models
+from api.core.errors import ApiError
+from api.core.hub import PubSubHub
+from api.core.relay import Relay
+from api.core.tracing import TraceRequests
+from api.admin import health, lora, playground
+from api.anthropic import messages
+from api.native import requests, seed
+from api.openai import batches, chat, completions, models
+from api.openai.errors import OPENAI_PATHS, openai_error
+from api.openai.pooling import routes as pooling
+from api.openai.responses import routes as responses
 from shared import redis_keys, tracing
 from shared.api_keys import KeyStore
 from shared.model_paths import model_dir
@@ -35,7 +40,7 @@ from shared.tokenizer import Tokenizer
 
 
 # Paths whose errors take OpenAI's body (and 400 for every invalid request).
-OPENAI_FAMILY = openai.OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
+OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -55,8 +60,9 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
             await metrics.sample_fleet(replica.store.redis, settings.prefix, replica.model_name)
         return metrics.response()
 
-    for router in (requests.router, openai.router, responses.router, messages.router, pooling.router, lora.router,
-                   seed.router, batches.router, health.router, playground.router):
+    for router in (requests.router, models.router, completions.router, chat.router, responses.router,
+                   messages.router, pooling.router, lora.router, seed.router, batches.router, health.router,
+                   playground.router):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
     _handle_errors(app)
@@ -65,7 +71,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
 
 def _no_native_telemetry() -> dict:
     """FastAPI 0.165 and later trace every request (and its dependencies) themselves once a tracer
-    provider is set: api/tracing.py's span is the request's here, so theirs is turned off."""
+    provider is set: api/core/tracing.py's span is the request's here, so theirs is turned off."""
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
         return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     return {}
@@ -89,8 +95,7 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         models = Models(store, relay, settings, limits, metrics)
         name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
         generation = await models.add(name, own_tokenizer)
-        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation,
-                                    ResponseStore(store, settings.responses_retention_s))
+        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation)
         try:
             yield
         finally:
@@ -110,7 +115,7 @@ def _error(path: str, status: int, message: str, param: str | None = None, code:
         return JSONResponse(status_code=status, headers=headers, content=messages.anthropic_error(status, message))
     if path.startswith(OPENAI_FAMILY):
         return JSONResponse(status_code=status, headers=headers,
-                            content=openai.openai_error(status, message, param, code))
+                            content=openai_error(status, message, param, code))
     return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
 
 

@@ -7,7 +7,7 @@ The engine (in this process, as a worker runs it) embeds --inputs texts (the cha
 benchmarks/workload_w.json, user turns) as one pooling request, with the weights as served (the
 GGUF kept quantized, on this CPU's kernels: what `make run` serves; on AVX-512 VNNI also with the
 projections held to fp32 activations, STREAMQ_CPU_ISA=avx512) and as floats (the GGUF dequantized). The reference is transformers' AutoModel in fp32 on the float weights: the mean of
-the last hidden states over each input's tokens, scaled to length 1 (api/pooling.py). Reported
+the last hidden states over each input's tokens, scaled to length 1 (api/openai/pooling/inputs.py). Reported
 per dtype and weights: the least and median cosine to the reference, and the engine's inputs and
 tokens per second (median of --rounds). Rerank: the largest difference of a yes-probability
 to transformers' on the same prompts, and how many of 10 hand-written queries
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.pooling import floats, rerank_candidates, rerank_prompt
+from api.openai.pooling.inputs import floats, rerank_candidates, rerank_prompt
 from benchmarks.report import machine, print_machine, print_table
 from shared.messages import PoolSpec, RequestPayload
 from shared.model_paths import prepare_model, weights_dir

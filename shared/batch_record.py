@@ -2,7 +2,7 @@
 
 Its field names are said once, here (`BatchField`), as the request record's are in
 shared/request_record.py: the api writes a new batch's fields (`BatchRecord.created`) and reads
-the batch back for its owner (api/routes/batches.py); the scheduler's batch job marks it in
+the batch back for its owner (api/openai/batches.py); the scheduler's batch job marks it in
 progress and completed and counts its results (scheduler/batches.py), its Lua script given the
 count's field name as an argument, so it spells none itself. Each request of a batch is a
 `BatchEntry`, one JSON string in the batch's list (shared/redis_keys.batch_items), written by the

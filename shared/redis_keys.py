@@ -138,7 +138,7 @@ def dead_letter_stream(prefix: str) -> str:
 
 def response_record(prefix: str, tenant: str, response_id: str) -> str:
     """Hash: a stored response of the Responses API under its tenant (its request's id, settings,
-    input items, conversation); it expires after the responses' retention (api/responses.py)."""
+    input items, conversation); it expires after the responses' retention (api/openai/responses/store.py)."""
     return f"{prefix}:resp:{tenant}:{{{response_id}}}"
 
 

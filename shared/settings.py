@@ -86,6 +86,11 @@ class ApiSettings(CommonSettings):
     responses_retention_s: int = Field(
         24 * 3600, ge=60, le=366 * 24 * 3600,
         description="How long a stored response of /v1/responses (its input, output and events) is kept after it is created.")
+    tool_parser: str = Field(
+        "auto", min_length=1, max_length=4096,
+        description="The tool-call format each model's replies are read in (api/core/parsers/): auto = the one its "
+                    "chat template certainly asks for (hermes), else generic; a format's name, for every model; "
+                    "or MODEL=FORMAT pairs, comma-separated (the models not named: auto).")
 
 
 class _Section(BaseModel):

@@ -102,7 +102,7 @@ def _keys(args: argparse.Namespace) -> int:
             if args.keys_command == "create":
                 print(await store.create(args.tenant, args.name))
             elif args.keys_command == "limits":
-                from api.limits import Limits
+                from api.core.limits import Limits
 
                 try:
                     await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent,

@@ -143,7 +143,7 @@ def _free_ports(count: int, avoid: int) -> list[int]:
 
 def _replica_auth(env: dict[str, str], host: str) -> str:
     """Replicas bind loopback behind nginx, so `auto` is decided for the address nginx listens on."""
-    from api.auth import auth_enabled  # the api's own rule, not a copy of it
+    from api.core.auth import auth_enabled  # the api's own rule, not a copy of it
 
     mode = env.get("STREAMQ_AUTH", "auto")
     if mode != "auto":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from api.pooling import rerank_candidates, rerank_prompt
+from api.openai.pooling.inputs import rerank_candidates, rerank_prompt
 from shared import redis_keys
 from shared.messages import RequestStatus
 from shared.tokenizer import Tokenizer

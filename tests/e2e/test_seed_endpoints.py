@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from api.routes.seed import SEED_MAX_TOKENS
+from api.native.seed import SEED_MAX_TOKENS
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy
 from tests.stack import stream_events

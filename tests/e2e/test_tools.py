@@ -1,6 +1,6 @@
 """OpenAI tool calling through the whole stack on the tiny llama model, with the official openai
-client, in both tool formats (the generic one, api/tools.py, and the Hermes one of templates that
-know tools, api/hermes.py): the arguments always validate against the function's schema, closed;
+client, in both tool formats (the generic one, api/core/tools.py, and the Hermes one of templates that
+know tools, api/core/parsers/hermes.py): the arguments always validate against the function's schema, closed;
 a named function is called exactly once; a reply cut by max_tokens says so and holds no call, with
 stream or without. Sampled at temperature 1 with tight limits, not only greedy."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import tools as tool_format
-from api.tools import Tool
+from api.core import tools as tool_format
+from api.core.tools import Tool
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack
 from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_model

@@ -157,8 +157,8 @@ def test_tool_calls_validate_on_either_backend(stack):
     structured_outputs: vLLM runs both constraints as the built-in engine does."""
     import openai
 
-    from api import hermes
-    from api.tools import Tool
+    from api.core.parsers import hermes
+    from api.core.tools import Tool
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["city"],

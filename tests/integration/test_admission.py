@@ -5,11 +5,11 @@ import uuid
 
 from redis.asyncio import Redis
 
-from api.backpressure import Backpressure
-from api.errors import ApiError
-from api.generation import Generation
-from api.limits import Limits
-from api.metrics import ApiMetrics
+from api.core.backpressure import Backpressure
+from api.core.errors import ApiError
+from api.core.generation import Generation
+from api.core.limits import Limits
+from api.core.metrics import ApiMetrics
 from shared.reclaim import reclaim_dead_workers
 from shared import redis_keys
 from shared.messages import RequestPayload

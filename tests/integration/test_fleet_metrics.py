@@ -2,7 +2,7 @@
 ready workers by model and the dead letters, which the alerts in deploy/prometheus watch."""
 import json
 
-from api.metrics import ApiMetrics
+from api.core.metrics import ApiMetrics
 from shared import redis_keys
 
 

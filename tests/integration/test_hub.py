@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
-from api.hub import PubSubHub
-from api.relay import Relay
+from api.core.hub import PubSubHub
+from api.core.relay import Relay
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
 from shared.store import EVENT_FIELD, RequestStore
@@ -74,7 +74,7 @@ async def test_a_crashed_reader_is_logged_and_restarted_and_streams_carry_on(red
     assert (await next_event()).index == 0
 
     hub.crash.armed = True
-    with caplog.at_level(logging.INFO, logger="api.hub"):
+    with caplog.at_level(logging.INFO, logger="api.core.hub"):
         # Token 1 is eaten by the crash; the restarted reader resyncs, and the stream reads it from the log.
         await _emit(redis, prefix, TokenEvent(index=1, token_id=101, text="b"))
         await asyncio.wait_for(hub.crash.crashed.wait(), 10)

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import pytest
 import redis
 
-from api.hub import PubSubHub
+from api.core.hub import PubSubHub
 from shared import redis_keys
 from shared.redis_client import connect
 from streamq.testing.redis_cluster import RedisCluster
@@ -92,7 +92,7 @@ async def test_a_stream_whose_slot_moves_to_another_master_follows_it(cluster):
     """The slot of a subscribed channel is given to another master (a resharding): the old one
     unsubscribes the channel (sunsubscribe); the hub subscribes it on the new one, the stream
     is told to catch up from its log (RESYNC), and it hears the channel's messages again."""
-    from api.hub import RESYNC
+    from api.core.hub import RESYNC
 
     client = connect(cluster.url)
     hub = PubSubHub(client, redis_keys.replica_channel("hubtest", "r0"), tick_s=30)

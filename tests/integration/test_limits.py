@@ -4,8 +4,8 @@ import uuid
 
 import pytest
 
-from api.errors import ApiError
-from api.limits import Limits
+from api.core.errors import ApiError
+from api.core.limits import Limits
 from shared import redis_keys
 from shared.messages import RequestStatus
 from shared.request_record import RecordField

@@ -38,13 +38,13 @@ def test_a_three_master_cluster_spreads_keys_and_survives_a_master(tmp_path):
 
 
 async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
-    """api/limits.py's admission touches only the tenant's keys (one hash tag, one slot): it runs
+    """api/core/limits.py's admission touches only the tenant's keys (one hash tag, one slot): it runs
     on a cluster, where a script reading a key it is not given fails (CROSSSLOT)."""
     import pytest
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
-    from api.errors import ApiError
-    from api.limits import Limits
+    from api.core.errors import ApiError
+    from api.core.limits import Limits
     from shared import redis_keys
     from shared.messages import RequestStatus
     from shared.request_record import RecordField

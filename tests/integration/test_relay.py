@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from api.hub import PubSubHub
-from api.relay import Relay
+from api.core.hub import PubSubHub
+from api.core.relay import Relay
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage, encode_event
 from shared.store import EVENT_FIELD, RequestStore

@@ -8,8 +8,8 @@ import weakref
 import pytest
 from redis.exceptions import BusyLoadingError
 
-from api.hub import PubSubHub
-from api.relay import Relay
+from api.core.hub import PubSubHub
+from api.core.relay import Relay
 from shared import redis_keys
 from shared.messages import (
     FinalEvent,

@@ -1,6 +1,6 @@
 import pytest
 
-from api.auth import auth_enabled
+from api.core.auth import auth_enabled
 
 
 @pytest.mark.parametrize("mode,host,expected", [

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from api.auth import auth_enabled
+from api.core.auth import auth_enabled
 from streamq import serve as serve_module
 from streamq.cli import main as cli_main
 from shared.nginx import compose_config, serve_config

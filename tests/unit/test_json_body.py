@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.json_body import MAX_DEPTH, loads
+from api.core.json_body import MAX_DEPTH, loads
 
 
 def refused(body: bytes) -> dict:

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from kubernetes_validate import utils as k8s
 
 from api.app import create_app
-from api.metrics import ApiMetrics
+from api.core.metrics import ApiMetrics
 from shared.model_source import served_name
 from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, WorkerSettings
 from streamq.cli import main as cli_main

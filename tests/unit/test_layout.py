@@ -45,6 +45,35 @@ def test_the_layout_names_every_module():
         assert not missing, f"docs/layout.md's layout does not name {missing}"
 
 
+API_PROTOCOLS = ["openai", "anthropic", "native", "admin"]
+
+
+def test_api_core_imports_no_protocol_and_no_protocol_imports_another():
+    """api/core/ is what every protocol shares; each protocol package imports the core and its
+    own modules only (api/app.py puts them together)."""
+    wrong = []
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        parts = path.relative_to(ROOT / "api").parts
+        if len(parts) < 2:
+            continue  # app.py, main.py: the assembly
+        own = parts[0]
+        for name in _dotted_imports(path):
+            package = name.split(".")[1] if name.startswith("api.") and name.count(".") >= 1 else None
+            if package in API_PROTOCOLS and package != own:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, wrong
+
+
+def _dotted_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
 # worker/'s packages and what each may import of worker/ (its __init__ says the same).
 WORKER_PACKAGES = {
     "model": {"model"},

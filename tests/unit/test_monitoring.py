@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from api.metrics import ApiMetrics
+from api.core.metrics import ApiMetrics
 from tests.prometheus import ALERTS, DASHBOARD, GRAFANA_DIR, PROMETHEUS_DIR, alert_rules, dashboard_queries, tool
 from worker.service.metrics import WorkerMetrics
 

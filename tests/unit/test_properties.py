@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.relay import _Cursor
+from api.core.relay import _Cursor
 from shared.messages import (FinalEvent, FinishReason, RequestStatus, StatusEvent, TokenEvent, Usage, decode_event,
                              encode_event)
 from shared.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.responses import FINAL_STATUS
+from api.openai.responses.events import FINAL_STATUS
 from shared import requeue, store
 from shared.messages import FINISHED, FinishReason, RequestPayload, RequestStatus
 from shared.request_record import LUA_NAMES, RecordField, RequestRecord

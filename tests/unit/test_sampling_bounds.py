@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from api.errors import ApiError
-from api.generation import Generation
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.routes.seed import QueryRequest
+from api.core.errors import ApiError
+from api.core.generation import Generation
+from api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from api.native.seed import QueryRequest
 from shared.sampling import MAX_SEED, SamplingParams
 
 NAN, INF = float("nan"), float("inf")

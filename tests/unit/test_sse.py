@@ -11,11 +11,12 @@ import json
 import re
 from types import SimpleNamespace
 
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.routes import openai as openai_routes
-from api.routes import requests as request_routes
-from api.routes import seed as seed_routes
-from api.schemas import SubmitRequest
+from api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from api.openai import chat as chat_routes
+from api.openai import completions as completion_routes
+from api.native import requests as request_routes
+from api.native import seed as seed_routes
+from api.native.schemas import SubmitRequest
 from shared.messages import (
     FinalEvent,
     FinishReason,
@@ -40,7 +41,7 @@ class _Tokenizer:
 
 
 class _Generation:
-    """What the routes use of api.generation.Generation, replaying `events` then waiting forever."""
+    """What the routes use of api.core.generation.Generation, replaying `events` then waiting forever."""
 
     model_name = "m"
     tokenizer = _Tokenizer()
@@ -191,7 +192,7 @@ async def test_completion_stream_frames_and_done():
     generation = _Generation([None, TokenEvent(index=0, token_id=7, text="é"), TokenEvent(index=1, token_id=8, text=""),
                               FINAL])
     body = CompletionRequest(prompt="x", max_tokens=2, stream=True, stream_options={"include_usage": True})
-    response = await openai_routes.completions(body, generation, "")
+    response = await completion_routes.completions(body, generation, "")
     status, headers, text = await _run(response)
     _check_headers(headers)
     assert '"text": "é"' in text  # not \u-escaped
@@ -209,7 +210,7 @@ async def test_completion_stream_frames_and_done():
 async def test_chat_stream_frames_and_done():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="hi"), None, FINAL])
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
-    response = await openai_routes.chat_completions(body, generation, "")
+    response = await chat_routes.chat_completions(body, generation, "")
     status, headers, text = await _run(response)
     _check_headers(headers)
     chunks = _chunks(text)
@@ -220,7 +221,7 @@ async def test_chat_stream_frames_and_done():
 
 async def test_openai_stream_that_the_client_leaves_is_cancelled():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="a")], end=False)
-    response = await openai_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "")
+    response = await completion_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "")
     await _run(response, leave_after=1)
     assert generation.cancelled == [RID] and generation.closed
 

@@ -1,6 +1,6 @@
 """The two tool formats' own parts, without a model: what each reads out of a reply, whole or cut,
 the closing of the functions' schemas, and what each format's constraint lets a model write
-(api/tools.py, api/hermes.py)."""
+(api/core/tools.py, api/core/parsers/hermes.py)."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from api import hermes
-from api import tools as generic
-from api.tools import NamedToolChoice, Tool, closed, read_reply
+from api.core.parsers import hermes
+from api.core.parsers import generic
+from api.core.parsers.base import read_reply
+from api.core.tools import NamedToolChoice, Tool, closed
 from shared.tokenizer import Tokenizer
 from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_tokenizer
 
@@ -80,12 +81,12 @@ def test_a_cut_generic_reply_is_the_answer_so_far_or_nothing(cut, answer):
 
 def test_calls_count_only_in_a_reply_that_ended_on_its_own():
     whole = '{"tool_calls": [{"name": "convert", "arguments": {"km": 5}}]}'
-    reply = read_reply(whole, "stop")
+    reply = read_reply(whole, "stop", generic.parse)
     assert reply.finish_reason == "tool_calls" and reply.content is None and len(reply.tool_calls) == 1
-    assert read_reply(whole, "length") == generic.Reply(None, [], "length")  # the model had not ended
-    assert read_reply(whole[:30], "length") == generic.Reply(None, [], "length")
-    assert read_reply(whole[:30], "stop") == generic.Reply(None, [], "stop")  # cut by a stop string
-    assert read_reply('{"response": "It is', "length") == generic.Reply("It is", [], "length")
+    assert read_reply(whole, "length", generic.parse) == generic.Reply(None, [], "length")  # the model had not ended
+    assert read_reply(whole[:30], "length", generic.parse) == generic.Reply(None, [], "length")
+    assert read_reply(whole[:30], "stop", generic.parse) == generic.Reply(None, [], "stop")  # cut by a stop string
+    assert read_reply('{"response": "It is', "length", generic.parse) == generic.Reply("It is", [], "length")
     assert read_reply(PARIS, "stop", hermes.parse).finish_reason == "tool_calls"
     assert read_reply(PARIS, "length", hermes.parse) == generic.Reply(None, [], "length")
     assert read_reply(PARIS[:30], "length", hermes.parse) == generic.Reply(None, [], "length")

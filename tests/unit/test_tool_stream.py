@@ -1,4 +1,4 @@
-"""Tool calls read as they are written (api/tool_stream.py): in both formats and any chunking, the
+"""Tool calls read as they are written (api/core/parsers/tool_stream.py): in both formats and any chunking, the
 arguments' deltas add up to each call's JSON, nothing is sent twice, and a string holding the
 opening of a call is no call."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from api.tool_stream import ToolCallStream
+from api.core.parsers.tool_stream import ToolCallStream
 
 CALLS = [("get_weather", {"city": "Paris {x}", "days": 3}),
          ("add", {"a": 1, "b": [2, {"c": "\"}]\\"}]}),

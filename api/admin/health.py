@@ -1,0 +1,30 @@
+"""Liveness and readiness."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.core.deps import ModelNameDep, StoreDep
+from shared.workers import live_workers
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz():
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(store: StoreDep, model_name: ModelNameDep):
+    """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
+    try:
+        await store.redis.ping()
+        workers = [w for w in await live_workers(store.redis, store.prefix) if w.get("model") == model_name]
+    except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
+        return JSONResponse(status_code=503, content={"status": "unavailable", "reason": f"redis: {exc}"})
+    if not workers:
+        return JSONResponse(status_code=503, content={"status": "unavailable",
+                                                      "reason": f"no live worker serves {model_name}"})
+    return {"status": "ready", "model": model_name, "workers": workers}

@@ -1,0 +1,180 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A Messages request runs as the chat request it reads as (api/anthropic/schemas.py), through the
+same queue, relay and failover, and answers in Anthropic's shapes: a `message` object, or a
+stream of its named events (message_start, content_block_start / _delta / _stop, ping,
+message_delta, message_stop; an `error` event for a request that fails); a tool call's input
+streams as `input_json_delta` pieces as the model writes it (api/core/parsers/tool_stream.py). Errors take
+Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, with the HTTP status.
+Keys come as `x-api-key` or `Authorization: Bearer` (api/core/auth.py).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+
+from api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from api.core.auth import TenantDep
+from api.core.chat import ChatRequest
+from api.core.collect import Choice, collect, finish_reason
+from api.core.deps import ModelsDep
+from api.core.errors import ApiError
+from api.core.generation import Generation
+from api.core.json_body import StrictJSONRoute
+from api.core.payloads import chat_payloads
+from api.core.sse import EventStreamResponse, json_frame
+from api.core.parsers.base import Reply
+from shared.messages import FinalEvent, RequestPayload, TokenEvent
+from shared.tokenizer import Tokenizer
+
+router = APIRouter(tags=["anthropic"], route_class=StrictJSONRoute)
+PATHS = ("/v1/messages",)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _chat(read) -> ChatRequest:
+    try:
+        return read()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
+    """The prompt's tokens as the model's chat template renders it, tools included."""
+    generation = await served.get(body.model)
+    payloads, _ = await chat_payloads(_chat(lambda: body.chat_request(max_tokens=1)), generation)
+    return {"input_tokens": len(payloads[0].prompt_token_ids)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    chat = _chat(body.chat)
+    payloads, _ = await chat_payloads(chat, generation)
+    await generation.submit(payloads, tenant=tenant)
+    mid = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        events = _stream(generation, chat, body, payloads[0], mid)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choice = (await collect(generation, payloads))[0]
+    reply = chat.reply("".join(choice.text), finish_reason(choice.final))
+    stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
+    return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
+            "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens))}
+
+
+def _blocks(reply: Reply) -> list[dict[str, Any]]:
+    """A reply's content blocks: its text, then a tool_use block per call."""
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
+    return blocks + [_tool_use(call) for call in reply.tool_calls]
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"] or "{}")}
+
+
+def _stop(reply: Reply, choice: Choice, stops: list[str] | None, tokenizer: Tokenizer) -> tuple[str, str | None]:
+    """Anthropic's stop_reason, and the stop sequence that ended the reply, if one did."""
+    if reply.tool_calls:
+        return "tool_use", None
+    if reply.finish_reason == "length":
+        return "max_tokens", None
+    # The worker cut the text before the stop string it met: the tokens' whole text goes on with it.
+    tail = tokenizer.decode([t.token_id for t in choice.tokens])[len("".join(choice.text)):]
+    matched = next((s for s in stops or [] if tail.startswith(s)), None)
+    return ("stop_sequence", matched) if matched else ("end_turn", None)
+
+
+def _usage(final: FinalEvent | None, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are those computed, cache_read_input_tokens those a worker
+    took from its prefix cache or the shared KV tier (their sum is the prompt)."""
+    cached = final.usage.cached_tokens if final is not None else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _event(kind: str, **data: Any) -> str:
+    return json_frame({"type": kind, **data}, kind)
+
+
+async def _stream(generation: Generation, chat: ChatRequest, body: MessagesRequest,
+                  payload: RequestPayload, mid: str) -> AsyncIterator[str]:
+    prompt_tokens = len(payload.prompt_token_ids)
+    yield _event("message_start", message={
+        "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0)})
+    reply_parser, choice, index, text_open, call_open = chat.reply_parser(), Choice(), 0, False, False
+    async for _, event in generation.follow([payload.id]):
+        if event is None:  # the hub's keepalive tick: Anthropic's ping
+            yield _event("ping")
+        elif isinstance(event, TokenEvent):
+            choice.tokens.append(event)
+            choice.text.append(event.text)
+            deltas = reply_parser.feed(event.text)
+            for call in (d.call for d in deltas if d.call is not None):  # a held reply's calls, as written
+                if call.name is not None:
+                    yield _event("content_block_start", index=index, content_block={
+                        "type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+                    call_open = True
+                if call.arguments:
+                    yield _event("content_block_delta", index=index,
+                                 delta={"type": "input_json_delta", "partial_json": call.arguments})
+                if call.closed:
+                    yield _event("content_block_stop", index=index)
+                    index, call_open = index + 1, False
+            if text := "".join(d.content for d in deltas):
+                if not text_open:
+                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+        elif isinstance(event, FinalEvent):
+            choice.final = event
+            try:
+                reason = finish_reason(event)
+            except ApiError as exc:
+                yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
+                return
+            reply = reply_parser.finish(reason)
+            if call_open:  # a call cut by max_tokens: its input stays as far as it got
+                yield _event("content_block_stop", index=index)
+            elif reply_parser.holding and not reply_parser.calls:  # a held answer (tools, none called): whole, now
+                for frame in _held_blocks(reply, index):
+                    yield frame
+            elif text_open:
+                yield _event("content_block_stop", index=index)
+            stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
+            # Cumulative counts: the cache's share of the prompt is known only now.
+            yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                         usage=_usage(event, prompt_tokens, len(choice.tokens)))
+            yield _event("message_stop")
+
+
+def _held_blocks(reply: Reply, first: int) -> list[str]:
+    frames = []
+    for index, block in enumerate(_blocks(reply), start=first):
+        if block["type"] == "text":
+            frames.append(_event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
+            frames.append(_event("content_block_delta", index=index, delta={"type": "text_delta",
+                                                                            "text": block["text"]}))
+        else:
+            frames.append(_event("content_block_start", index=index,
+                                 content_block={**block, "input": {}}))
+            frames.append(_event("content_block_delta", index=index, delta={
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+        frames.append(_event("content_block_stop", index=index))
+    return frames

@@ -1,0 +1,250 @@
+"""A chat request as the api runs it, whatever protocol it came in: OpenAI's chat body with the
+extra fields vLLM accepts (`SamplingFields` is what every generation request shares, a completion
+too). The Messages and Responses APIs read their requests into a `ChatRequest`.
+
+An argument this server does not implement is a 400 naming it, as OpenAI answers one it does
+not know: ignoring `functions` would answer plain text to a client that asked for something
+else. Only the arguments in IGNORED, which cannot change the output, pass unread.
+`response_format` (OpenAI's) and `structured_outputs` (vLLM's) constrain the output
+(shared/structured.py); `tools` are kept by such a constraint too, in the model's tool format
+(api/core/parsers/).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+from api.core.parsers import generic, registry
+from api.core.parsers.base import Reply, ToolFormat
+from api.core.parsers.reply import ReplyParser
+from api.core.tools import Tool, ToolChoice, chosen
+from shared.messages import MAX_PRIORITY
+from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
+from shared.structured import StructuredOutputs
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    _constraint: StructuredOutputs | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compiles(self) -> ResponseFormat:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("type json_schema needs a json_schema object (name, schema)")
+            # A schema-less json_schema format (OpenAI allows it) is any JSON value's grammar.
+            self._constraint = StructuredOutputs.model_validate({"json": self.json_schema.json_schema or {}})
+        elif self.json_schema is not None:
+            raise ValueError(f"json_schema is only for type json_schema, not {self.type}")
+        elif self.type == "json_object":
+            self._constraint = StructuredOutputs(json_object=True)
+        return self
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        return self._constraint
+
+
+# OpenAI arguments that change no generated token: accepted and dropped (`user` is a field).
+IGNORED = frozenset({"metadata", "store", "service_tier"})
+
+
+class SamplingFields(BaseModel):
+    """The fields every generation request shares: sampling, constraints, priority and routing."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # vLLM's extra sampling fields
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
+    speculative: bool = True  # streamq's: false opts this request out of speculative decoding
+    backend: Literal["hf", "vllm", "null"] | None = None  # streamq's: run on a worker of this backend only
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json, json_object, regex, choice, grammar
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if k not in IGNORED} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        if self.structured_outputs is not None and self.response_format and self.response_format.constraint:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        return self.structured_outputs or (self.response_format.constraint if self.response_format else None)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+        return value
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+        """Our sampling parameters for one of the n samples (each gets its own seed)."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=seed_for(self.seed, seed_offset), stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=logprobs, logits_processors=self.logits_processors or [], speculative=self.speculative,
+            structured_outputs=self.constraint())
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("a text content part's 'text' must be a string")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatRequest(SamplingFields):
+    """A chat as every protocol runs it (OpenAI's chat body, with vLLM's extra fields): the
+    Messages and Responses APIs read their requests into one."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two functions have the same name")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if value is not None:
+            tools = info.data.get("tools")
+            if not tools:
+                raise ValueError("tool_choice needs tools")
+            chosen(tools, value)  # an unknown name is a ValueError
+        return value
+
+    _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
+    _format: ToolFormat = PrivateAttr(default_factory=lambda: registry.get(registry.FALLBACK))
+
+    @model_validator(mode="after")
+    def _tools_alone(self) -> ChatRequest:
+        """The tool format's constraint, built once for every sample; no other constraint beside it."""
+        if self.calls_tools:
+            if super().constraint() is not None:
+                raise ValueError("tools cannot be combined with response_format or structured_outputs")
+            self._tool_constraint = self._format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
+                                                            self.parallel_tool_calls)
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is in the tool format (tools given, and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraint(self) -> StructuredOutputs | None:
+        return self._tool_constraint if self.calls_tools else super().constraint()
+
+    def use_tool_format(self, tool_format: ToolFormat) -> None:
+        """The model's tool format (api/core/parsers/registry.py): the tools, the earlier calls and
+        the reply's constraint take it instead of the generic one (ValueError where its constraint
+        does not compile)."""
+        self._format = tool_format
+        if self.calls_tools:
+            self._tool_constraint = tool_format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
+                                                           self.parallel_tool_calls)
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The reply's tool format, where it calls tools."""
+        return self._format if self.calls_tools else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders itself (in a format that has it do so), or None."""
+        if not self.calls_tools:
+            return None
+        return self._format.template_tools(chosen(self.tools, self.tool_choice))
+
+    def reply_parser(self) -> ReplyParser:
+        """A parser for one of the request's replies (api/core/parsers/reply.py)."""
+        return ReplyParser(self.tool_format)
+
+    def reply(self, text: str, finish_reason: str) -> Reply:
+        """A reply's content, tool calls and finish reason, read whole in the request's tool
+        format; without tools, its text as it stands."""
+        if self.tool_format is None:
+            return Reply(text, [], finish_reason)
+        return self.tool_format.reply(text, finish_reason)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation for the chat template, in the reply's tool format (the generic one
+        renders earlier calls, and describes the tools in a system message)."""
+        if not self.calls_tools:
+            return [generic.template_message(m) for m in self.messages]
+        return self._format.template_messages(self.messages, chosen(self.tools, self.tool_choice), self.tool_choice)
+
+    def wanted_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,216 @@
+"""What every endpoint family shares: turn a prompt into a queued request, follow the events
+of one or several requests, cancel them. The native, OpenAI and seed-tutorial routes differ
+only in the shapes they accept and answer."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+from typing import Any
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+from starlette.concurrency import run_in_threadpool
+
+from api.core.backpressure import Backpressure
+from api.core.errors import ApiError
+from api.core.limits import Limits
+from api.core.parsers import registry
+from api.core.parsers.base import ToolFormat
+from api.core.relay import Event, Relay
+from shared import tracing
+from shared.lora_registry import LoraRegistry
+from shared.messages import FinalEvent, RequestPayload, now
+from shared.prefix_affinity import PrefixAffinity
+from shared.sampling import SamplingParams
+from shared.store import RequestStore
+from shared.tokenizer import ChatTemplateError, Tokenizer
+from shared.workers import live_workers
+
+
+log = logging.getLogger(__name__)
+
+
+class Generation:
+    def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str, *,
+                 default_max_tokens: int, queue_timeout_s: float = 300.0, max_tokens_cap: int = 1_000_000,
+                 backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
+                 affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None):
+        """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
+        when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
+        worker that holds their prompt's prefix; `tool_format`: the format its replies with tool calls
+        are read in (api/core/parsers/registry.py; none: the generic one)."""
+        self.store = store
+        self.relay = relay
+        self.tokenizer = tokenizer
+        self.model_name = model_name  # what the answers name: the model, or the LoRA adapter asked for
+        self.base_model = model_name  # whose queue and workers run it
+        self.adapter: str | None = None  # the LoRA adapter its requests run with (with_adapter)
+        self.adapter_backends: frozenset[str] = frozenset()  # ... and the backends of the workers serving it
+        self.default_max_tokens = default_max_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.max_tokens_cap = max_tokens_cap
+        self.backpressure = backpressure
+        self.limits = limits
+        self.log_prompts = log_prompts
+        self.affinity = affinity
+        self.tool_format = tool_format or registry.get(registry.FALLBACK)
+
+    def with_adapter(self, name: str, backends: set[str]) -> Generation:
+        """This model's Generation for requests that run with the LoRA adapter `name`, which workers
+        of `backends` serve (the same queue, tokenizer and limits; the answers name the adapter)."""
+        view = copy.copy(self)
+        view.model_name, view.adapter, view.adapter_backends = name, name, frozenset(backends)
+        return view
+
+    async def live_workers(self) -> list[dict]:
+        """The heartbeats of the live workers that serve this model."""
+        return [w for w in await live_workers(self.store.redis, self.store.prefix) if w.get("model") == self.base_model]
+
+    async def live_backends(self) -> set[str]:
+        """The backends of the live workers that serve this model."""
+        return {w["backend"] for w in await self.live_workers() if w.get("backend")}
+
+    async def check_backend(self, backend: str) -> None:
+        """404 unless a live worker of `backend` serves the model (a request for it would wait forever)."""
+        live = await self.live_backends()
+        if backend not in live:
+            raise ApiError(404, f"no live worker of backend {backend!r} serves {self.base_model!r}; "
+                                f"live backends: {sorted(live)}", param="backend", code="backend_not_found")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; served models: [{self.model_name!r}]",
+                           param="model", code="model_not_found")
+
+    async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while);
+        `tools`, for a chat template that renders them itself."""
+        try:
+            if messages is not None:
+                return await run_in_threadpool(self.tokenizer.encode_chat, messages, tools)
+            return await run_in_threadpool(self.tokenizer.encode, prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+
+    def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:
+        """Check the request against the model and build what the worker runs."""
+        context, n = self.tokenizer.context_length, len(prompt_ids)
+        if n == 0:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        if n >= context:
+            raise ApiError(400, f"the prompt has {n} tokens; the model's context is {context} tokens, "
+                                "which must also hold at least one generated token", param="prompt")
+        self._check_token_ids(params)
+        if params.max_tokens is not None and params.max_tokens > self.max_tokens_cap:
+            raise ApiError(422, f"max_tokens is {params.max_tokens}; this server allows at most {self.max_tokens_cap}",
+                           param="max_tokens")
+        if params.max_tokens is None:
+            params = params.model_copy(update={"max_tokens": min(self.default_max_tokens, context - n)})
+        elif n + params.max_tokens > context:
+            raise ApiError(400, f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
+                                f"{n + params.max_tokens}, more than the model's context of {context} tokens",
+                           param="max_tokens")
+        created = now()
+        return RequestPayload(id=str(uuid.uuid4()), model=self.base_model, prompt_token_ids=prompt_ids,
+                              params=params, created_at=created, expires_at=created + self.queue_timeout_s,
+                              priority=priority, adapter=self.adapter,
+                              # to the one backend that serves the adapter, where another serves the model too
+                              backend=next(iter(self.adapter_backends)) if len(self.adapter_backends) == 1 else None)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.tokenizer.vocab_size
+        named = {"logit_bias": list(params.logit_bias), "stop_token_ids": params.stop_token_ids,
+                 "logits_processors": [t for p in params.logits_processors for t in p.token_ids]}
+        for field, ids in named.items():
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(422, f"{field}: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
+                               param=field)
+        # Counts of tokens: past the vocabulary, the sampler's top-k has nothing to keep.
+        for field, count in {"top_k": params.top_k, "logprobs": params.logprobs}.items():
+            if count is not None and count > vocab:
+                raise ApiError(422, f"{field} is {count}; it must be at most the vocabulary size, {vocab}",
+                               param=field)
+
+    async def submit(self, payloads: list[RequestPayload], tenant: str = "") -> None:
+        """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""
+        if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
+            return
+        if self.adapter is not None:
+            await self._check_adapter(tenant)
+            if bad := sorted({p.backend for p in payloads if p.backend and p.backend not in self.adapter_backends}):
+                raise ApiError(400, f"adapter {self.adapter!r} is served by workers of {sorted(self.adapter_backends)}, "
+                                    f"not of {bad}", param="backend")
+        if self.affinity is not None:
+            await self.affinity.route(payloads)
+        weight, tokens = 1.0, 0
+        if self.limits is not None and tenant:
+            tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
+            weight = await self.limits.admit(tenant, [p.id for p in payloads], tokens)
+        trace_context = tracing.inject()  # the request span's (api/core/tracing.py): the worker's spans join it
+        for payload in payloads:
+            payload.tenant, payload.weight, payload.trace = tenant, weight, trace_context
+        if trace_context is not None:
+            first = payloads[0]
+            span = trace.get_current_span()
+            span.set_attributes(tracing.request_attributes(first.model, len(first.prompt_token_ids),
+                                                           first.params.max_tokens))
+            span.set_attribute("streamq.request_ids", [p.id for p in payloads])
+        try:
+            if self.backpressure is not None:
+                await self.backpressure.enqueue(self.store, payloads)
+            else:
+                await self.store.enqueue(payloads)
+        except ApiError:
+            if self.limits is not None and tenant:  # refused: what the limits counted was never queued
+                await self.limits.release(tenant, [p.id for p in payloads], tokens)
+            raise
+        for payload in payloads:
+            fields = {"request_id": payload.id, "tenant": tenant, "prompt_tokens": len(payload.prompt_token_ids),
+                      "max_tokens": payload.params.max_tokens, "priority": payload.priority,
+                      "affinity": payload.affinity}
+            if self.log_prompts:
+                fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
+            log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)
+
+    async def _check_adapter(self, tenant: str) -> None:
+        """404 where the adapter is kept to other tenants (/v1/load_lora_adapter's `tenants`), as for
+        a model this tenant cannot see."""
+        entry = await LoraRegistry(self.store.redis, self.store.prefix).entry(self.base_model, self.adapter)
+        if entry is not None and not entry.allows(tenant):
+            raise ApiError(404, f"model {self.adapter!r} is not served here", param="model", code="model_not_found")
+
+    async def cancel(self, payloads: list[RequestPayload]) -> None:
+        for payload in payloads:
+            await self.store.cancel(payload.id, len(payload.prompt_token_ids))
+
+    async def follow(self, ids: list[str]) -> AsyncIterator[tuple[int, Event | None]]:
+        """Events of several requests as they come: (index in `ids`, event); None is a keepalive.
+
+        Ends after every request's final event.
+        """
+        if len(ids) == 1:
+            async for event in self.relay.events(ids[0]):
+                yield 0, event
+            return
+        queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+        async def pump(i: int, request_id: str) -> None:
+            async for event in self.relay.events(request_id):
+                await queue.put((i, event))  # None (keepalive) included
+
+        tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
+        remaining = len(ids)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item[1], FinalEvent):
+                    remaining -= 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

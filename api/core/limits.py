@@ -1,0 +1,123 @@
+"""Per-tenant limits, enforced across every replica through Redis: requests per minute, tokens
+per minute (prompt plus max_tokens, reserved at admission) and concurrent requests.
+
+One Lua script checks all three and records the admission atomically, so two replicas together
+never admit more than a limit. Past a limit: 429 with Retry-After (when the oldest request in
+the window leaves it) and OpenAI's error body. A tenant's unfinished requests are counted by
+looking at their records, so no finishing path has to remember to release a slot. The records
+are read before the script, which is told which of the tenant's requests have ended: the script
+touches only the tenant's own keys (one hash tag, so one slot on Redis Cluster), and a request
+that ends between the read and the script still counts, until the next admission sees it ended.
+"""
+from __future__ import annotations
+
+import math
+
+from redis.asyncio import Redis
+
+from api.core.errors import ApiError
+from shared import redis_keys
+from shared.messages import RequestStatus, now
+from shared.request_record import RecordField
+
+# A record's statuses while the request still counts against its tenant's concurrency.
+_UNFINISHED = frozenset(s.value for s in RequestStatus if not s.finished)
+
+# KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
+# tokens, ended request ids (space-separated: active ones whose records say they ended), active ttl.
+# Returns {0, weight} when admitted, else {kind, seconds to wait}.
+_ADMIT = """
+local limits = redis.call('HGETALL', KEYS[1])
+local lim = {}
+for i = 1, #limits, 2 do lim[limits[i]] = tonumber(limits[i + 1]) end
+local now = tonumber(ARGV[1])
+local ids = {}
+for id in string.gmatch(ARGV[2], '%S+') do table.insert(ids, id) end
+local tokens = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - 60)
+local function wait_oldest(key)
+  local oldest = redis.call('ZRANGE', KEYS[key], 0, 0, 'WITHSCORES')
+  return tostring(math.max(1, math.ceil(tonumber(oldest[2]) + 60 - now)))
+end
+if (lim['rpm'] or 0) > 0 and redis.call('ZCARD', KEYS[2]) + #ids > lim['rpm'] then
+  return {'requests per minute', wait_oldest(2)}
+end
+if (lim['tpm'] or 0) > 0 then
+  local used = 0
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    used = used + tonumber(string.match(member, ':(%d+)$'))
+  end
+  if tokens > lim['tpm'] then return {'tokens per minute', '60'} end
+  if used + tokens > lim['tpm'] then return {'tokens per minute', wait_oldest(3)} end
+end
+if (lim['concurrent'] or 0) > 0 then
+  for id in string.gmatch(ARGV[4], '%S+') do redis.call('ZREM', KEYS[4], id) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  if redis.call('ZCARD', KEYS[4]) + #ids > lim['concurrent'] then return {'concurrent requests', '1'} end
+end
+for i, id in ipairs(ids) do
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), id)
+end
+redis.call('ZADD', KEYS[3], now, ids[1] .. ':' .. tokens)
+for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[5]))) end
+return {0, tostring(lim['weight'] or 1)}
+"""
+
+
+class Limits:
+    def __init__(self, redis: Redis, prefix: str, active_ttl_s: float):
+        self.redis = redis
+        self.prefix = prefix
+        self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
+        self._admit = redis.register_script(_ADMIT)
+
+    async def set(self, tenant: str, rpm: int | None = None, tpm: int | None = None, concurrent: int | None = None,
+                  weight: float | None = None) -> None:
+        """Sets the limits given (0: none) and keeps the tenant's others as they were."""
+        if weight is not None and weight <= 0:
+            raise ValueError(f"weight must be positive; got {weight}")
+        given = {name: value for name, value in
+                 (("rpm", rpm), ("tpm", tpm), ("concurrent", concurrent), ("weight", weight)) if value is not None}
+        if any(given[name] < 0 for name in ("rpm", "tpm", "concurrent") if name in given):
+            raise ValueError(f"limits are 0 (none) or more; got {given}")
+        if given:
+            await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant), mapping=given)
+
+    async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
+        """Record the admission of these requests and return the tenant's scheduling weight,
+        or raise 429 naming the limit and the wait."""
+        result = await self._admit(
+            keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
+                 [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
+            args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s])
+        if result[0] == 0:
+            return float(result[1])
+        kind, wait = result[0], max(1, math.ceil(float(result[1])))
+        raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    async def _ended(self, tenant: str) -> list[str]:
+        """The tenant's active requests whose records say they ended (or are gone); none looked at
+        without a concurrency limit, as the script then counts none."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(redis_keys.tenant_limits(self.prefix, tenant), "concurrent")
+            pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
+            concurrent, active = await pipe.execute()
+        if not active or float(concurrent or 0) <= 0:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in active:
+                pipe.hget(redis_keys.request_record(self.prefix, rid), RecordField.STATUS)
+            statuses = await pipe.execute()
+        return [rid for rid, status in zip(active, statuses) if status not in _UNFINISHED]
+
+    async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
+        """Undo `admit` for requests that were then refused (e.g. by backpressure), in one round trip
+        (not one transaction: an admit in between counts them still, and refuses rather than admits)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)
+            await pipe.execute()

@@ -1,0 +1,109 @@
+"""The output-parser seam: what a parser takes and gives, and the interface of a tool format.
+
+A reply's generated text passes through a chain of output parsers (api/core/parsers/reply.py):
+each takes deltas in and gives deltas out while the reply streams, and the chain reads the
+whole text once at the end. Chat completions, Responses and Messages all read replies through
+it, so a format (reasoning, tool calls) is written once, in one module, for every protocol.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+
+if TYPE_CHECKING:
+    from api.core.tools import Tool, ToolChoice
+    from shared.structured import StructuredOutputs
+    from shared.tokenizer import Tokenizer
+
+Parse = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """New text of call `index`: its id and name on its first delta, then argument characters."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+    closed: bool = False  # the arguments' object is whole with this delta
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a reply as a parser gives it: answer text, or a piece of a tool call."""
+
+    content: str = ""
+    call: CallDelta | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply read in its tool format: the answer or the calls, and the finish reason to report."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+
+
+def read_reply(text: str, finish_reason: str, parse: Parse) -> Reply:
+    """A reply's content, tool calls and finish reason, by its format's `parse`. Calls count only
+    in a reply that ended on its own (finish reason stop, then reported as tool_calls): one cut by
+    max_tokens is finish reason length with no calls, even where the calls so far are whole, and a
+    cut call is never content (that is the answer so far, or None)."""
+    content, calls = parse(text)
+    if calls and finish_reason == "stop":
+        return Reply(None, calls, "tool_calls")
+    return Reply(content, [], finish_reason)
+
+
+class OutputParser(ABC):
+    """One stage of a reply's chain, made for one reply: deltas in, deltas out as it streams."""
+
+    @abstractmethod
+    def feed(self, delta: Delta) -> list[Delta]:
+        """What this stage gives for the next delta (nothing while it holds the text)."""
+
+    @property
+    @abstractmethod
+    def holding(self) -> bool:
+        """Whether it holds the reply's text back, to be read whole at the end."""
+
+
+class ToolFormat(ABC):
+    """How one model asks for and writes tool calls: the prompt's side (the tools and earlier
+    calls as its chat template reads them, the reply's constraint) and the reply's (its parser).
+    Registered by `name` (api/core/parsers/registry.py)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def knows(cls, tokenizer: Tokenizer) -> bool:
+        """Whether the model's chat template certainly asks for this format (auto-detection)."""
+        return False
+
+    @abstractmethod
+    def constraint(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
+        """The reply's constraint: calls of `tools` (under "auto", or a plain answer)."""
+
+    @abstractmethod
+    def template_messages(self, messages: list[Any], tools: list[Tool], choice: ToolChoice | None
+                          ) -> list[dict[str, Any]]:
+        """The conversation (core ChatMessages) as the chat template reads it in this format."""
+
+    def template_tools(self, tools: list[Tool]) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders itself, or None where the format describes them."""
+        return None
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a whole reply."""
+
+    @abstractmethod
+    def stream(self) -> OutputParser:
+        """A streaming parser for one reply."""
+
+    def reply(self, text: str, finish_reason: str) -> Reply:
+        return read_reply(text, finish_reason, self.parse)

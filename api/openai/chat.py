@@ -1,0 +1,125 @@
+"""`POST /v1/chat/completions`: each of the `n` samples is one queued request, followed through
+the relay; a streaming client that disconnects cancels them. Replies are read through the
+output parsers (api/core/parsers/): with tools, a reply's calls stream as they are written."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+
+from api.core.auth import TenantDep
+from api.core.collect import collect, finish_reason, stream_reason
+from api.core.deps import ModelsDep
+from api.core.generation import Generation
+from api.core.json_body import StrictJSONRoute
+from api.core.parsers.base import CallDelta, Reply
+from api.core.payloads import chat_payloads
+from api.core.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.openai.logprobs import chat_logprobs, usage
+from api.openai.schemas import ChatCompletionRequest
+from shared.messages import FinalEvent, RequestPayload, TokenEvent
+from shared.tokenizer import Tokenizer
+
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    tokenizer = generation.tokenizer
+    payloads, logprobs = await chat_payloads(body, generation)
+    await generation.submit(payloads, tenant=tenant)
+    prompt_ids = payloads[0].prompt_token_ids
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    if body.stream:
+        events = _stream_chat(generation, tokenizer, body, payloads, rid, created, model, logprobs)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choices = await collect(generation, payloads)
+    out = []
+    for i, c in enumerate(choices):
+        reply = body.reply("".join(c.text), finish_reason(c.final))
+        out.append({"index": i, "message": _message(reply),
+                    "logprobs": chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
+                    "finish_reason": reply.finish_reason})
+    totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": totals}
+
+
+def _message(reply: Reply) -> dict:
+    """The assistant message of a reply: its calls, or its answer."""
+    if reply.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": reply.tool_calls}
+    return {"role": "assistant", "content": reply.content}
+
+
+async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest,
+                       payloads: list[RequestPayload], rid: str, created: int, model: str,
+                       logprobs: int | None) -> AsyncIterator[str]:
+    usage_on = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    extra = {"usage": None} if usage_on else {}
+
+    def frame(i: int, delta: dict, lp: Any = None, reason: str | None = None) -> str:
+        return json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+                           **extra})
+
+    for i in range(len(payloads)):
+        yield frame(i, {"role": "assistant", "content": ""})
+    completion_tokens, finals = 0, []
+    replies = [body.reply_parser() for _ in payloads]
+    held: list[list[TokenEvent]] = [[] for _ in payloads]  # each reply's tokens not streamed yet
+    async for i, event in generation.follow([p.id for p in payloads]):
+        if event is None:
+            yield KEEPALIVE
+        elif isinstance(event, TokenEvent):
+            completion_tokens += 1
+            deltas = replies[i].feed(event.text)
+            held[i].append(event)
+            for delta in deltas:
+                if delta.call is not None:  # a held reply's calls go out as they are written
+                    yield frame(i, call_delta(delta.call))
+            if replies[i].holding:
+                continue
+            events, held[i] = held[i], []
+            text = "".join(d.content for d in deltas)
+            if text or (events and logprobs is not None):
+                yield frame(i, {"content": text}, chat_logprobs(tokenizer, events) if logprobs is not None else None)
+        elif isinstance(event, FinalEvent):
+            finals.append(event)
+            reason = stream_reason(event)
+            if replies[i].holding:  # read whole, as the reply without stream is
+                reply = replies[i].finish(reason)
+                if not replies[i].calls:  # its calls went out as written; else its answer, whole, now
+                    for delta in _tool_deltas(reply):
+                        yield frame(i, delta)
+                reason = reply.finish_reason
+            yield frame(i, {}, None, reason)
+    if usage_on:
+        yield json_frame({**base, "choices": [], "usage": usage(len(payloads[0].prompt_token_ids), completion_tokens,
+                                                                 finals)})
+    yield DONE
+
+
+def call_delta(call: CallDelta) -> dict:
+    """A tool call's delta as OpenAI streams it: its id and name first, then its arguments' characters."""
+    if call.name is not None:
+        return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}]}
+    return {"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]}
+
+
+def _tool_deltas(reply: Reply) -> list[dict]:
+    """A held reply as stream deltas, as OpenAI sends them: each tool call's id and name, then
+    its arguments, by index; or the answer's content (none for a cut call)."""
+    if not reply.tool_calls:
+        return [{"content": reply.content}] if reply.content else []
+    deltas = []
+    for index, call in enumerate(reply.tool_calls):
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
+    return deltas

@@ -1,0 +1,97 @@
+"""`POST /v1/completions`: each of the `n` (or `best_of`) samples is one queued request (they
+share the prompt's KV blocks through the worker's prefix cache), followed through the relay; a
+streaming client that disconnects cancels them."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+
+from api.core.auth import TenantDep
+from api.core.collect import collect, finish_reason, stream_reason
+from api.core.deps import ModelsDep
+from api.core.errors import ApiError
+from api.core.generation import Generation
+from api.core.json_body import StrictJSONRoute
+from api.core.payloads import build_payloads
+from api.core.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.openai.logprobs import completion_logprobs, usage
+from api.openai.schemas import CompletionRequest
+from shared.messages import FinalEvent, RequestPayload, TokenEvent
+from shared.tokenizer import Tokenizer
+
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+
+
+async def completion_payloads(body: CompletionRequest, generation: Generation) -> list[RequestPayload]:
+    """The requests one completion call runs (n, or best_of, samples); checked, not queued."""
+    generation.check_model(body.model)
+    if isinstance(body.prompt, str):
+        prompt_ids = await generation.encode(body.prompt)
+    elif body.prompt and isinstance(body.prompt[0], str):
+        prompt_ids = await generation.encode(body.prompt[0])
+    else:
+        prompt_ids = list(body.prompt)
+        if any(not 0 <= t < generation.tokenizer.vocab_size for t in prompt_ids):
+            raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
+    samples = body.best_of or body.n
+    logprobs = body.logprobs if body.logprobs is not None else (0 if samples > body.n else None)
+    return await build_payloads(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep):
+    generation = await served.get(body.model)
+    tokenizer = generation.tokenizer
+    payloads = await completion_payloads(body, generation)
+    await generation.submit(payloads, tenant=tenant)
+    prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
+    ranking = samples > body.n
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    if body.stream:
+        events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
+        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+    choices = await collect(generation, payloads)
+    reasons = [finish_reason(c.final) for c in choices]
+    order = list(range(samples))
+    if ranking:
+        order = sorted(order, key=lambda i: choices[i].cumulative_logprob, reverse=True)[:body.n]
+    out = []
+    for index, i in enumerate(order):
+        c = choices[i]
+        lp = completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
+        out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
+    totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals}
+
+
+async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,
+                             payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
+    usage_on = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    offsets = [0] * len(payloads)
+    completion_tokens, finals = 0, []
+    async for i, event in generation.follow([p.id for p in payloads]):
+        if event is None:
+            yield KEEPALIVE
+            continue
+        choice: dict[str, Any] | None = None
+        if isinstance(event, TokenEvent):
+            completion_tokens += 1
+            if not event.text and body.logprobs is None:
+                continue
+            lp = completion_logprobs(tokenizer, [event], offsets[i]) if body.logprobs is not None else None
+            offsets[i] += len(event.text)
+            choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
+        elif isinstance(event, FinalEvent):
+            finals.append(event)
+            choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
+        if choice is not None:
+            yield json_frame({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
+    if usage_on:
+        prompt_tokens = len(payloads[0].prompt_token_ids)
+        yield json_frame({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, finals)})
+    yield DONE

@@ -1,0 +1,27 @@
+"""`GET /v1/models`: the models served, and their LoRA adapters."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.core.auth import TenantDep
+from api.core.deps import ModelsDep
+from api.core.json_body import StrictJSONRoute
+
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+
+
+@router.get("/v1/models")
+async def models(served: ModelsDep, tenant: TenantDep):
+    """The models that have a live worker, and their LoRA adapters (`parent`: the base model)."""
+    data = []
+    for name in sorted(await served.served()):
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "streamq"}
+        if (loaded := served.loaded(name)) is not None:
+            entry["max_model_len"] = loaded.tokenizer.context_length
+        data.append(entry)
+    for name, adapter in sorted((await served.adapters()).items()):
+        entry = adapter.entry
+        if entry is None or entry.allows(tenant):  # a tenant sees only the adapters it may use
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": adapter.base,
+                         "root": entry.path if entry is not None else None})
+    return {"object": "list", "data": data}
