@@ -44,7 +44,7 @@ class BatchRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-async def _plan(endpoint: str, item: BatchItem, generation) -> list:
+async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
     try:
         if endpoint == "/v1/chat/completions":
             body = ChatCompletionRequest.model_validate(item.body)
@@ -73,7 +73,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
         raise ApiError(400, "custom_id must be unique within a batch", param="requests")
     items = []
     for item in body.requests:
-        payloads = await _plan(body.endpoint, item, generation)
+        payloads = await _payloads(body.endpoint, item, generation)
         payloads[0].tenant = tenant
         items.append(BatchEntry(item.custom_id, body.endpoint, payloads[0]).to_json())
     batch_id = f"batch_{uuid.uuid4().hex}"
