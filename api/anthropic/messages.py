@@ -26,7 +26,7 @@ from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.payloads import chat_payloads
-from api.core.sse import EventStreamResponse, json_frame
+from api.core.sse import ANTHROPIC, EventStreamResponse
 from api.core.parsers.base import Reply
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
@@ -109,7 +109,7 @@ def _usage(final: FinalEvent | None, prompt_tokens: int, output_tokens: int) -> 
 
 
 def _event(kind: str, **data: Any) -> str:
-    return json_frame({"type": kind, **data}, kind)
+    return ANTHROPIC.event({"type": kind, **data})
 
 
 async def _stream(generation: Generation, chat: ChatRequest, body: MessagesRequest,
@@ -121,7 +121,7 @@ async def _stream(generation: Generation, chat: ChatRequest, body: MessagesReque
     reply_parser, choice, index, text_open, call_open = chat.reply_parser(), Choice(), 0, False, False
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping
-            yield _event("ping")
+            yield ANTHROPIC.keepalive
         elif isinstance(event, TokenEvent):
             choice.tokens.append(event)
             choice.text.append(event.text)

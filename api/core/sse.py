@@ -3,6 +3,8 @@
 Every SSE byte the api writes is framed here: `frame` (one event; `id:` is the token index a
 client resumes after with Last-Event-ID), `KEEPALIVE` (a comment, sent on the hub's tick: clients
 ignore it, proxies and idle timeouts see traffic) and `DONE` (the OpenAI endpoints' last event).
+Each protocol writes through its `SseDialect` (whether events are named by their type, what a
+quiet stream sends, what ends a stream): OPENAI, RESPONSES, ANTHROPIC, NATIVE.
 
 Ours rather than sse-starlette's because it costs the replica less per event, measured with
 benchmarks/relay.py (interleaved runs, medians; docs/benchmarks.md "SSE: this module or
@@ -16,6 +18,7 @@ handler at import.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -38,6 +41,32 @@ def json_frame(data: object, event: str | None = None, event_id: int | None = No
 
 KEEPALIVE = ": keepalive\n\n"
 DONE = frame("[DONE]")
+
+
+@dataclass(frozen=True)
+class SseDialect:
+    """How one protocol writes its events."""
+
+    named: bool  # each event's `event:` line is its data's "type" (or the name given)
+    keepalive: str  # what a quiet stream sends on the hub's tick
+    last: str | None = None  # the stream's last event, if the protocol has one
+
+    def event(self, data: object, name: str | None = None, event_id: int | None = None) -> str:
+        """One event whose data is `data` as JSON."""
+        if name is None and self.named and isinstance(data, dict):
+            name = data.get("type")
+        return json_frame(data, name, event_id)
+
+
+# OpenAI's chat and completion chunks: unnamed, ended by [DONE].
+OPENAI = SseDialect(named=False, keepalive=KEEPALIVE, last=DONE)
+# The Responses API's events, named by their type (the sequence number is in each, no `id:`).
+RESPONSES = SseDialect(named=True, keepalive=KEEPALIVE)
+# Anthropic's Messages events, named by their type; a quiet stream pings.
+ANTHROPIC = SseDialect(named=True, keepalive=json_frame({"type": "ping"}, "ping"))
+# streamq's own: token (with `id:`, the index to resume after), status and final events; the
+# seed tutorial's unnamed token events.
+NATIVE = SseDialect(named=False, keepalive=KEEPALIVE)
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -21,7 +21,7 @@ from api.core.hub import TICK
 from api.core.json_body import StrictJSONRoute
 from api.core.relay import Event, Relay
 from api.native.schemas import SubmitRequest
-from api.core.sse import KEEPALIVE, EventStreamResponse, frame, json_frame
+from api.core.sse import NATIVE, EventStreamResponse, frame
 from shared import redis_keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.request_record import RequestRecord
@@ -130,17 +130,17 @@ async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: Settings
 
 def _format(event: Event | None) -> str:
     if event is None:
-        return KEEPALIVE
+        return NATIVE.keepalive
     if isinstance(event, TokenEvent):
         if event.logprob is None:  # the hot path: one per token per stream, so no model_dump
             data = (f'{{"index": {event.index}, "token_id": {event.token_id}, '
                     f'"text": {json.dumps(event.text, ensure_ascii=False)}}}')
             return frame(data, "token", event.index)
-        return json_frame(event.model_dump(exclude={"type"}, exclude_none=True), "token", event.index)
+        return NATIVE.event(event.model_dump(exclude={"type"}, exclude_none=True), "token", event.index)
     if isinstance(event, StatusEvent):
-        return json_frame(event.model_dump(mode="json", exclude={"type"}), "status")
+        return NATIVE.event(event.model_dump(mode="json", exclude={"type"}), "status")
     # A pooling request's values are in its final event only where it has them (embeddings, rerank).
-    return json_frame(event.model_dump(mode="json", exclude={"type"} if event.pooled else {"type", "pooled"}), "final")
+    return NATIVE.event(event.model_dump(mode="json", exclude={"type"} if event.pooled else {"type", "pooled"}), "final")
 
 
 async def _sse(relay: Relay, request_id: str, after: int):

@@ -21,7 +21,7 @@ from api.core.deps import GenerationDep
 from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
-from api.core.sse import KEEPALIVE, EventStreamResponse, frame
+from api.core.sse import NATIVE, EventStreamResponse, frame
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import MAX_SEED, MAX_TOKEN_ID, SamplingParams, seed_for
 
@@ -101,7 +101,7 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep, tena
     async def events():
         async for _, event in generation.follow([payload.id]):
             if event is None:
-                yield KEEPALIVE
+                yield NATIVE.keepalive
             elif isinstance(event, TokenEvent) and event.text:
                 yield frame(f'{{"token": {_json(event.text)}, "sequence_id": "{payload.id}"}}')
 

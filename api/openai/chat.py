@@ -17,7 +17,7 @@ from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.parsers.base import CallDelta, Reply
 from api.core.payloads import chat_payloads
-from api.core.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.logprobs import chat_logprobs, usage
 from api.openai.schemas import ChatCompletionRequest
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
@@ -64,7 +64,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     extra = {"usage": None} if usage_on else {}
 
     def frame(i: int, delta: dict, lp: Any = None, reason: str | None = None) -> str:
-        return json_frame({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+        return OPENAI.event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}],
                            **extra})
 
     for i in range(len(payloads)):
@@ -74,7 +74,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     held: list[list[TokenEvent]] = [[] for _ in payloads]  # each reply's tokens not streamed yet
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
-            yield KEEPALIVE
+            yield OPENAI.keepalive
         elif isinstance(event, TokenEvent):
             completion_tokens += 1
             deltas = replies[i].feed(event.text)
@@ -99,9 +99,9 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                 reason = reply.finish_reason
             yield frame(i, {}, None, reason)
     if usage_on:
-        yield json_frame({**base, "choices": [], "usage": usage(len(payloads[0].prompt_token_ids), completion_tokens,
+        yield OPENAI.event({**base, "choices": [], "usage": usage(len(payloads[0].prompt_token_ids), completion_tokens,
                                                                  finals)})
-    yield DONE
+    yield OPENAI.last
 
 
 def call_delta(call: CallDelta) -> dict:

@@ -17,7 +17,7 @@ from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.payloads import build_payloads
-from api.core.sse import DONE, KEEPALIVE, EventStreamResponse, json_frame
+from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.logprobs import completion_logprobs, usage
 from api.openai.schemas import CompletionRequest
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
@@ -76,7 +76,7 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
     completion_tokens, finals = 0, []
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
-            yield KEEPALIVE
+            yield OPENAI.keepalive
             continue
         choice: dict[str, Any] | None = None
         if isinstance(event, TokenEvent):
@@ -90,8 +90,8 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             finals.append(event)
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
         if choice is not None:
-            yield json_frame({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
+            yield OPENAI.event({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
         prompt_tokens = len(payloads[0].prompt_token_ids)
-        yield json_frame({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, finals)})
-    yield DONE
+        yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, finals)})
+    yield OPENAI.last

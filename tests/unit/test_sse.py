@@ -233,3 +233,15 @@ async def test_seed_tutorial_stream_bytes():
     status, headers, text = await _run(response)
     _check_headers(headers)
     assert text == f': keepalive\n\ndata: {{"token": "Hi \\"", "sequence_id": "{RID}"}}\n\n'
+
+
+def test_each_protocol_writes_its_events_in_its_dialect():
+    from api.core.sse import ANTHROPIC, NATIVE, OPENAI, RESPONSES
+
+    event = {"type": "message_stop", "n": "é"}
+    assert OPENAI.event(event) == 'data: {"type": "message_stop", "n": "é"}\n\n'
+    assert OPENAI.last == "data: [DONE]\n\n" and OPENAI.keepalive == ": keepalive\n\n"
+    assert ANTHROPIC.event(event) == 'event: message_stop\ndata: {"type": "message_stop", "n": "é"}\n\n'
+    assert ANTHROPIC.keepalive == 'event: ping\ndata: {"type": "ping"}\n\n' and ANTHROPIC.last is None
+    assert RESPONSES.event(event).startswith("event: message_stop\n") and RESPONSES.keepalive == ": keepalive\n\n"
+    assert NATIVE.event({"index": 4}, "token", 4) == 'id: 4\nevent: token\ndata: {"index": 4}\n\n'

@@ -27,7 +27,7 @@ from api.openai.responses.events import ResponseEvents
 from api.openai.responses.record import ResponseRecord, new_id, now_s, whole_seconds, with_ids
 from api.openai.responses.store import ResponseStore
 from api.openai.responses.schemas import ResponseCreate
-from api.core.sse import KEEPALIVE, EventStreamResponse, json_frame
+from api.core.sse import RESPONSES, EventStreamResponse
 from shared.messages import FinalEvent, TokenEvent
 
 router = APIRouter(tags=["responses"], route_class=StrictJSONRoute)
@@ -114,13 +114,13 @@ async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord
     events = ResponseEvents(record)
 
     def frames(batch: list[dict[str, Any]]) -> str:
-        return "".join(json_frame(e, event=e["type"]) for e in batch if e["sequence_number"] > after)
+        return "".join(RESPONSES.event(e) for e in batch if e["sequence_number"] > after)
 
     if head := frames(events.start()):
         yield head
     async for event in relay.events(record.request_id):
         if event is None:
-            yield KEEPALIVE
+            yield RESPONSES.keepalive
         elif isinstance(event, TokenEvent):
             if chunk := frames(events.token(event)):
                 yield chunk
