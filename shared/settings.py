@@ -271,11 +271,12 @@ class WorkerSettings(CommonSettings):
                             "per group, as llama.cpp does), avx512 and avx2 with fp32 ones; portable none (oneDNN, "
                             "or dequantize then matmul); one this CPU lacks stops the worker with an error naming both.")
     quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="Weight-only, group-wise compression of float projections at load (llama-family models "
-                            "on the paged engine): int8 (symmetric) or int4 (min-max), 32 weights a scale.")
+        "none", description="Weight-only, group-wise compression of float projections at load (llama-family and "
+                            "Gemma 3 models on a CPU): int8 (symmetric) or int4 (min-max), 32 weights a scale.")
     gguf_weights: Literal["quantized", "dequantized"] = Field(
         "quantized", description="A GGUF model's block-quantized tensors: kept quantized in memory (llama-family "
-                                 "models on a CPU), or dequantized once into a float copy in the model cache.")
+                                 "and Gemma 3 models on a CPU), or dequantized once into a float copy in the "
+                                 "model cache.")
     cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
                                                 "bucket (worker/model/cuda_graphs.py); off: every step launches eagerly.")
     deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "

@@ -2,7 +2,7 @@
 
 Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; then
 each process exports its spans over OTLP, HTTP (`http/protobuf`, the default) or gRPC
-(`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`), sampled by `OTEL_TRACES_SAMPLER` (the SDK reads it), under
+(`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`, or `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, which wins), sampled by `OTEL_TRACES_SAMPLER` (the SDK reads it), under
 `OTEL_SERVICE_NAME` or the process's own name (streamq-api, streamq-worker).
 
 A request's trace context rides in its queue entry (RequestPayload.trace, W3C `traceparent`), so

@@ -34,7 +34,7 @@ def test_requests_need_a_key(secured):
         assert chat.status_code == 401 and chat.json()["error"]["code"] == "invalid_api_key"
         assert client.get(f"{api}/healthz").status_code == 200  # health needs no key
         # pages without data are open (docs/security.md): the playground asks for the key
-        for path in ("/", "/docs", "/openapi.json"):
+        for path in ("/", "/docs", "/redoc", "/openapi.json"):
             assert client.get(f"{api}{path}").status_code == 200, path
         for path in ("/v1/models", "/v1/cluster"):
             assert client.get(f"{api}{path}").status_code == 401, path

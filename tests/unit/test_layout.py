@@ -1,11 +1,14 @@
 """The tree reads as the docs say: shared/ is what api/, worker/ and scheduler/ have in
 common and imports none of them (nor the streamq command), the benchmarks import nothing from
-the test suite, and every module is in the layout of docs/layout.md."""
+the test suite, and every module is in the layout of docs/layout.md, as is every file of
+benchmarks/, scripts/ and docs/, and no file the layout names is missing."""
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["api", "worker", "scheduler", "shared", "streamq"]
@@ -136,3 +139,62 @@ def test_no_import_circle_in_worker():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def _layout_entries() -> dict[str, str]:
+    """docs/layout.md's layout, by folder: each top folder's entry ("benchmarks": its text) and each
+    indented sub-folder's ("worker/model")."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    entries: dict[str, str] = {}
+    top = folder = None
+    for line in block.splitlines():
+        if match := re.match(r"([a-z_]+)/\s", line):
+            top = folder = match.group(1)
+        elif (match := re.match(r"  ([a-z_]+)/\s", line)) and top:
+            folder = f"{top}/{match.group(1)}"
+        if folder:
+            entries[folder] = entries.get(folder, "") + line + "\n"
+    return entries
+
+
+# Folders whose files no entry names: what git ignores (benchmarks/gpu/wheels: fetched by gpu_check.sh).
+UNLISTED = {ROOT / "benchmarks" / "gpu" / "wheels"}
+
+
+def _files(folder: str) -> list[Path]:
+    """The files of a folder at any depth, less compiled Python and the unlisted folders."""
+    return sorted(p for p in (ROOT / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and not UNLISTED & set(p.parents))
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "scripts", "docs"])
+def test_the_layout_names_every_file_of_benchmarks_scripts_and_docs(folder):
+    """Each file by its name in its folder's entry (a file in a sub-folder by its name or its path
+    from the folder)."""
+    entries = _layout_entries()
+    assert folder in entries, f"docs/layout.md's layout has no {folder}/ entry"
+    entry = entries[folder]
+    names = set(re.findall(r"[\w./-]+", entry))
+    missing = [str(p.relative_to(ROOT)) for p in _files(folder)
+               if p.name not in names and str(p.relative_to(ROOT / folder)) not in names]
+    assert not missing, f"docs/layout.md's {folder}/ entry does not name {missing}"
+
+
+# Words of the layout that look like a file's name and are not one.
+NOT_FILES = {"llama.cpp"}  # the project whose server the peer benchmarks run
+FILE_NAME = re.compile(r"[\w./-]*\w\.(?:py|md|sh|json|txt|jinja|xz|cpp|j2|yml|yaml|png|svg|lua|toml|conf|html|js|css)\b")
+
+
+def test_the_layout_names_no_file_that_does_not_exist():
+    """Every file name in a folder's entry is a file of that folder (at any depth), or a path from
+    the repository's root."""
+    absent = []
+    for folder, entry in _layout_entries().items():
+        paths = [str(p.relative_to(ROOT / folder)) for p in _files(folder)]
+        for name in sorted(set(FILE_NAME.findall(entry)) - NOT_FILES):
+            if not (ROOT / name).exists() and not any(p == name or p.endswith("/" + name) for p in paths):
+                absent.append(f"{folder}/: {name}")
+    assert not absent, f"docs/layout.md names files that do not exist: {absent}"
