@@ -42,14 +42,15 @@ def configure(service_name: str) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+                     if os.environ.get(v)), None)  # the traces' own wins
+    protocol = os.environ[variable] if variable else "http/protobuf"
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL is {protocol!r}; streamq exports traces over "
+        raise ValueError(f"{variable} is {protocol!r}; streamq exports traces over "
                          "'http/protobuf' or 'grpc'")
     # The given name only where OTEL_SERVICE_NAME does not name the service (it overrides the env).
     named = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
