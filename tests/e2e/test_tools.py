@@ -11,7 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.core import tools as tool_format
+from api.core.parsers import generic as tool_format
 from api.core.tools import Tool
 from shared.tokenizer import Tokenizer
 from tests.stack import Stack
