@@ -99,8 +99,7 @@ class ResponseEvents:
             content, calls = reply.content, reply.tool_calls
             if self.call is not None:  # cut by max_output_tokens: as far as it got
                 out += self._close_call("incomplete")
-            if content and not self.reply.calls:
-                self.text = []
+            if content and not self.reply.calls:  # a held answer: the message's text is the answer's
                 out += self._open_message()
                 self.text = [content]
                 out.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
