@@ -42,7 +42,7 @@ async def asset(name: str) -> FileResponse:
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
 
-# The view is answered as the dict it is, through FastAPI's JSON of a dict, and documented as Cluster.
+# The view goes out as before (FastAPI's JSON of a dict); /openapi.json documents it as Cluster.
 ClusterView = Annotated[dict, WithJsonSchema({"$ref": f"{REF_PREFIX}{Cluster.__name__}"})]
 
 

@@ -78,7 +78,8 @@ REQUEST_EVENTS = ("One `token` event per token (`id:` is its index; resume after
                   "`status` events, then one `final` event.")
 REQUEST_EVENTS_EXAMPLE = ('id: 0\nevent: token\ndata: {"index": 0, "token_id": 7042, "text": " Paris"}\n\n'
                           'event: final\ndata: {"status": "done", "finish_reason": "stop", '
-                          '"usage": {"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0}, "error": null}\n\n')
+                          '"usage": {"prompt_tokens": 5, "completion_tokens": 1, "cached_tokens": 0}, '
+                          '"error": null}\n\n')
 
 
 class GeneratedText(Answer):

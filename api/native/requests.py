@@ -40,7 +40,8 @@ def _links(request_id: str) -> dict[str, str]:
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, responses={
     **json_answer(Submitted, "Queued: its id and links.", status.HTTP_202_ACCEPTED),
-    200: {"description": "With `stream: true`: its events.", "content": event_stream(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE)}})
+    200: {"description": "With `stream: true`: its events.",
+          "content": event_stream(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE)}})
 async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation = await served.get(body.model)

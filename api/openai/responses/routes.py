@@ -34,7 +34,8 @@ from api.openai.responses.schemas import ResponseCreate
 from api.core.sse import KEEPALIVE, EventStreamResponse, json_frame
 from shared.messages import FinalEvent, TokenEvent
 
-router = APIRouter(tags=["responses"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
+router = APIRouter(tags=["responses"], route_class=StrictJSONRoute,
+                   responses=errors(OpenAIError, "OpenAI's error body."))
 PATHS = ("/v1/responses",)
 CANCEL_WAIT_S = 30.0  # a cancel answers once the worker has stopped (within a step), or after this
 
@@ -69,7 +70,8 @@ async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) 
 
 
 @router.post("/v1/responses", responses=json_or_stream(
-    ResponseObject, "The response (finished; queued with `background: true`).", RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE))
+    ResponseObject, "The response (finished; queued with `background: true`).", RESPONSE_EVENTS,
+    RESPONSE_EVENTS_EXAMPLE))
 async def create_response(body: ResponseCreate, served: ModelsDep, tenant: TenantDep, responses: ResponsesDep,
                           replica: ReplicaDep):
     generation = await served.get(body.model)
