@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.admin.answers import Ready
+from api.admin.answers import Cluster, Healthy, Ready
 from api.core.openapi import Detail
 from api.native.answers import RequestState, Submitted
 from shared.tokenizer import Tokenizer
@@ -207,6 +207,10 @@ def test_readyz_lists_the_live_worker(stack, client):
     reply = client.get(f"{stack.urls[0]}/readyz").json()
     assert reply["status"] == "ready" and reply["workers"][0]["capacity"] == 8
     Ready.model_validate(reply)
+    Healthy.model_validate(client.get(f"{stack.urls[0]}/healthz").json())
+    cluster = client.get(f"{stack.urls[0]}/v1/cluster").json()  # the playground's view: the same heartbeats
+    Cluster.model_validate(cluster)
+    assert [w["worker"] for w in cluster["workers"]] == [w["worker"] for w in reply["workers"]]
 
 
 def test_logprobs_and_penalties_through_the_stack(stack, client):
