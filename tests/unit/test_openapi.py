@@ -142,3 +142,16 @@ def test_docs_and_redoc_are_served(app, page):
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert "/openapi.json" in response.text
     assert client.get("/openapi.json").json()["paths"]["/v1/messages"]
+
+
+@pytest.mark.parametrize("lines", [[], ['{"custom_id": "q0"}', '{"custom_id": "é"}']])
+def test_batch_results_are_sent_as_the_jsonl_text_they_were(lines):
+    """The results' response class (documented as application/jsonl lines) sends the bytes and
+    headers of the plain text it replaced."""
+    from fastapi.responses import PlainTextResponse
+
+    from api.openai.batches import JSONLines
+
+    before = PlainTextResponse("\n".join(lines) + ("\n" if lines else ""), media_type="application/jsonl")
+    after = JSONLines(lines)
+    assert (after.body, after.raw_headers, after.status_code) == (before.body, before.raw_headers, before.status_code)
