@@ -4,19 +4,22 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from api.admin.answers import Healthy, NotReady, Ready
 from api.core.deps import ModelNameDep, StoreDep
+from api.core.openapi import json_answer
 from shared.workers import live_workers
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=json_answer(Healthy, "The process is up."))
 async def healthz():
     """The process is up."""
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={**json_answer(Ready, "Ready to serve."),
+                                   **json_answer(NotReady, "Not ready, and why.", 503)})
 async def readyz(store: StoreDep, model_name: ModelNameDep):
     """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
     try:

@@ -14,7 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from api.core.auth import TenantDep
 from api.core.deps import ModelsDep, ReplicaDep
 from api.core.errors import ApiError
+from api.admin.answers import AdapterLoaded, AdapterUnloaded
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import json_answer
 from shared.lora_registry import AdapterEntry, LoraRegistry
 
 router = APIRouter(tags=["lora"], route_class=StrictJSONRoute)
@@ -44,7 +46,7 @@ def _admin(replica, tenant: str) -> None:
                        code="forbidden")
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", responses=json_answer(AdapterLoaded, "Registered for every worker of the model."))
 async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep, tenant: TenantDep):
     _admin(replica, tenant)
     base = await served.get(body.model)
@@ -59,7 +61,7 @@ async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep
             "status": "loaded"}
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", responses=json_answer(AdapterUnloaded, "Removed from the model's registry."))
 async def unload_adapter(body: UnloadAdapter, replica: ReplicaDep, served: ModelsDep, tenant: TenantDep):
     _admin(replica, tenant)
     base = await served.get(body.model)

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, status
+from fastapi.openapi.constants import REF_PREFIX
 from fastapi.responses import FileResponse
+from pydantic import WithJsonSchema
 
 from api.core.auth import TenantDep
+from api.admin.answers import Cluster
 from api.core.deps import ModelNameDep, StoreDep
+from api.core.openapi import json_answer
 from shared.queue import RequestQueue
 from shared.workers import live_workers
 
@@ -37,8 +42,12 @@ async def asset(name: str) -> FileResponse:
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/v1/cluster", tags=["cluster"])
-async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep) -> dict:
+# The view goes out as before (FastAPI's JSON of a dict); /openapi.json documents it as Cluster.
+ClusterView = Annotated[dict, WithJsonSchema({"$ref": f"{REF_PREFIX}{Cluster.__name__}"})]
+
+
+@router.get("/v1/cluster", tags=["cluster"], responses=json_answer(Cluster, "The live workers and the backlog."))
+async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep) -> ClusterView:
     """The live workers (their heartbeats) and how many requests for the model wait for one.
 
     A heartbeat's running totals (generated_tokens, ttft_sum_s, ttft_count, read at `at`) grow

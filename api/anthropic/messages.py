@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
+from api.anthropic.answers import MESSAGE_EVENTS, MESSAGE_EVENTS_EXAMPLE, AnthropicError, MessageAnswer, TokenCount
 from api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from api.core.auth import TenantDep
 from api.core.chat import ChatRequest
@@ -25,13 +26,15 @@ from api.core.deps import ModelsDep
 from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_answer, json_or_stream
 from api.core.payloads import chat_payloads
 from api.core.sse import ANTHROPIC, EventStreamResponse
 from api.core.parsers.base import Reply
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
-router = APIRouter(tags=["anthropic"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["anthropic"], route_class=StrictJSONRoute,
+                   responses=errors(AnthropicError, "Anthropic's error body."))
 PATHS = ("/v1/messages",)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
@@ -51,7 +54,7 @@ def _chat(read) -> ChatRequest:
         raise ApiError(400, str(exc)) from exc
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", responses=json_answer(TokenCount, "The prompt's tokens."))
 async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
     """The prompt's tokens as the model's chat template renders it, tools included."""
     generation = await served.get(body.model)
@@ -59,7 +62,8 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
     return {"input_tokens": len(payloads[0].prompt_token_ids)}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", responses=json_or_stream(MessageAnswer, "The assistant's message.", MESSAGE_EVENTS,
+                                                       MESSAGE_EVENTS_EXAMPLE))
 async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     chat = _chat(body.chat)

@@ -20,6 +20,8 @@ from api.core.deps import (
 from api.core.hub import TICK
 from api.core.json_body import StrictJSONRoute
 from api.core.relay import Event, Relay
+from api.core.openapi import Detail, event_stream, json_answer, stream_answer
+from api.native.answers import REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE, Cancelled, RequestState, Submitted
 from api.native.schemas import SubmitRequest
 from api.core.sse import NATIVE, EventStreamResponse, frame
 from shared import redis_keys
@@ -27,7 +29,8 @@ from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
-router = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=StrictJSONRoute)
+router = APIRouter(prefix="/v1/requests", tags=["requests"], route_class=StrictJSONRoute,
+                   responses={404: {"model": Detail, "description": "No such request (or another tenant's)."}})
 
 
 def _links(request_id: str) -> dict[str, str]:
@@ -35,7 +38,10 @@ def _links(request_id: str) -> dict[str, str]:
     return {"self": base, "events": f"{base}/events", "cancel": base}
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED)
+@router.post("", status_code=status.HTTP_202_ACCEPTED, responses={
+    **json_answer(Submitted, "Queued: its id and links.", status.HTTP_202_ACCEPTED),
+    200: {"description": "With `stream: true`: its events.",
+          "content": event_stream(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE)}})
 async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation = await served.get(body.model)
@@ -100,7 +106,7 @@ async def snapshot(store: RequestStore, request_id: str, record: RequestRecord |
     }
 
 
-@router.get("/{request_id}")
+@router.get("/{request_id}", responses=json_answer(RequestState, "The request as it stands."))
 async def poll(request_id: str, store: StoreDep, hub: HubDep, settings: SettingsDep, tenant: TenantDep,
                wait: Annotated[float, Query(ge=0, description="Seconds to wait for a change (long-poll).")] = 0):
     """Status, text so far, token counts, finish reason and timings.
@@ -148,7 +154,8 @@ async def _sse(relay: Relay, request_id: str, after: int):
         yield _format(event)
 
 
-@router.get("/{request_id}/events")
+@router.get("/{request_id}/events", response_class=EventStreamResponse, status_code=status.HTTP_200_OK,
+            responses=stream_answer(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE))
 async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: TenantDep,
                  last_event_id: Annotated[int | None, Header(ge=-1)] = None):
     """SSE: one `token` event per token (`id:` is its index), then one `final` event.
@@ -160,7 +167,9 @@ async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: Tena
     return EventStreamResponse(_sse(relay, request_id, -1 if last_event_id is None else last_event_id))
 
 
-@router.delete("/{request_id}")
+@router.delete("/{request_id}", responses={
+    **json_answer(Cancelled, "Cancelled, or being cancelled."),
+    409: {"model": Detail, "description": "The request has already ended."}})
 async def cancel(request_id: str, store: StoreDep, tenant: TenantDep):
     """Cancel a queued or running request; a running one stops within one step."""
     record = await _record(store, request_id, tenant)

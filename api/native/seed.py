@@ -13,7 +13,7 @@ import asyncio
 import json
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from api.core.auth import TenantDep
@@ -22,6 +22,8 @@ from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.sse import NATIVE, EventStreamResponse, frame
+from api.core.openapi import json_answer, stream_answer
+from api.native.answers import SEED_EVENTS, SEED_EVENTS_EXAMPLE, GeneratedText, GeneratedTexts, QueryAnswer, VllmTexts
 from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
 from shared.sampling import MAX_SEED, MAX_TOKEN_ID, SamplingParams, seed_for
 
@@ -74,26 +76,27 @@ async def _text(generation: Generation, payload: RequestPayload) -> str:
     return "".join(parts)
 
 
-@router.post("/basic_generate")
+@router.post("/basic_generate", responses=json_answer(GeneratedText, "The prompt and its continuation."))
 async def basic_generate(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
     texts, _ = await _texts(generation, [body.prompt], GREEDY, tenant)
     return {"generated_text": body.prompt + texts[0]}
 
 
-@router.post("/generate")
+@router.post("/generate", responses=json_answer(GeneratedTexts, "Each prompt and its continuation."))
 async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
     texts, ids = await _texts(generation, body.prompts, GREEDY, tenant)
     return {"generated_texts": [p + t for p, t in zip(body.prompts, texts)], "request_ids": ids}
 
 
-@router.post("/generate_vllm")
+@router.post("/generate_vllm", responses=json_answer(VllmTexts, "Each prompt's continuation."))
 async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
     vllm = "vllm" in await generation.live_backends()
     texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant, backend="vllm" if vllm else None)
     return {"generated_texts": texts}
 
 
-@router.post("/generate_stream")
+@router.post("/generate_stream", response_class=EventStreamResponse, status_code=200,
+             responses=stream_answer(SEED_EVENTS, SEED_EVENTS_EXAMPLE))
 async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
     payload = generation.build(await generation.encode(body.prompt), GREEDY)
     await generation.submit([payload], tenant=tenant)
@@ -108,7 +111,7 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep, tena
     return EventStreamResponse(events(), on_disconnect=lambda: generation.cancel([payload]))
 
 
-@router.post("/generate/")
+@router.post("/generate/", responses=json_answer(QueryAnswer, "The query's continuation."))
 async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
                             seed=body.seed)
@@ -116,7 +119,9 @@ async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: 
     return {"response": texts[0]}
 
 
-@router.post("/generate_stream/")
+@router.post("/generate_stream/", response_class=PlainTextResponse, responses={200: {
+    "description": "The text as it is generated (text/plain, streamed).",
+    "content": {"text/plain": {"schema": {"type": "string"}, "example": " Paris is the capital of France."}}}})
 async def generate_query_stream(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
     """Plain text as it is generated; with n > 1 the samples' texts follow one another."""
     prompt_ids = await generation.encode(body.query)

@@ -12,20 +12,22 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from api.core.auth import TenantDep
 from api.core.deps import ArqDep, GenerationDep, StoreDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_answer
+from api.openai.answers import Batch, BatchResultLine, OpenAIError
 from api.core.payloads import chat_payloads
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from api.openai.completions import completion_payloads
 from shared import redis_keys
 from shared.batch_record import BatchEntry, BatchRecord
 
-router = APIRouter(tags=["batches"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["batches"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 MAX_BATCH_REQUESTS = 10_000
 
@@ -42,6 +44,15 @@ class BatchRequest(BaseModel):
     requests: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
+
+
+class JSONLines(JSONResponse):
+    """Lines that are each JSON already, one per line (application/jsonl)."""
+
+    media_type = "application/jsonl"
+
+    def render(self, content: list[str]) -> bytes:
+        return "".join(f"{line}\n" for line in content).encode("utf-8")
 
 
 async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
@@ -65,7 +76,7 @@ async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
     return payloads
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", responses=json_answer(Batch, "The batch, handed to the scheduler."))
 async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, arq: ArqDep,
                        tenant: TenantDep):
     """Check every request now (a bad one fails the call with 400), then hand the batch to the scheduler."""
@@ -104,16 +115,17 @@ async def _batch_object(store, batch_id: str, tenant: str) -> dict:
             "metadata": record.metadata, "results_url": f"/v1/batches/{batch_id}/results"}
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", responses=json_answer(Batch, "The batch as it stands."))
 async def get_batch(batch_id: str, store: StoreDep, tenant: TenantDep):
     return await _batch_object(store, batch_id, tenant)
 
 
-@router.get("/v1/batches/{batch_id}/results")
+@router.get("/v1/batches/{batch_id}/results", response_class=JSONLines, status_code=200,
+            responses=json_answer(BatchResultLine, "One JSON line per finished request (application/jsonl)."))
 async def batch_results(batch_id: str, store: StoreDep, tenant: TenantDep):
     """One JSON line per finished request, in submission order."""
     await _batch_object(store, batch_id, tenant)
     items = await store.redis.lrange(redis_keys.batch_items(store.prefix, batch_id), 0, -1)
     results = await store.redis.hgetall(redis_keys.batch_results(store.prefix, batch_id))
     lines = [results[cid] for cid in (BatchEntry.of(i).custom_id for i in items) if cid in results]
-    return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""), media_type="application/jsonl")
+    return JSONLines(lines)

@@ -15,18 +15,21 @@ from api.core.collect import collect, finish_reason, stream_reason
 from api.core.deps import ModelsDep
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_or_stream
 from api.core.parsers.base import CallDelta, Reply
 from api.core.payloads import chat_payloads
 from api.core.sse import OPENAI, EventStreamResponse
+from api.openai.answers import CHAT_EVENTS, CHAT_EVENTS_EXAMPLE, ChatCompletion, OpenAIError
 from api.openai.logprobs import chat_logprobs, usage
 from api.openai.schemas import ChatCompletionRequest
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
-router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=json_or_stream(
+    ChatCompletion, "The chat completion.", CHAT_EVENTS, CHAT_EVENTS_EXAMPLE))
 async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer

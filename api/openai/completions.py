@@ -16,14 +16,16 @@ from api.core.deps import ModelsDep
 from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_or_stream
 from api.core.payloads import build_payloads
 from api.core.sse import OPENAI, EventStreamResponse
+from api.openai.answers import COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE, Completion, OpenAIError
 from api.openai.logprobs import completion_logprobs, usage
 from api.openai.schemas import CompletionRequest
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
-router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 
 async def completion_payloads(body: CompletionRequest, generation: Generation) -> list[RequestPayload]:
@@ -42,7 +44,8 @@ async def completion_payloads(body: CompletionRequest, generation: Generation) -
     return await build_payloads(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=json_or_stream(
+    Completion, "The completion.", COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE))
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer

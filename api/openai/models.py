@@ -6,11 +6,13 @@ from fastapi import APIRouter
 from api.core.auth import TenantDep
 from api.core.deps import ModelsDep
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_answer
+from api.openai.answers import ModelList, OpenAIError
 
-router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=json_answer(ModelList, "The models served, then their adapters."))
 async def models(served: ModelsDep, tenant: TenantDep):
     """The models that have a live worker, and their LoRA adapters (`parent`: the base model)."""
     data = []

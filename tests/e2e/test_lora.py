@@ -10,6 +10,8 @@ import threading
 import httpx
 import pytest
 
+from api.admin.answers import AdapterLoaded, AdapterUnloaded
+from api.openai.answers import Completion, ModelList
 from shared.tokenizer import Tokenizer
 from streamq.testing.lora_adapters import make_adapter, merged_greedy
 from tests.stack import ROOT, Stack
@@ -74,12 +76,17 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(lora_stack, tiny_
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["late"])},
                         timeout=30)
     assert loaded.status_code == 200, loaded.text
+    AdapterLoaded.model_validate(loaded.json())
     until_sync(lambda: "late" in _models(url), what="the workers list the adapter loaded at run time")
+    ModelList.model_validate(httpx.get(f"{url}/v1/models", timeout=30).json())  # the base, its adapters
     reply = _completion(url, "late")
     assert reply.status_code == 200, reply.text
     want = merged_greedy(tiny_llama, adapters["late"], Tokenizer(tiny_llama).encode(PROMPT), NEW)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == Tokenizer(tiny_llama).decode(want)
-    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
+    Completion.model_validate(reply.json())
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=30)
+    assert unloaded.status_code == 200
+    AdapterUnloaded.model_validate(unloaded.json())
     until_sync(lambda: "late" not in _models(url), what="the adapter gone from the list")
     assert _completion(url, "late").status_code == 404
     gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=30)

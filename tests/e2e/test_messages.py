@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from api.anthropic.answers import AnthropicError, MessageAnswer, TokenCount
 from tests.stack import Stack
 from streamq.testing.tiny_models import CHAT_TEMPLATE, build_model
 
@@ -46,7 +47,9 @@ def test_a_message_and_its_stream_give_the_chat_endpoints_text(stack, client):
     assert message.type == "message" and message.role == "assistant" and message.model == stack.model_name
     assert [b.type for b in message.content] == ["text"] and message.content[0].text == expected
     assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens <= 24
+    MessageAnswer.model_validate(message.to_dict())
     counted = client.messages.count_tokens(model=stack.model_name, system="Be brief.", messages=ask)
+    TokenCount.model_validate(counted.to_dict())
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted.input_tokens
 
     with client.messages.stream(model=stack.model_name, max_tokens=24, extra_body=GREEDY, system="Be brief.",
@@ -85,6 +88,7 @@ def test_a_tool_round_trip(stack, client, stream):
             first = events.get_final_message()
     else:
         first = client.messages.create(**create)
+        MessageAnswer.model_validate(first.to_dict())  # its tool_use block
     assert first.stop_reason == "tool_use"
     if stream:  # the input streamed as the model wrote it: 20 characters or more in pieces
         assert len(pieces) >= (2 if len("".join(pieces)) >= 20 else 1), pieces
@@ -106,6 +110,7 @@ def test_anthropic_errors_come_in_anthropics_shape(stack, client):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
     assert "image" in bad.value.body["error"]["message"]
+    AnthropicError.model_validate(bad.value.body)
     with pytest.raises(anthropic.BadRequestError) as thinking:
         client.messages.create(model=stack.model_name, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                thinking={"type": "enabled", "budget_tokens": 1024})

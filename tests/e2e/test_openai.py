@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from api.openai.answers import ChatCompletion, Completion, ErrorDetail, ModelList
 from shared.messages import FinishReason, RequestStatus
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy
@@ -14,6 +15,7 @@ from tests.e2e.helpers import hf_greedy
 
 def test_models_lists_the_served_model(client, model):
     assert [m.id for m in client.models.list().data] == [model]
+    ModelList.model_validate(client.models.with_raw_response.list().http_response.json())
 
 
 def test_completion_greedy_equals_transformers(client, model, tiny_llama):
@@ -23,6 +25,7 @@ def test_completion_greedy_equals_transformers(client, model, tiny_llama):
     assert reply.object == "text_completion" and reply.choices[0].text == tok.decode(expected)
     assert reply.usage.completion_tokens == len(expected) and reply.usage.prompt_tokens == len(tok.encode("Once upon a time"))
     assert reply.choices[0].finish_reason in ("stop", "length")
+    Completion.model_validate(reply.to_dict())
 
 
 def test_completion_stream_adds_up_and_reports_usage(client, model):
@@ -40,6 +43,7 @@ def test_chat_n_samples_with_seed_logprobs(client, model):
                                            temperature=1.0, seed=7, n=3, logprobs=True, top_logprobs=2,
                                            extra_body={"ignore_eos": True})
     assert [c.index for c in reply.choices] == [0, 1, 2]
+    ChatCompletion.model_validate(reply.to_dict())
     assert reply.usage.completion_tokens == 24
     for choice in reply.choices:
         assert choice.message.role == "assistant"
@@ -95,6 +99,7 @@ def test_bad_input_gets_openai_errors(client, model, kwargs, param):
         client.completions.create(model=model, prompt="x", **kwargs)
     body = info.value.body
     assert body["type"] == "invalid_request_error" and body["param"] == param and body["message"]
+    ErrorDetail.model_validate(body)
 
 
 def test_unknown_model_is_404_with_the_served_list(client, model):

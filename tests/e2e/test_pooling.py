@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from api.openai.answers import OpenAIError
+from api.openai.pooling.answers import EmbeddingList, Rerank
 from api.openai.pooling.inputs import rerank_candidates, rerank_prompt
 from shared import redis_keys
 from shared.messages import RequestStatus
@@ -57,6 +59,7 @@ def test_openai_client_embeddings_equal_transformers_on_the_same_weights(stack, 
 
     floats = client.embeddings.create(model=model, input=SENTENCES[:2], encoding_format="float")
     np.testing.assert_allclose([d.embedding for d in floats.data], got[:2], atol=1e-6)
+    EmbeddingList.model_validate(floats.to_dict())
     by_ids = client.embeddings.create(model=model, input=[tok.encode(SENTENCES[0])], encoding_format="float")
     np.testing.assert_allclose(by_ids.data[0].embedding, got[0], atol=1e-6)
 
@@ -72,10 +75,12 @@ def test_rerank_orders_documents_by_the_models_yes_probability(stack, model, tin
     assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -want[i])
     assert [r["document"]["text"] for r in body["results"]] == [docs[r["index"]] for r in body["results"]]
     assert body["usage"]["prompt_tokens"] > 0
+    Rerank.model_validate(body)
     top = httpx.post(f"{stack.urls[0]}/rerank", json={"query": query, "documents": docs, "top_n": 2,
                                                       "return_documents": False}, timeout=120).json()
     assert [r["index"] for r in top["results"]] == [r["index"] for r in body["results"][:2]]
     assert all("document" not in r for r in top["results"])
+    Rerank.model_validate(top)
 
 
 @pytest.mark.parametrize("path, body, status, words", [
@@ -95,6 +100,7 @@ def test_bad_pooling_requests_get_a_clear_4xx(stack, path, body, status, words):
     reply = httpx.post(f"{stack.urls[0]}{path}", json=body, timeout=60)
     assert reply.status_code == status, reply.text
     assert words in reply.json()["error"]["message"]
+    OpenAIError.model_validate(reply.json())
 
 
 def test_a_worker_that_cannot_pool_is_never_sent_a_pooling_request(redis_url, tiny_llama, tmp_path):

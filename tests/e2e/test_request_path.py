@@ -7,6 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from api.admin.answers import Cluster, Healthy, Ready
+from api.core.openapi import Detail
+from api.native.answers import RequestState, Submitted
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import events_of, hf_greedy, submit, token_ids, wait_done
 from tests.stack import stream_events
@@ -26,7 +29,9 @@ def test_submit_then_poll_until_done(stack, client):
     accepted = submit(client, api, prompt="Once upon a time", max_tokens=12, temperature=0)
     assert accepted["status"] == "queued" and accepted["max_tokens"] == 12
     assert accepted["links"]["events"] == f"/v1/requests/{accepted['id']}/events"
+    Submitted.model_validate(accepted)
     state = wait_done(client, api, accepted["id"])
+    RequestState.model_validate(state)
     assert state["status"] == "done" and state["finish_reason"] in ("stop", "length")
     assert 1 <= state["completion_tokens"] <= 12
     assert state["prompt_tokens"] == accepted["prompt_tokens"]
@@ -195,11 +200,17 @@ def test_cancel_of_a_finished_request_is_a_conflict(stack, client):
     wait_done(client, api, rid)
     reply = client.delete(f"{api}/v1/requests/{rid}")
     assert reply.status_code == 409 and "already ended" in reply.text
+    Detail.model_validate(reply.json())
 
 
 def test_readyz_lists_the_live_worker(stack, client):
     reply = client.get(f"{stack.urls[0]}/readyz").json()
     assert reply["status"] == "ready" and reply["workers"][0]["capacity"] == 8
+    Ready.model_validate(reply)
+    Healthy.model_validate(client.get(f"{stack.urls[0]}/healthz").json())
+    cluster = client.get(f"{stack.urls[0]}/v1/cluster").json()  # the playground's view: the same heartbeats
+    Cluster.model_validate(cluster)
+    assert [w["worker"] for w in cluster["workers"]] == [w["worker"] for w in reply["workers"]]
 
 
 def test_logprobs_and_penalties_through_the_stack(stack, client):

@@ -11,6 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.openai.answers import OpenAIError
+from api.openai.responses.answers import InputItemList, ResponseObject
 from shared import redis_keys
 from tests.e2e.helpers import held_mid_response
 from tests.stack import Stack, parse_sse
@@ -57,6 +59,7 @@ def test_a_response_is_the_chat_reply_to_the_same_conversation(client, model):
     assert response.usage.output_tokens == 12 or reason == "stop"
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
     assert response.instructions == "Be brief." and response.max_output_tokens == 12
+    ResponseObject.model_validate(response.to_dict())
     again = client.responses.retrieve(response.id)
     assert again.model_dump() == response.model_dump()
 
@@ -165,6 +168,7 @@ def test_a_function_call_round_trip(client, model):
     assert asked.status == "completed", asked
     assert len(calls) == 1 and calls[0].name == "get_weather"
     Weather.model_validate_json(calls[0].arguments)
+    ResponseObject.model_validate(asked.to_dict())  # its function_call item
     answered = client.responses.create(
         model=model, previous_response_id=asked.id, tools=[WEATHER_TOOL], tool_choice="none", temperature=0,
         max_output_tokens=6, input=[{"type": "function_call_output", "call_id": calls[0].call_id,
@@ -173,6 +177,7 @@ def test_a_function_call_round_trip(client, model):
     items = client.responses.input_items.list(answered.id, order="asc")
     assert [i.type for i in items.data] == ["function_call_output"]
     assert items.data[0].call_id == calls[0].call_id
+    InputItemList.model_validate(client.responses.input_items.with_raw_response.list(answered.id).http_response.json())
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -210,6 +215,7 @@ def test_cancel_stops_a_running_background_response(stack, client, model):
     finally:
         stack.resume_workers()
     assert cancelled["status"] == "cancelled", cancelled
+    ResponseObject.model_validate(cancelled)
     assert 1 <= cancelled["usage"]["output_tokens"] < 1500
     assert client.responses.retrieve(created.id).status == "cancelled"
     finished = client.responses.cancel(created.id)  # a finished one is answered as it is
@@ -261,6 +267,7 @@ def test_store_false_keeps_nothing(client, model):
 def test_bad_requests_get_openai_400s(stack, model, body, param):
     reply = httpx.post(f"{stack.urls[0]}/v1/responses", json={"model": model, **body}, timeout=30)
     assert reply.status_code == 400, reply.text
+    OpenAIError.model_validate(reply.json())
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from api.native.answers import GeneratedText, GeneratedTexts, QueryAnswer, VllmTexts
 from api.native.seed import SEED_MAX_TOKENS
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy
@@ -35,6 +36,7 @@ def test_basic_generate_as_printed(api, greedy_text):
     out = json.loads(sh(f"""curl -s -X POST {api}/basic_generate -H "Content-Type: application/json" """
                         """-d '{"prompt": "Hello, I am"}'"""))
     assert out["generated_text"] == greedy_text("Hello, I am")
+    GeneratedText.model_validate(out)
     assert len(out["generated_text"]) > len("Hello, I am")
 
 
@@ -42,6 +44,7 @@ def test_generate_batch_gives_one_result_per_prompt_with_ids(api, greedy_text):
     out = json.loads(sh(f"""curl -X POST {api}/generate -s -H "Content-Type: application/json" """
                         """-d '{"prompts": ["Hello, I am", "The weather is"]}'"""))
     assert len(out["generated_texts"]) == 2 and len(set(out["request_ids"])) == 2
+    GeneratedTexts.model_validate(out)
     assert out["generated_texts"] == [greedy_text("Hello, I am"), greedy_text("The weather is")]
     # Each result is the greedy text of its own prompt, as if it were sent alone.
     with httpx.Client(timeout=60) as client:
@@ -53,6 +56,7 @@ def test_generate_vllm_as_printed_and_edge_cases(api):
     out = json.loads(sh(f"""curl -s -X POST {api}/generate_vllm -H "Content-Type: application/json" """
                         """-d '{"prompts": ["Hello, I am", "The weather is", "Once upon a time"]}'"""))
     assert len(out["generated_texts"]) == 3
+    VllmTexts.model_validate(out)
     empty = sh(f"""curl -s -w "\\nHTTP %{{http_code}}\\n" -X POST {api}/generate_vllm """
                """-H "Content-Type: application/json" -d '{"prompts": []}'""")
     assert empty.splitlines() == ['{"generated_texts":[]}', "HTTP 200"]
@@ -89,6 +93,7 @@ def test_second_tutorial_query_and_plain_text_stream(api):
     with httpx.Client(timeout=60) as client:
         reply = client.post(f"{api}/generate/", json={"query": "What is Redis?", "max_tokens": 8, "temperature": 0})
         assert set(reply.json()) == {"response"} and reply.json()["response"]
+        QueryAnswer.model_validate(reply.json())
         body = {"request_id": "abc", "query": "What is Redis?", "n": 1, "top_p": 1.0, "temperature": 0,
                 "max_tokens": 8, "seed": 1}
         with client.stream("POST", f"{api}/generate_stream/", json=body) as stream:

@@ -11,14 +11,17 @@ from api.core.auth import TenantDep
 from api.core.deps import ModelsDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_answer
+from api.openai.answers import OpenAIError
+from api.openai.pooling.answers import EmbeddingList, Rerank
 from api.openai.pooling.schemas import EmbeddingRequest, RerankRequest
 
-router = APIRouter(tags=["pooling"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["pooling"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v1/reranking")
 PATHS = ("/v1/embeddings", *RERANK_PATHS)
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", responses=json_answer(EmbeddingList, "One embedding per input."))
 async def embeddings(body: EmbeddingRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     size = generation.tokenizer.hidden_size
@@ -45,4 +48,5 @@ async def rerank(body: RerankRequest, served: ModelsDep, tenant: TenantDep):
 
 
 for _path in RERANK_PATHS:
-    router.add_api_route(_path, rerank, methods=["POST"], include_in_schema=_path == "/v1/rerank")
+    router.add_api_route(_path, rerank, methods=["POST"], include_in_schema=_path == "/v1/rerank",
+                         responses=json_answer(Rerank, "The documents, the most relevant first."))

@@ -21,6 +21,10 @@ from api.core.auth import TenantDep
 from api.core.deps import ModelsDep, ReplicaDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
+from api.core.openapi import errors, json_answer, json_or_stream
+from api.openai.answers import OpenAIError
+from api.openai.responses.answers import (RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE, InputItemList, ResponseDeleted,
+                                          ResponseObject)
 from api.core.payloads import chat_payloads
 from api.core.relay import Relay
 from api.openai.responses.events import ResponseEvents
@@ -30,7 +34,8 @@ from api.openai.responses.schemas import ResponseCreate
 from api.core.sse import RESPONSES, EventStreamResponse
 from shared.messages import FinalEvent, TokenEvent
 
-router = APIRouter(tags=["responses"], route_class=StrictJSONRoute)
+router = APIRouter(tags=["responses"], route_class=StrictJSONRoute,
+                   responses=errors(OpenAIError, "OpenAI's error body."))
 PATHS = ("/v1/responses",)
 CANCEL_WAIT_S = 30.0  # a cancel answers once the worker has stopped (within a step), or after this
 
@@ -64,7 +69,9 @@ async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) 
     return previous.context + events.output_items()
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses=json_or_stream(
+    ResponseObject, "The response (finished; queued with `background: true`).", RESPONSE_EVENTS,
+    RESPONSE_EVENTS_EXAMPLE))
 async def create_response(body: ResponseCreate, served: ModelsDep, tenant: TenantDep, responses: ResponsesDep,
                           replica: ReplicaDep):
     generation = await served.get(body.model)
@@ -131,7 +138,8 @@ async def _stream(responses: ResponseStore, relay: Relay, record: ResponseRecord
     await (responses.keep(record) if keep else responses.delete(record))
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}", responses=json_or_stream(
+    ResponseObject, "The response as it stands.", RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE))
 async def retrieve_response(response_id: str, tenant: TenantDep, responses: ResponsesDep, replica: ReplicaDep,
                             stream: bool = False, starting_after: int | None = Query(None),
                             include_obfuscation: bool | None = None,
@@ -166,7 +174,8 @@ def _starting_after(starting_after: int | None, last_event_id: str | None) -> in
     return starting_after
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel",
+             responses=json_answer(ResponseObject, "The response as it stands after the cancel."))
 async def cancel_response(response_id: str, tenant: TenantDep, responses: ResponsesDep, replica: ReplicaDep):
     """Stops a background response (a queued one at once, a running one within a step) and
     answers it as it then stands; a finished one is answered as it is."""
@@ -203,7 +212,7 @@ async def _discard(responses: ResponseStore, relay: Relay, record: ResponseRecor
     await responses.delete(record)
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", responses=json_answer(ResponseDeleted, "Deleted."))
 async def delete_response(response_id: str, tenant: TenantDep, responses: ResponsesDep, replica: ReplicaDep):
     """Removes a stored response (a running one is cancelled first)."""
     record = await _found(responses, tenant, response_id)
@@ -211,7 +220,8 @@ async def delete_response(response_id: str, tenant: TenantDep, responses: Respon
     return {"id": record.id, "object": "response", "deleted": True}
 
 
-@router.get("/v1/responses/{response_id}/input_items")
+@router.get("/v1/responses/{response_id}/input_items",
+            responses=json_answer(InputItemList, "A page of the response's input items."))
 async def input_items(response_id: str, tenant: TenantDep, responses: ResponsesDep,
                       limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
                       after: str | None = None, include: list[str] | None = Query(None, alias="include[]")):
