@@ -42,9 +42,9 @@ def configure(service_name: str) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-                     if os.environ.get(v)), None)  # the traces' own wins
-    protocol = os.environ[variable] if variable else "http/protobuf"
+    traces, general = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"), os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    variable, protocol = (("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", traces) if traces  # the traces' own wins
+                          else ("OTEL_EXPORTER_OTLP_PROTOCOL", general or "http/protobuf"))
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
