@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.batch_record import BatchEntry, BatchField, BatchStatus
 from shared.messages import RequestStatus, now
 from shared.queue import RequestQueue
@@ -24,14 +24,6 @@ from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
-
-# KEYS: the batch's results, its record (one slot: {batch id}). ARGV: custom id, result line, the
-# count to add it to (BatchField.COMPLETED or FAILED). A result and its count in one step, each once
-# (a job run again finds it).
-_RECORD_RESULT = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
-"""
-
 
 def result_line(rid: str, item: BatchEntry, record: RequestRecord, text: str, model: str) -> tuple[dict, bool]:
     """One line of the results, in OpenAI's batch output shape; and whether it succeeded."""
@@ -58,7 +50,7 @@ def result_line(rid: str, item: BatchEntry, record: RequestRecord, text: str, mo
 
 async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
     store = RequestStore(redis, prefix)
-    record_result = redis.register_script(_RECORD_RESULT)
+    record_result = scripts.register(redis, "batch_result")
     record_key, results_key = redis_keys.batch_record(prefix, batch_id), redis_keys.batch_results(prefix, batch_id)
     queue = RequestQueue(redis, prefix, model)
     await redis.hset(record_key, mapping={BatchField.STATUS: BatchStatus.IN_PROGRESS, BatchField.STARTED_AT: now()})

@@ -17,63 +17,10 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import RequestPayload
 
 MAX_HOLDERS = 4  # workers remembered per prefix, the latest first
-
-# KEYS: holders hash, expiry set. ARGV: worker, ttl ms, most holders, then the prefix hashes it
-# took. Each hash's value lists its holders, the latest first: "<expiry ms>:<worker>/..." ('/' is
-# in no worker name); the set scores each hash with its latest expiry. Also drops up to 100
-# prefixes whose every announcement has expired, whoever made them.
-_ANNOUNCE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local me, expires, most = ARGV[1], now + tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 4, #ARGV do
-  local holders = {expires .. ':' .. me}
-  for held in string.gmatch(redis.call('HGET', KEYS[1], ARGV[i]) or '', '[^/]+') do
-    local until_ms, worker = string.match(held, '^(%d+):(.*)$')
-    if worker ~= me and tonumber(until_ms) > now and #holders < most then holders[#holders + 1] = held end
-  end
-  redis.call('HSET', KEYS[1], ARGV[i], table.concat(holders, '/'))
-  redis.call('ZADD', KEYS[2], expires, ARGV[i])
-end
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)
-if #old > 0 then
-  redis.call('HDEL', KEYS[1], unpack(old))
-  redis.call('ZREM', KEYS[2], unpack(old))
-end
-return #old
-"""
-
-# KEYS: holders hash, free-slots hash (worker/service/intake.py). ARGV: prefix hashes. For each, the
-# workers whose announcement of it has not expired by Redis's clock (the workers' expiries are
-# in that clock too), those with the most free slots first, then the latest.
-_LOOKUP = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local found = redis.call('HMGET', KEYS[1], unpack(ARGV))
-local free_of = {}
-for i, value in ipairs(found) do
-  local holders = {}
-  for held in string.gmatch(value or '', '[^/]+') do
-    local until_ms, worker = string.match(held, '^(%d+):(.*)$')
-    if tonumber(until_ms) > now then
-      if not free_of[worker] then
-        local slots, free_until = string.match(redis.call('HGET', KEYS[2], worker) or '', '^(%d+):(%d+)$')
-        free_of[worker] = free_until and tonumber(free_until) > now and tonumber(slots) or 0
-      end
-      holders[#holders + 1] = {worker, free_of[worker], #holders}
-    end
-  end
-  table.sort(holders, function(a, b) return a[2] > b[2] or (a[2] == b[2] and a[3] < b[3]) end)
-  for k, holder in ipairs(holders) do holders[k] = holder[1] end
-  found[i] = holders
-end
-return found
-"""
-
 
 def prefix_hash(token_ids: Sequence[int], tokens: int) -> str | None:
     """The hash of a prompt's first `tokens` token ids; None when the prompt is not longer (the
@@ -94,8 +41,8 @@ class PrefixAffinity:
         self.holders_key = redis_keys.prefix_holders(prefix, model)
         self.expiry_key = redis_keys.prefix_expiry(prefix, model)
         self.free_key = redis_keys.worker_free_slots(prefix, model)
-        self._announce = redis.register_script(_ANNOUNCE)
-        self._lookup = redis.register_script(_LOOKUP)
+        self._announce = scripts.register(redis, "affinity_announce")
+        self._lookup = scripts.register(redis, "affinity_lookup")
 
     def hash_of(self, payload: RequestPayload) -> str | None:
         return prefix_hash(payload.prompt_token_ids, self.tokens)

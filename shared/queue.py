@@ -16,55 +16,10 @@ from collections.abc import Iterable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import RequestPayload
 
 ANONYMOUS = "-"  # the lane's tenant part when auth is off
-
-# Lua functions for the scripts that need the backlog. group_info: the fields of `group` on
-# `stream` (a table: name, last-delivered-id, pending, entries-read, lag, ...), nil where the
-# stream or the group does not exist; and whether the stream does. lane_backlog: (entries no worker has
-# taken yet, entries ever taken) of one lane's stream, from its group (its lag and entries-read;
-# where Redis cannot tell the lag, entries-added less entries-read). backlog: the same summed
-# over every lane in the lanes set; it reads the lanes' streams without being given them as
-# KEYS: fine on one Redis, not on a Cluster.
-BACKLOG_LUA = """
-local function group_info(stream, group)
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if not ok then return nil, false end  -- no such stream (yet)
-  for _, g in ipairs(groups) do
-    local fields = {}
-    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-    if fields['name'] == group then return fields, true end
-  end
-  return nil, true
-end
-
-local function lane_backlog(stream, group)
-  local info, exists = group_info(stream, group)
-  if not exists then return 0, 0 end
-  if not info then return redis.call('XLEN', stream), 0 end
-  local read = tonumber(info['entries-read']) or 0
-  local lag = tonumber(info['lag'])
-  if not lag then
-    local stream_info = redis.call('XINFO', 'STREAM', stream)
-    for i = 1, #stream_info, 2 do
-      if stream_info[i] == 'entries-added' then lag = math.max(0, stream_info[i + 1] - read) end
-    end
-  end
-  return lag, read
-end
-
-local function backlog(lanes_key, stream_prefix, group)
-  local waiting, taken = 0, 0
-  for _, lane in ipairs(redis.call('SMEMBERS', lanes_key)) do
-    local lag, read = lane_backlog(stream_prefix .. lane, group)
-    waiting, taken = waiting + lag, taken + read
-  end
-  return waiting, taken
-end
-"""
-
 
 def lane_of(payload: RequestPayload) -> str:
     """`<priority>:<tenant>`, after `^<worker>/` when a worker holds the request's prefix, after
@@ -96,7 +51,7 @@ class RequestQueue:
         self.lanes_key = redis_keys.request_lanes(prefix, model)
         self.doorbell = redis_keys.lane_doorbell(prefix, model)
         self.stream_prefix = redis_keys.request_stream(prefix, model, "")  # a lane's stream is this and the lane
-        self._backlog = redis.register_script(BACKLOG_LUA + "return {backlog(KEYS[1], ARGV[1], ARGV[2])}")
+        self._backlog = scripts.register(redis, "queue_backlog")
 
     def stream_of(self, payload: RequestPayload) -> str:
         return self.lane_stream(lane_of(payload))

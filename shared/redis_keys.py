@@ -17,6 +17,9 @@ RESULT_TTL_S = 24 * 3600
 # it has no heartbeat, so an entry left there by a scheduler that died is reclaimed again.
 RECLAIMER = "reclaimer"
 
+# Field of a token-log entry that holds the encoded event.
+EVENT_FIELD = "e"
+
 
 def request_stream(prefix: str, model: str, lane: str) -> str:
     """Stream of one lane's requests for one served model (consumer group WORKER_GROUP).
@@ -30,7 +33,7 @@ def request_lanes(prefix: str, model: str) -> str:
     """Set: the lanes that have a request stream for this model. A tenant's lane stays; a worker's
     affinity lane is removed with its stream once it is empty, nothing of it is pending and its
     worker has no live announcement in worker_free_slots (it stopped reading: worker/service/intake.py's
-    _DROP); a request queued there later adds it again, with its group."""
+    drop, shared/lua/intake_drop.lua); a request queued there later adds it again, with its group."""
     return f"{prefix}:lanes:{{{model}}}"
 
 

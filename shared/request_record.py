@@ -2,10 +2,11 @@
 
 Its field names are said once, here (`RecordField`), and every reader and writer takes them from
 here: the api writes a queued request's fields (`RequestRecord.queued`), a worker's claim and its
-publisher add theirs as the request runs, and the Lua scripts of shared/store.py and
-shared/requeue.py change its status. A script gets the names as Lua tables made here (`LUA_NAMES`:
-F for fields, S for statuses, R for finish reasons), the way store.EVENT_FIELD is formatted into
-the scripts, so no script spells a field, a status or a finish reason itself.
+publisher add theirs as the request runs, and the Lua scripts that shared/store.py and
+shared/requeue.py run (shared/lua/) change its status. A script gets the names as Lua tables made
+here (`LUA_NAMES`: F for fields, S for statuses, R for finish reasons), put before it at load time
+by shared/scripts.py with redis_keys.EVENT_FIELD, so no script spells a field, a status or a
+finish reason itself.
 
 Read back, a record is one typed value (`RequestRecord.of`), with `fields()` the inverse: the hash
 as Redis keeps it (numbers as redis-py writes them, repr of the int or float).

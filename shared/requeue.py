@@ -23,65 +23,17 @@ from __future__ import annotations
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, Usage, encode_event, now
 from shared.request_record import RecordField
-from shared.store import FINISH_LUA
-
-# KEYS: record, token log, channel (one slot: `{id}`).
-# ARGV: entry id, max attempts, encoded "failed" final event, encoded "cancelled" final event, now, ttl.
-# Returns {outcome, 1 if decided now / 0 if decided before for this entry}.
-_DECIDE = FINISH_LUA + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'ended', 1} end  -- expired: nothing to write
-local function order(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local done = redis.call('HGET', KEYS[1], F.requeued_from)
-if done then
-  local ms, seq = order(ARGV[1])
-  local done_ms, done_seq = order(done)
-  if ms < done_ms or (ms == done_ms and seq < done_seq) then return {'stale', 0} end
-  if done == ARGV[1] then return {redis.call('HGET', KEYS[1], F.requeue_outcome), 0} end
-end
-local status = redis.call('HGET', KEYS[1], F.status)
-local outcome
-if status ~= S.running and status ~= S.queued then
-  outcome = 'ended'
-elseif redis.call('HGET', KEYS[1], F.cancel_requested) == '1' then
-  finish(KEYS[1], KEYS[2], KEYS[3], S.cancelled, R.cancelled, ARGV[5], ARGV[4], ARGV[6], false)
-  outcome = 'cancelled'
-else
-  local attempts = redis.call('HINCRBY', KEYS[1], F.attempts, 1)
-  if attempts >= tonumber(ARGV[2]) then
-    finish(KEYS[1], KEYS[2], KEYS[3], S.failed, R.error, ARGV[5], ARGV[3], ARGV[6],
-           'the request took down its worker ' .. attempts .. ' times; it is in the dead-letter stream')
-    outcome = 'dead'
-  else
-    redis.call('HSET', KEYS[1], F.status, S.queued, F.worker, '')
-    outcome = 'requeued'
-  end
-end
-redis.call('HSET', KEYS[1], F.requeued_from, ARGV[1], F.requeue_outcome, outcome)
-return {outcome, 1}
-"""
-
-# KEYS: lane stream. ARGV: group, entry id, outcome, payload.
-# Returns 1 if this call acked the entry (and queued the payload again when requeued), else 0.
-_RELEASE = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end  -- another reclaimer was first
-if ARGV[3] == 'requeued' then redis.call('XADD', KEYS[1], '*', 'payload', ARGV[4]) end
-return 1
-"""
-
 
 class Requeue:
     """Puts reclaimed entries back in their lane, or ends their requests (module docstring)."""
 
     def __init__(self, redis: Redis, prefix: str, max_attempts: int):
         self.redis, self.prefix, self.max_attempts = redis, prefix, max_attempts
-        self._decide = redis.register_script(_DECIDE)
-        self._release = redis.register_script(_RELEASE)
+        self._decide = scripts.register(redis, "requeue_decide")
+        self._release = scripts.register(redis, "requeue_release")
 
     async def __call__(self, stream: str, entry_id: str, fields: dict) -> str:
         """The outcome for one entry the reclaimer holds: requeued, dead, cancelled, ended,

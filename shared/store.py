@@ -9,86 +9,12 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
-from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
-from shared.request_record import LUA_NAMES, RecordField, RequestRecord
-
-# Field of a token-log entry that holds the encoded event.
-EVENT_FIELD = "e"
-
-# Ending a request in a script, the one way the scripts here and the scheduler's requeue do it:
-# the record's status, finish reason, end time and error (or none: false), the final event on
-# its token log and channel, and both keys set to expire after `ttl`. (The worker ends the
-# requests it ran in its publish pipeline, worker/service/publisher.py, with their text and the ack.)
-# It comes after LUA_NAMES, the record's field and status names every script here uses.
-FINISH_LUA = LUA_NAMES + """
-local function finish(record, log, channel, status, reason, finished_at, event, ttl, error)
-  redis.call('HSET', record, F.status, status, F.finish_reason, reason, F.finished_at, finished_at)
-  if error then redis.call('HSET', record, F.error, error) end
-  redis.call('XADD', log, '*', '%s', event)
-  redis.call('SPUBLISH', channel, event)
-  redis.call('EXPIRE', record, ttl)
-  redis.call('EXPIRE', log, ttl)
-end
-""" % EVENT_FIELD
-
-# KEYS: record. ARGV: worker, started_at. queued → running for this worker; also 1 when the
-# request already runs on this same worker (a retried claim whose first answer was lost).
-_CLAIM = LUA_NAMES + """
-local status = redis.call('HGET', KEYS[1], F.status)
-if status == S.running and redis.call('HGET', KEYS[1], F.worker) == ARGV[1] then return 1 end
-if status ~= S.queued then return 0 end
-redis.call('HSET', KEYS[1], F.status, S.running, F.worker, ARGV[1], F.started_at, ARGV[2])
-return 1
-"""
-
-# KEYS: lanes set, doorbell, then each request's lane stream (all in the model's queue slot).
-# ARGV: group, the most requests that may wait (-1: no limit), the lane streams' key prefix,
-# then for each request its lane and payload.
-# Admission and queueing in one step, all requests or none: past the limit nothing is queued
-# and {0, waiting, taken} comes back; else the requests are queued and {1, waiting before
-# them, taken}. A lane seen for the first time gets the workers' group (before its first
-# entry) and rings the doorbell. The records are written before, by enqueue().
-_SUBMIT = BACKLOG_LUA + """
-local waiting, taken = backlog(KEYS[1], ARGV[3], ARGV[1])
-local n = #KEYS - 2
-if tonumber(ARGV[2]) >= 0 and waiting + n > tonumber(ARGV[2]) then return {0, waiting, taken} end
-for i = 1, n do
-  local stream, lane, payload = KEYS[2 + i], ARGV[2 + 2 * i], ARGV[3 + 2 * i]
-  if redis.call('SADD', KEYS[1], lane) == 1 then
-    pcall(redis.call, 'XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', '1000', '*', 'lane', lane)
-  end
-  redis.call('XADD', stream, '*', 'payload', payload)
-end
-return {1, waiting, taken}
-"""
-
-# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl.
-# Returns the status the request had: a queued one is cancelled here and now; a running one
-# is flagged and left to its worker; a finished one is left alone.
-_CANCEL = FINISH_LUA + """
-local status = redis.call('HGET', KEYS[1], F.status)
-if not status then return false end
-if status == S.queued then
-  finish(KEYS[1], KEYS[2], KEYS[3], S.cancelled, R.cancelled, ARGV[2], ARGV[1], ARGV[3], false)
-elseif status == S.running then
-  redis.call('HSET', KEYS[1], F.cancel_requested, '1')
-end
-return status
-"""
-
-
-# KEYS: record, token log, channel. ARGV: encoded final event, finished_at, ttl, error, status,
-# finish reason. Ends a request that is still queued (expired, or failed); returns 1 if it did.
-_END_QUEUED = FINISH_LUA + """
-if redis.call('HGET', KEYS[1], F.status) ~= S.queued then return 0 end
-finish(KEYS[1], KEYS[2], KEYS[3], ARGV[5], ARGV[6], ARGV[2], ARGV[1], ARGV[3], ARGV[4])
-return 1
-"""
-
+from shared.queue import RequestQueue, lane_of
+from shared.redis_keys import EVENT_FIELD
+from shared.request_record import RecordField, RequestRecord
 
 @dataclass(frozen=True)
 class Admission:
@@ -104,10 +30,10 @@ class RequestStore:
     def __init__(self, redis: Redis, prefix: str):
         self.redis = redis
         self.prefix = prefix
-        self._submit = redis.register_script(_SUBMIT)
-        self._claim = redis.register_script(_CLAIM)
-        self._cancel = redis.register_script(_CANCEL)
-        self._end = redis.register_script(_END_QUEUED)
+        self._submit = scripts.register(redis, "store_submit")
+        self._claim = scripts.register(redis, "store_claim")
+        self._cancel = scripts.register(redis, "store_cancel")
+        self._end = scripts.register(redis, "store_end_queued")
 
     async def submit(self, payload: RequestPayload) -> None:
         """Write the record, then queue the request in its lane."""

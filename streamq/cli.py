@@ -21,20 +21,35 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    _log(args.log_level)
+    _run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamq", description="Serve a language model to many users at once.")
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error (default: STREAMQ_LOG_LEVEL, info)")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="Redis (unless REDIS_URL is set), a worker and the api, supervised.")
+    _add_serve(sub.add_parser("serve", help="Redis (unless REDIS_URL is set), a worker and the api, supervised."))
+    sub.add_parser("api", help="One api replica (settings from STREAMQ_* variables).")
+    sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
+    sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
+    sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
+    _add_keys(sub.add_parser("keys", help="API keys: create, list, revoke (stored hashed in Redis)."))
+    from streamq.bench import add_arguments  # light: httpx only
+    add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
+    return parser
+
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-replicas", type=_positive, default=1,
                        help="api processes; above 1, nginx listens on --port in front of them (like compose's lb)")
     serve.add_argument("--workers", type=_positive, default=1, help="model worker processes sharing the request stream")
-    sub.add_parser("api", help="One api replica (settings from STREAMQ_* variables).")
-    sub.add_parser("worker", help="One model worker (settings from STREAMQ_* variables).")
-    sub.add_parser("scheduler", help="The scheduler: periodic jobs (arq).")
-    sub.add_parser("prepare-model", help="Convert and cache the configured model, then exit.")
-    keys_cmd = sub.add_parser("keys", help="API keys: create, list, revoke (stored hashed in Redis).")
+
+
+def _add_keys(keys_cmd: argparse.ArgumentParser) -> None:
     keys_sub = keys_cmd.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="Create a key for a tenant; the key is printed once.")
     create.add_argument("--tenant", required=True)
@@ -50,11 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     limits.add_argument("--concurrent", type=int, help="unfinished requests at once")
     limits.add_argument("--weight", type=float,
                         help="share of the workers' batches relative to other tenants (fair scheduling; default 1)")
-    from streamq.bench import add_arguments  # light: httpx only
-    add_arguments(sub.add_parser("bench", help="Load a running server and report latency and throughput."))
-    args = parser.parse_args(argv)
-    _log(args.log_level)
 
+
+def _run(args: argparse.Namespace) -> None:
+    """The subcommand; its heavy imports only here, for the one that runs."""
     if args.command == "serve":
         from streamq.serve import serve as run_serve
         sys.exit(run_serve(args.host, args.port, args.api_replicas, args.workers))
@@ -75,15 +89,19 @@ def main(argv: list[str] | None = None) -> None:
         from scheduler.main import main as scheduler_main
         scheduler_main()
     elif args.command == "prepare-model":
-        from shared.logs import route_transformers
-        from shared.model_paths import prepare_model
-        from shared.model_source import ModelNotFound
-        from shared.settings import CommonSettings
-        route_transformers()
-        try:
-            print(prepare_model(CommonSettings()))
-        except ModelNotFound as exc:
-            sys.exit(f"streamq prepare-model: {exc}")
+        _prepare_model()
+
+
+def _prepare_model() -> None:
+    from shared.logs import route_transformers
+    from shared.model_paths import prepare_model
+    from shared.model_source import ModelNotFound
+    from shared.settings import CommonSettings
+    route_transformers()
+    try:
+        print(prepare_model(CommonSettings()))
+    except ModelNotFound as exc:
+        sys.exit(f"streamq prepare-model: {exc}")
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -58,30 +58,14 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
             log.info("started a private redis-server at %s", env["REDIS_URL"])
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
         prepare_model(env, quiet=False)
-        command = cli()
-        children = [Child("worker" if workers == 1 else f"worker{i}", command + ["worker"], env, with_parent=True)
-                    for i in range(workers)]
-        children.append(Child("scheduler", command + ["scheduler"], env, with_parent=True))
         url = f"http://{_loopback_if_any(host)}:{port}"
-        if api_replicas == 1:
-            children.append(Child("api", command + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)},
-                                  with_parent=True))
-            replicas = [url]
-        else:
-            ports = _free_ports(api_replicas, avoid=port)
-            api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host)}
-            children += [Child(f"api{i}", command + ["api"], {**api_env, "STREAMQ_PORT": str(p)}, with_parent=True)
-                         for i, p in enumerate(ports)]
-            children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
-            replicas = [f"http://127.0.0.1:{p}" for p in ports]
+        children, ports = _children(env, host, port, api_replicas, workers, nginx, folder)
+        replicas = [f"http://127.0.0.1:{p}" for p in ports] or [url]
         for child in children:
             child.start()
-        deadline = time.monotonic() + 600
         # Every replica first, then the public address (through nginx when there is one).
-        for address in replicas + ([url] if api_replicas > 1 else []):
-            if not wait_ready(address, max(0.0, deadline - time.monotonic()), children):
-                log.error("streamq did not become ready at %s; stopping", address)
-                return 1
+        if not _all_ready(replicas + ([url] if api_replicas > 1 else []), children):
+            return 1
         _banner(url, served_name(settings), replicas if api_replicas > 1 else [], workers)
         _supervise(children)
         return 0
@@ -95,15 +79,49 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
         log.error("%s", exc)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for child in reversed(children):  # nginx first, so no new request reaches a stopping replica
-            if child.stop():
-                log.warning("%s did not stop in time; killed it", child.name)
-        if redis is not None:
-            redis.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-        log.info("all stopped")
+        _stop_all(children, redis, folder)
+
+
+def _children(env: dict[str, str], host: str, port: int, api_replicas: int, workers: int, nginx: str | None,
+              folder: Path) -> tuple[list[Child], list[int]]:
+    """The workers, the scheduler and the api replicas (behind nginx when several), not started yet;
+    and the replicas' loopback ports behind nginx (none for one replica, which listens on `port`)."""
+    command = cli()
+    children = [Child("worker" if workers == 1 else f"worker{i}", command + ["worker"], env, with_parent=True)
+                for i in range(workers)]
+    children.append(Child("scheduler", command + ["scheduler"], env, with_parent=True))
+    if api_replicas == 1:
+        children.append(Child("api", command + ["api"], {**env, "STREAMQ_HOST": host, "STREAMQ_PORT": str(port)},
+                              with_parent=True))
+        return children, []
+    ports = _free_ports(api_replicas, avoid=port)
+    api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host)}
+    children += [Child(f"api{i}", command + ["api"], {**api_env, "STREAMQ_PORT": str(p)}, with_parent=True)
+                 for i, p in enumerate(ports)]
+    children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
+    return children, ports
+
+
+def _all_ready(addresses: list[str], children: list[Child]) -> bool:
+    """Whether each address answers ready, in order, within 600 s in all."""
+    deadline = time.monotonic() + 600
+    for address in addresses:
+        if not wait_ready(address, max(0.0, deadline - time.monotonic()), children):
+            log.error("streamq did not become ready at %s; stopping", address)
+            return False
+    return True
+
+
+def _stop_all(children: list[Child], redis: RedisServer | None, folder: Path) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for child in reversed(children):  # nginx first, so no new request reaches a stopping replica
+        if child.stop():
+            log.warning("%s did not stop in time; killed it", child.name)
+    if redis is not None:
+        redis.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("all stopped")
 
 
 def find_nginx() -> str | None:

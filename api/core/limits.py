@@ -16,62 +16,19 @@ import math
 from redis.asyncio import Redis
 
 from api.core.errors import ApiError
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import RequestStatus, now
 from shared.request_record import RecordField
 
 # A record's statuses while the request still counts against its tenant's concurrency.
 _UNFINISHED = frozenset(s.value for s in RequestStatus if not s.finished)
 
-# KEYS: limits hash, rpm zset, tpm zset, active zset. ARGV: now, request ids (space-separated),
-# tokens, ended request ids (space-separated: active ones whose records say they ended), active ttl.
-# Returns {0, weight} when admitted, else {kind, seconds to wait}.
-_ADMIT = """
-local limits = redis.call('HGETALL', KEYS[1])
-local lim = {}
-for i = 1, #limits, 2 do lim[limits[i]] = tonumber(limits[i + 1]) end
-local now = tonumber(ARGV[1])
-local ids = {}
-for id in string.gmatch(ARGV[2], '%S+') do table.insert(ids, id) end
-local tokens = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - 60)
-local function wait_oldest(key)
-  local oldest = redis.call('ZRANGE', KEYS[key], 0, 0, 'WITHSCORES')
-  return tostring(math.max(1, math.ceil(tonumber(oldest[2]) + 60 - now)))
-end
-if (lim['rpm'] or 0) > 0 and redis.call('ZCARD', KEYS[2]) + #ids > lim['rpm'] then
-  return {'requests per minute', wait_oldest(2)}
-end
-if (lim['tpm'] or 0) > 0 then
-  local used = 0
-  for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    used = used + tonumber(string.match(member, ':(%d+)$'))
-  end
-  if tokens > lim['tpm'] then return {'tokens per minute', '60'} end
-  if used + tokens > lim['tpm'] then return {'tokens per minute', wait_oldest(3)} end
-end
-if (lim['concurrent'] or 0) > 0 then
-  for id in string.gmatch(ARGV[4], '%S+') do redis.call('ZREM', KEYS[4], id) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  if redis.call('ZCARD', KEYS[4]) + #ids > lim['concurrent'] then return {'concurrent requests', '1'} end
-end
-for i, id in ipairs(ids) do
-  redis.call('ZADD', KEYS[2], now, id)
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), id)
-end
-redis.call('ZADD', KEYS[3], now, ids[1] .. ':' .. tokens)
-for k = 2, 4 do redis.call('EXPIRE', KEYS[k], math.max(120, tonumber(ARGV[5]))) end
-return {0, tostring(lim['weight'] or 1)}
-"""
-
-
 class Limits:
     def __init__(self, redis: Redis, prefix: str, active_ttl_s: float):
         self.redis = redis
         self.prefix = prefix
         self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
-        self._admit = redis.register_script(_ADMIT)
+        self._admit = scripts.register(redis, "limits_admit")
 
     async def set(self, tenant: str, rpm: int | None = None, tpm: int | None = None, concurrent: int | None = None,
                   weight: float | None = None) -> None:

@@ -1,6 +1,6 @@
 """The package as the deploy image installs it (a wheel, outside the source tree) holds every file
 the CPU step kernels need, and compiles them from there: a worker in a container runs the kernels,
-not the slow eager path."""
+not the slow eager path. It holds the Lua scripts that shared/scripts.py reads as package data too."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from shared import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,3 +57,16 @@ def test_the_installed_package_compiles_its_kernels_outside_the_source_tree(inst
     done = subprocess.run([sys.executable, "-c", script, str(installed), str(tmp_path / "kernels")], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_wheel_holds_every_lua_script_and_the_installed_package_loads_them(installed, tmp_path):
+    """shared/scripts.py reads shared/lua/ as package data: every file there is in the wheel."""
+    written = {p.name for p in (ROOT / "shared" / "lua").glob("*.lua")}
+    assert written and written <= {p.name for p in (installed / "shared" / "lua").glob("*.lua")}
+    script = ("import sys; from shared import scripts; "
+              "assert scripts.__file__.startswith(sys.argv[1]), scripts.__file__; "
+              "print(len([scripts.source(n) for n in scripts.names() if not scripts.is_library(n)]))")
+    done = subprocess.run([sys.executable, "-c", script, str(installed)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(installed)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) == len([n for n in scripts.names() if not scripts.is_library(n)])

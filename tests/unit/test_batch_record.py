@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from scheduler import batches
+from shared import scripts
 from shared.batch_record import BatchEntry, BatchField, BatchRecord, BatchStatus
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
@@ -73,4 +73,4 @@ def test_a_hash_without_a_status_is_no_batch(fields):
 
 def test_the_result_script_is_given_the_count_it_adds_to():
     names = "|".join(re.escape(m.value) for m in BatchField)
-    assert not re.search(rf"""['"]({names})['"]""", batches._RECORD_RESULT)
+    assert not re.search(rf"""['"]({names})['"]""", scripts.text("batch_result"))

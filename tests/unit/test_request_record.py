@@ -1,7 +1,6 @@
 """The request record's schema, said once (shared/request_record.py): the typed record round-trips
 through its hash, the hash keeps the names records were written with, and no Lua script or
 playground list spells a field or a status of its own."""
-import ast
 import dataclasses
 import json
 import re
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from api.openai.responses.events import FINAL_STATUS
-from shared import requeue, store
+from shared import scripts
 from shared.messages import FINISHED, FinishReason, RequestPayload, RequestStatus
 from shared.request_record import LUA_NAMES, RecordField, RequestRecord
 from shared.sampling import SamplingParams
@@ -70,14 +69,8 @@ def test_a_hash_without_a_status_is_no_record(fields):
 
 
 def _lua_sources() -> dict[str, str]:
-    """Every string literal that is (part of) a Lua script, in the packages, by file:line."""
-    found = {}
-    for package in ("api", "shared", "worker", "scheduler", "streamq"):
-        for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and "redis.call" in node.value:
-                    found[f"{path.relative_to(ROOT)}:{node.lineno}"] = node.value
-    return found
+    """Every Lua script and library (shared/lua/), by file."""
+    return {f"shared/lua/{name}.lua": scripts.text(name) for name in scripts.names()}
 
 
 def test_no_lua_script_spells_a_record_field():
@@ -97,8 +90,8 @@ def test_no_lua_script_spells_a_status_or_finish_reason():
 
 
 def test_the_record_scripts_begin_with_the_names():
-    for script in (store.FINISH_LUA, store._CLAIM, store._CANCEL, store._END_QUEUED, requeue._DECIDE):
-        assert script.startswith(LUA_NAMES)
+    for name in ("store_claim", "store_cancel", "store_end_queued", "requeue_decide"):
+        assert scripts.source(name).startswith(LUA_NAMES)
     assert "tenant = 'owner'" in LUA_NAMES and "finished_at = 'finished_at'" in LUA_NAMES
 
 

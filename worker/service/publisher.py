@@ -6,8 +6,8 @@ from redis.asyncio import Redis
 from shared import redis_keys
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
+from shared.redis_keys import EVENT_FIELD
 from shared.request_record import RecordField
-from shared.store import EVENT_FIELD
 from worker.engine.sequence import StepOutput
 
 
