@@ -83,7 +83,6 @@ class PagedRunner:
         self.graphs = DecodeGraphs(self, self.forward, graph_batch, num_blocks) if plan.graphs else None
 
     # What the plan chose, read from it (self.plan is the one record of it).
-    arch = property(lambda self: self.plan.arch)
     matmul_rows = property(lambda self: self.plan.matmul_rows)
     deterministic = property(lambda self: self.plan.deterministic)
 
