@@ -23,7 +23,9 @@ from worker.engine.drafter import DraftProposer
 from worker.engine.core import Engine
 from worker.engine.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
 from worker.model.lora import Adapters
-from worker.model.model_runner import PagedRunner, blocks_for_bytes, supports
+from worker.model.forward_plan import supports
+from worker.model.kv_cache import blocks_for_bytes
+from worker.model.model_runner import PagedRunner
 from worker.model.model_loader import load_model, load_weights, pick_device, pick_dtype
 from worker.backends.null_engine import NullEngine
 from worker.service.service import EngineStalled, WorkerService

@@ -71,7 +71,7 @@ def test_sliding_window_layers_match_transformers_past_the_window(tmp_path, kind
 def test_gemma3_runs_on_the_paged_engine(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from worker.model.model_runner import supports
+    from worker.model.forward_plan import supports
 
     folder = build_model(tmp_path / "gemma3", "gemma3")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -92,7 +92,7 @@ def test_phi3_runs_on_the_fused_layers_and_matches_transformers(tmp_path):
 def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from worker.model.model_runner import supports
+    from worker.model.forward_plan import supports
 
     folder = build_model(tmp_path / "phi3", "phi3")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -104,7 +104,7 @@ def test_phi3_with_a_partial_rotary_dimension_is_left_to_the_static_engine(tmp_p
 def test_each_layers_window_is_the_one_transformers_applies():
     from transformers import MistralConfig, Qwen2Config
 
-    from worker.model.model_runner import layer_windows
+    from worker.model.kv_cache import layer_windows
 
     assert layer_windows(Qwen2Config(num_hidden_layers=3)) == [0, 0, 0]  # use_sliding_window off
     qwen = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)

@@ -8,7 +8,7 @@ import torch
 from worker.model import forward_plan, kernels
 from worker.model.forward_plan import AMX_MATMUL_ROWS, choose
 from worker.model.model_loader import load_model
-from worker.model.model_runner import PagedRunner
+from worker.model.model_runner import FORWARDS, PagedRunner
 from worker.model.quantized import quantize
 
 CPU = torch.device("cpu")
@@ -87,3 +87,14 @@ def test_the_runner_builds_what_the_plan_names(tiny_llama, path):
     assert (runner.fused is not None) == plan.fused
     assert (runner.graphs is not None) == plan.graphs == (path == "fused")
     assert runner.matmul_rows == plan.matmul_rows
+
+
+def test_the_runner_runs_the_forward_the_plan_names(tiny_llama, tiny_opt):
+    """Looked up once by the plan's name (model_runner.FORWARDS, one module each in worker/model/forwards/)."""
+    assert set(FORWARDS) == {"llama-kernels", "llama-fused", "llama-eager", "gemma3", "opt"}
+    ops = kernels.load()
+    for folder, kernels_on, fuse in ((tiny_llama, True, True), (tiny_llama, False, True), (tiny_llama, False, False),
+                                     (tiny_opt, True, True)):
+        runner = PagedRunner(load_model(folder, CPU, torch.float32), CPU, 16, 4, ops if kernels_on else None, fuse=fuse)
+        assert runner.forward is FORWARDS[runner.plan.forward]
+        assert runner.one_token is None or runner.plan.one_token_stack  # the stack: the llama kernels' only

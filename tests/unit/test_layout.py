@@ -124,6 +124,14 @@ def test_each_worker_package_imports_only_those_it_may():
                 assert module.split(".")[1] in allowed, f"{_module(path)} imports {module}"
 
 
+def test_the_forwards_import_only_the_model_package_and_never_the_runner():
+    """worker/model/forwards/ is part of worker/model/; model_runner.py imports it, never the reverse."""
+    for path in sorted((ROOT / "worker" / "model" / "forwards").glob("*.py")):
+        for module in _worker_edges(path):
+            assert module.split(".")[1] == "model" and module != "worker.model.model_runner", \
+                f"{_module(path)} imports {module}"
+
+
 def test_no_import_circle_in_worker():
     graph = {_module(p): _worker_edges(p) for p in (ROOT / "worker").rglob("*.py") if p.name != "__init__.py"}
     done: set[str] = set()

@@ -20,6 +20,7 @@ and masking on machines with no GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,15 +30,14 @@ from worker.model.batch import AttentionGroup, SchedulerOutput, StepInputs
 log = logging.getLogger(__name__)
 
 
-class FusedForward(Protocol):
-    """What the graphs read of the runner (worker/model/model_runner.py PagedRunner)."""
+class GraphedRunner(Protocol):
+    """What the graphs read of the runner (worker/model/model_runner.py PagedRunner), besides what
+    its forward reads."""
 
     device: torch.device
     block_size: int
     context_length: int
     window: int  # the sliding window (0: none)
-
-    def fused_forward(self, step: StepInputs) -> torch.Tensor: ...
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -54,8 +54,11 @@ def block_buckets(max_blocks: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: FusedForward, max_batch: int, scratch_block: int):
-        self.runner = runner
+    def __init__(self, runner: GraphedRunner, forward: Callable[[GraphedRunner, StepInputs], torch.Tensor],
+                 max_batch: int, scratch_block: int):
+        """`forward`: the runner's (the plan's llama-fused, worker/model/forwards/llama_fused.py),
+        run over the static buffers and captured."""
+        self.runner, self.forward = runner, forward
         self.capture = runner.device.type == "cuda"
         self.scratch = scratch_block
         self.batches = batch_buckets(max_batch)
@@ -110,7 +113,7 @@ class DecodeGraphs:
         self.tables[:batch, :span].copy_(torch.tensor(tables, dtype=torch.long))
 
     def _step(self, batch: int, span: int) -> torch.Tensor:
-        """The runner's fused-layer step over the static buffers: logits [batch, vocab]."""
+        """The runner's forward over the static buffers: logits [batch, vocab]."""
         runner = self.runner
         length = span * runner.block_size
         keys, context = torch.arange(length, device=runner.device)[None, :], self.context[:batch, None]
@@ -120,7 +123,7 @@ class DecodeGraphs:
         group = AttentionGroup(rows, None, None, self.tables[:batch, :span].flatten(), length, mask[:, None, None, :],
                        windowed[:, None, None, :])
         step = StepInputs(self.ids[:batch], self.positions[:batch], self.slots[:batch], [group], rows)
-        return runner.fused_forward(step)
+        return self.forward(runner, step)
 
     def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream()

@@ -1,7 +1,9 @@
 """Which forward a paged runner takes, chosen once, before anything is built, from the model, the
-device, the dtype and the settings (kernels on or off, CUDA graphs' batch, deterministic mode).
-PagedRunner builds what the plan names and nothing else decides a path; worker/engine/
-execution_plan.py reports it with what the built weights add (their kernels, the one-call stack)."""
+device, the dtype and the settings (kernels on or off, CUDA graphs' batch, deterministic mode), and
+which models no forward serves (`supports`: they go to worker/backends/static_engine.py).
+PagedRunner builds what the plan names and runs the forward the plan names
+(worker/model/forwards/); nothing else decides a path. worker/engine/execution_plan.py reports it
+with what the built weights add (their kernels, the one-call stack)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +25,18 @@ AMX_MATMUL_ROWS = 5
 DETERMINISTIC_TILE = 16
 
 ARCHS = {"opt": "opt", "gemma3_text": "gemma3"}  # model_type -> forward; any other: the llama family's
+SUPPORTED = quant_model.LLAMA_FAMILY | set(ARCHS)
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether a paged forward serves `model`."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind == "gemma3_text":  # softcapped attention scores and bidirectional attention are not done here
+        return config.attn_logit_softcapping is None and not getattr(config, "use_bidirectional_attention", False)
+    if kind == "phi3":  # its fused qkv_proj and gate_up_proj run on the fused layers only, rotary on whole heads
+        return fusable(model) and float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) == 1.0
+    return kind in SUPPORTED
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,12 @@ class ForwardPlan:
             return "llama-eager"
         return "llama-kernels" if self.kernels else "llama-fused"
 
+    @property
+    def one_token_stack(self) -> bool:
+        """Whether a one-token step may run the whole layer stack in one kernel call: the llama
+        layers on the CPU kernels, where every projection has a kernel form (the built weights say)."""
+        return self.forward == "llama-kernels"
+
 
 def choose(model: torch.nn.Module, device: torch.device, *, kernels: bool, graph_batch: int = 0,
            deterministic: bool = False, matmul_rows: int | None = None, fuse: bool = True) -> ForwardPlan:
@@ -55,6 +75,9 @@ def choose(model: torch.nn.Module, device: torch.device, *, kernels: bool, graph
     loaded (cpu_kernels on); `graph_batch`: CUDA graphs' largest batch (0: off); `matmul_rows`:
     None picks AMX_MATMUL_ROWS for bf16 on a CPU with AMX, else never; `fuse`: False keeps the
     modules' own projections (the reference path, for tests). Refuses what no path serves."""
+    if not supports(model):
+        raise ValueError(f"no paged runner for model_type={model.config.model_type!r}; "
+                         f"supported: {sorted(SUPPORTED)}")
     arch = ARCHS.get(model.config.model_type, "llama")
     dtype = next(model.parameters()).dtype
     fused = fuse and ((arch == "llama" and fusable(model)) or arch == "gemma3")
