@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from shared import redis_keys
-from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
+from shared.messages import (Cancel, FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
 from shared.queue import BACKLOG_LUA, RequestQueue, lane_of
 from shared.request_record import LUA_NAMES, RecordField, RequestRecord
@@ -167,7 +167,8 @@ class RequestStore:
         if status is None:
             return None
         if status == RequestStatus.RUNNING.value:
-            await self.redis.execute_command("SPUBLISH", redis_keys.cancel_channel(self.prefix), request_id)
+            await self.redis.execute_command("SPUBLISH", redis_keys.cancel_channel(self.prefix),
+                                             Cancel(request_id=request_id).encode())
         return RequestStatus(status)
 
     async def expire(self, payload: RequestPayload) -> bool:
