@@ -60,9 +60,9 @@ def test_an_entry_is_written_as_batches_always_were_and_reads_back():
     # What the route wrote for each request before BatchEntry said it once (a batch left queued by it).
     earlier = json.dumps({"custom_id": "q0", "endpoint": "/v1/completions",
                           "payload": json.loads(payload.model_dump_json())})
-    entry = BatchEntry("q0", "/v1/completions", payload)
-    assert entry.to_json() == earlier
-    assert BatchEntry.of(earlier) == entry
+    entry = BatchEntry(custom_id="q0", endpoint="/v1/completions", payload=payload)
+    assert json.loads(entry.encode()) == {"version": 1, **json.loads(earlier)}
+    assert BatchEntry.decode(earlier) == entry
 
 
 @pytest.mark.parametrize("fields", [{}, {"completed": "1"}])
