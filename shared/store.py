@@ -47,7 +47,7 @@ return 1
 # KEYS: lanes set, doorbell, then each request's lane stream (all in the model's queue slot).
 # ARGV: group, the most requests that may wait (-1: no limit), the lane streams' key prefix,
 # then for each request its lane and payload.
-# Admission and queueing in one step, all requests or none: past the limit nothing is queued
+# The backlog check and the queueing in one step, all requests or none: past the limit nothing is queued
 # and {0, waiting, taken} comes back; else the requests are queued and {1, waiting before
 # them, taken}. A lane seen for the first time gets the workers' group (before its first
 # entry) and rings the doorbell. The records are written before, by enqueue().
@@ -91,8 +91,8 @@ return 1
 
 
 @dataclass(frozen=True)
-class Admission:
-    """What a submit found: whether it queued the requests, and the model's backlog before them."""
+class Enqueued:
+    """What an enqueue found: whether it queued the requests, and the model's backlog before them."""
     queued: bool
     waiting: int  # requests no worker had taken yet, over all lanes
     taken: int  # requests ever taken by a worker (its growth is the drain rate)
@@ -113,7 +113,7 @@ class RequestStore:
         """Write the record, then queue the request in its lane."""
         await self.enqueue([payload])
 
-    async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Admission:
+    async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Enqueued:
         """Queue requests of one model, all or none, unless that would leave more than
         `max_waiting` requests waiting for a worker: the check and the queueing are one script,
         so replicas submitting at once never pass the limit together.
@@ -138,7 +138,7 @@ class RequestStore:
                   *[x for p in payloads for x in (lane_of(p), p.model_dump_json())]])
         if not queued:
             await self._delete(records)
-        return Admission(bool(queued), int(waiting), int(taken))
+        return Enqueued(bool(queued), int(waiting), int(taken))
 
     async def _delete(self, keys: list[str]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:  # one DEL each: they lie in several slots
