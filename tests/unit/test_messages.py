@@ -96,3 +96,16 @@ def test_a_cancel_of_an_unknown_version_or_type_is_refused():
         Cancel.decode('{"version": 1, "type": "pause", "request_id": "r1"}')
     with pytest.raises(ValidationError):
         Cancel.decode('{"version": 1, "type": "cancel", "request_id": ""}')
+
+
+def test_a_run_time_adapter_entry_and_a_keys_record_read_back_and_refuse_a_newer_version():
+    from shared.api_keys import KeyMeta
+    from shared.lora_registry import AdapterEntry
+
+    entry = AdapterEntry(path="/adapters/sql", tenants=("acme",))
+    assert AdapterEntry.decode(entry.encode()) == entry
+    assert AdapterEntry.decode('{"path": "/adapters/sql", "tenants": null}') == AdapterEntry(path="/adapters/sql")
+    meta = KeyMeta(tenant="acme", name="ci", created_at=1712000000.5, hint="sq-abcdefg")
+    assert KeyMeta.decode(meta.encode()) == meta
+    with pytest.raises(UnknownVersion, match="AdapterEntry version 2"):
+        AdapterEntry.decode('{"version": 2, "path": "/x"}')
