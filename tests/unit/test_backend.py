@@ -72,7 +72,7 @@ def test_an_engine_missing_a_method_cannot_be_made():
 async def test_a_built_in_engine_says_what_it_has_through_threaded():
     backend = Threaded(NullEngine(batch_size=2, tokens_per_s=10), "null")
     try:
-        assert backend.pools is False and backend.adapters is None and backend.batch_invariant is False
+        assert (backend.pools, backend.lora, backend.adapters, backend.batch_invariant) == (False, False, None, False)
         assert backend.plan.engine == "null" and backend.phase_seconds() == {} and backend.kv_blocks() is None
         with pytest.raises(NotImplementedError, match="serves no LoRA adapters"):
             backend.learn_adapters({})

@@ -48,6 +48,7 @@ class Generated:
 
 class BaseEngine(abc.ABC):
     pools: ClassVar[bool] = False  # whether it runs pooling requests (embeddings, rerank): the paged engine only
+    lora: ClassVar[bool] = False  # whether it can serve LoRA adapters (`adapters`: whether it does): the paged engine only
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size

@@ -50,6 +50,7 @@ STEP_PHASES = ("arrivals", "schedule", "forward", "sample")
 
 class Engine(BaseEngine):
     pools = True
+    lora = True
 
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
                  speculator: Speculator | None = None, tier: KVTier | None = None):

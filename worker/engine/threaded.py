@@ -26,8 +26,6 @@ class Threaded(Backend):
     other computed on: on 2 cores the worker ran 4 busy threads, and W through the whole stack
     went at 0.8 of the same engine in-process (bf16; benchmarks/backends.py)."""
 
-    lora = True  # where its engine serves them (the paged engine with LoRA on)
-
     def __init__(self, engine: BaseEngine, name: str, thread: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.name = name
@@ -43,6 +41,10 @@ class Threaded(Backend):
     @property
     def pools(self) -> bool:  # its engine's class says
         return self.engine.pools
+
+    @property
+    def lora(self) -> bool:  # its engine's class says
+        return self.engine.lora
 
     @property
     def last_step_size(self) -> int:
