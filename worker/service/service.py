@@ -117,7 +117,7 @@ class WorkerService:
             self.metrics_port = server.server_port
             log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         loop = asyncio.create_task(self._loop())
-        heartbeat = asyncio.create_task(self._heartbeat())
+        heartbeat = asyncio.create_task(self._beat_every_interval())
         listener = asyncio.create_task(self.cancels.listen())
         tasks = [loop, heartbeat, listener]
         try:
@@ -246,7 +246,7 @@ class WorkerService:
         """The ids of the requests this worker holds: running, or taken and waiting to run."""
         return [seq.id for seq in self.backend.running + self.backend.waiting]
 
-    async def _heartbeat(self) -> None:
+    async def _beat_every_interval(self) -> None:
         """Announce this worker every heartbeat interval while its loop goes round (beat)."""
         while True:
             await self.beat()
