@@ -27,7 +27,7 @@ from api import tools as tool_format
 from api.responses_schemas import InputItem, dump_items, load_items
 from api.tool_stream import CallDelta, ToolCallStream
 from shared import redis_keys
-from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, decode_event
+from shared.messages import FinalEvent, FinishReason, KeptResponse, RequestStatus, TokenEvent, decode_event
 from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
@@ -100,7 +100,7 @@ class ResponseStore:
             pipe.hset(key, mapping=record.fields())
             pipe.expire(key, self.retention_s)
             if self.retention_s > redis_keys.RESULT_TTL_S:
-                member = json.dumps([record.tenant, record.id, record.request_id])
+                member = KeptResponse(tenant=record.tenant, response_id=record.id, request_id=record.request_id).encode()
                 pipe.zadd(redis_keys.kept_responses(self.prefix), {member: record.created_at})
             await pipe.execute()
 

@@ -245,3 +245,22 @@ class Cancel(Versioned):
         if not text.startswith("{"):
             return cls(request_id=text)
         return super().decode(text)
+
+
+class KeptResponse(BaseModel):
+    """A stored response kept longer than its request's result (shared/redis_keys.kept_responses): the
+    api adds it, the scheduler's keep_responses job keeps the request as long and removes it. Its wire
+    form is a JSON list, [tenant, response id, request id]: it is a sorted set's member, whose string is
+    its identity, so it stays as members were always written."""
+
+    tenant: str
+    response_id: str
+    request_id: str
+
+    def encode(self) -> str:
+        return json.dumps([self.tenant, self.response_id, self.request_id])
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> KeptResponse:
+        tenant, response_id, request_id = json.loads(data)
+        return cls(tenant=tenant, response_id=response_id, request_id=request_id)

@@ -109,3 +109,11 @@ def test_a_run_time_adapter_entry_and_a_keys_record_read_back_and_refuse_a_newer
     assert KeyMeta.decode(meta.encode()) == meta
     with pytest.raises(UnknownVersion, match="AdapterEntry version 2"):
         AdapterEntry.decode('{"version": 2, "path": "/x"}')
+
+
+def test_a_kept_response_is_the_json_list_members_always_were():
+    from shared.messages import KeptResponse
+
+    kept = KeptResponse(tenant="t", response_id="resp_1", request_id="r1")
+    assert kept.encode() == json.dumps(["t", "resp_1", "r1"])
+    assert KeptResponse.decode(kept.encode()) == kept
