@@ -7,7 +7,7 @@ The whole stack (a private redis-server, one worker, one api replica; default mo
 gets --num-prompts chat prompts of workload W as a Poisson process at --rate (about 8 to 16
 requests running at once at the default rate on a 2-core machine), through `streamq bench`.
 Before and after, it reads each process's CPU time (/proc/PID/stat: user + system) and the
-worker's `streamq:step_phase_seconds` (admit, schedule, forward, sample, publish) and
+worker's `streamq:step_phase_seconds` (arrivals, schedule, forward, sample, publish) and
 `streamq:step_duration_seconds`; it prints both splits, the load's percentiles and lscpu's model
 and flags. Extra STREAMQ_* settings: --env K=V ...
 """
@@ -114,7 +114,7 @@ def main() -> None:
     steps = {k: steps1.get(k, 0.0) - steps0.get(k, 0.0) for k in steps1}
     count = steps["streamq:step_duration_seconds_count"]
     total = steps["streamq:step_duration_seconds_sum"]
-    phases = ["admit", "schedule", "forward", "sample", "publish"]
+    phases = ["arrivals", "schedule", "forward", "sample", "publish"]
     print(f"\n{count:.0f} steps, {steps['streamq:generation_tokens_total']:.0f} tokens; a step's mean "
           f"{1000 * total / max(count, 1):.2f} ms (from handing it to the model thread to its outputs back)\n")
     print_table(["phase", "seconds", "ms a step", "share of steps + publish"],

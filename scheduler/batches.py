@@ -8,7 +8,6 @@ died) skips what is done and does not queue a request twice.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import redis_keys, scripts
-from shared.batch_record import BatchEntry, BatchField, BatchStatus
+from shared.batch_record import (BatchEntry, BatchField, BatchResult, BatchStatus, ChatChoice, ResultBody,
+                                 ResultError, ResultMessage, ResultResponse, ResultUsage, TextChoice)
 from shared.messages import RequestStatus, now
 from shared.queue import RequestQueue
 from shared.request_record import RequestRecord
@@ -25,27 +25,25 @@ from shared.store import RequestStore
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # a batch is offline work: checking its requests 5 times a second is plenty
 
-def result_line(rid: str, item: BatchEntry, record: RequestRecord, text: str, model: str) -> tuple[dict, bool]:
-    """One line of the results, in OpenAI's batch output shape; and whether it succeeded."""
+def result_line(rid: str, item: BatchEntry, record: RequestRecord, text: str, model: str) -> BatchResult:
+    """One line of the results, in OpenAI's batch output shape."""
     status = record.status.value
     if record.status != RequestStatus.DONE:
-        return {"id": f"batch_req_{rid}", "custom_id": item.custom_id, "response": None,
-                "error": {"code": status, "message": record.error or f"the request ended {status}"}}, False
-    usage = {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens or 0}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return BatchResult(id=f"batch_req_{rid}", custom_id=item.custom_id, response=None,
+                           error=ResultError(code=status, message=record.error or f"the request ended {status}"))
+    completion = record.completion_tokens or 0
+    usage = ResultUsage(prompt_tokens=record.prompt_tokens, completion_tokens=completion,
+                        total_tokens=record.prompt_tokens + completion)
     reason = record.finish_reason.value if record.finish_reason else None
     created = int(record.created_at)
     if item.endpoint == "/v1/chat/completions":
-        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                "model": model, "usage": usage, "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": reason}]}
+        body = ResultBody(id=f"chatcmpl-{rid}", object="chat.completion", created=created, model=model, usage=usage,
+                          choices=[ChatChoice(message=ResultMessage(content=text), finish_reason=reason)])
     else:
-        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                "model": model, "usage": usage, "choices": [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
-    return {"id": f"batch_req_{rid}", "custom_id": item.custom_id,
-            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}, True
+        body = ResultBody(id=f"cmpl-{rid}", object="text_completion", created=created, model=model, usage=usage,
+                          choices=[TextChoice(text=text, finish_reason=reason)])
+    return BatchResult(id=f"batch_req_{rid}", custom_id=item.custom_id,
+                       response=ResultResponse(status_code=200, request_id=rid, body=body), error=None)
 
 
 async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concurrency: int) -> dict[str, Any]:
@@ -54,7 +52,7 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
     record_key, results_key = redis_keys.batch_record(prefix, batch_id), redis_keys.batch_results(prefix, batch_id)
     queue = RequestQueue(redis, prefix, model)
     await redis.hset(record_key, mapping={BatchField.STATUS: BatchStatus.IN_PROGRESS, BatchField.STARTED_AT: now()})
-    items = [BatchEntry.of(i) for i in await redis.lrange(redis_keys.batch_items(prefix, batch_id), 0, -1)]
+    items = [BatchEntry.decode(i) for i in await redis.lrange(redis_keys.batch_items(prefix, batch_id), 0, -1)]
     finished = set(await redis.hkeys(results_key))
     todo = [i for i in items if i.custom_id not in finished]
     in_flight: dict[str, BatchEntry] = {}
@@ -70,9 +68,9 @@ async def run_batch(redis: Redis, prefix: str, model: str, batch_id: str, concur
             record = await store.record(rid)
             if record is not None and record.status.finished:
                 text = "".join(t.text for t in await store.output(rid))
-                line, ok = result_line(rid, item, record, text, model)
+                line = result_line(rid, item, record, text, model)
                 await record_result(keys=[results_key, record_key], args=[
-                    item.custom_id, json.dumps(line, ensure_ascii=False), BatchField.COMPLETED if ok else BatchField.FAILED])
+                    item.custom_id, line.encode(), BatchField.FAILED if line.error else BatchField.COMPLETED])
                 del in_flight[rid]
         await asyncio.sleep(POLL_S)
     await redis.hset(record_key, mapping={BatchField.STATUS: BatchStatus.COMPLETED, BatchField.COMPLETED_AT: now()})

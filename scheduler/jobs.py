@@ -1,14 +1,13 @@
 """Periodic jobs. Each is safe to run twice, and by several schedulers at once."""
 from __future__ import annotations
 
-import json
 import logging
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from shared import redis_keys
-from shared.messages import FINISHED, RequestPayload, RequestStatus, now
+from shared.messages import FINISHED, KeptResponse, RequestPayload, RequestStatus, now
 from shared.queue import RequestQueue
 from shared.request_record import RecordField
 from shared.store import RequestStore
@@ -78,13 +77,13 @@ async def keep_responses(redis: Redis, prefix: str, batch: int = 500) -> int:
     response expires, and leaves the set; one already gone leaves it too. Returns how many were kept."""
     store, key, kept = RequestStore(redis, prefix), redis_keys.kept_responses(prefix), 0
     for member in await redis.zrange(key, 0, batch - 1):
-        tenant, response_id, request_id = json.loads(member)
-        left = await redis.ttl(redis_keys.response_record(prefix, tenant, response_id))
+        entry = KeptResponse.decode(member)
+        left = await redis.ttl(redis_keys.response_record(prefix, entry.tenant, entry.response_id))
         if left > 0:
-            status = await redis.hget(redis_keys.request_record(prefix, request_id), RecordField.STATUS)
+            status = await redis.hget(redis_keys.request_record(prefix, entry.request_id), RecordField.STATUS)
             if status is not None and RequestStatus(status) not in FINISHED:
                 continue  # still queued or running: looked at again next time
-            await store.keep_result(request_id, left)
+            await store.keep_result(entry.request_id, left)
             kept += 1
         await redis.zrem(key, member)
     return kept

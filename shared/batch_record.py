@@ -6,7 +6,7 @@ the batch back for its owner (api/openai/batches.py); the scheduler's batch job 
 progress and completed and counts its results (scheduler/batches.py), its Lua script given the
 count's field name as an argument, so it spells none itself. Each request of a batch is a
 `BatchEntry`, one JSON string in the batch's list (shared/redis_keys.batch_items), written by the
-api and read by the scheduler's job and the results route.
+api and read by the scheduler's job and the results route; each result a `BatchResult` line.
 
 Read back, a record is one typed value (`BatchRecord.of`), with `fields()` the inverse: the hash
 as Redis keeps it (numbers as redis-py writes them, repr of the int or float).
@@ -16,8 +16,11 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from typing import Literal
 
-from shared.messages import RequestPayload
+from pydantic import BaseModel, model_validator
+
+from shared.messages import RequestPayload, Versioned
 
 
 class BatchStatus(enum.StrEnum):
@@ -98,20 +101,82 @@ class BatchRecord:
         return out
 
 
-@dataclass(frozen=True)
-class BatchEntry:
+class BatchEntry(Versioned):
     """One request of a batch as the api checked it: the caller's id for it, the endpoint it is for,
-    and the request ready to queue (its id is the result's request id)."""
+    and the request ready to queue (its id is the result's request id). One JSON string in the
+    batch's list; an entry written before entries had a version reads as version 1."""
 
     custom_id: str
     endpoint: str
     payload: RequestPayload
 
-    def to_json(self) -> str:
-        return json.dumps({"custom_id": self.custom_id, "endpoint": self.endpoint,
-                           "payload": json.loads(self.payload.model_dump_json())})
+
+class ResultError(BaseModel):
+    code: str  # the status the request ended in
+    message: str
+
+
+class ResultUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResultMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResultMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ResultBody(BaseModel):
+    """The endpoint's answer, as the endpoint would have given it."""
+
+    id: str
+    object: Literal["chat.completion", "text_completion"]
+    created: int
+    model: str
+    usage: ResultUsage
+    choices: list[ChatChoice] | list[TextChoice]
+
+
+class ResultResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: ResultBody
+
+
+class BatchResult(BaseModel):
+    """One line of a batch's results, in OpenAI's batch output shape (its JSON keys are OpenAI's, so
+    it carries no version of ours): written by the scheduler's batch job, served as it is by the api's
+    results route. Either a response or an error."""
+
+    id: str
+    custom_id: str
+    response: ResultResponse | None
+    error: ResultError | None
+
+    @model_validator(mode="after")
+    def _response_or_error(self) -> BatchResult:
+        if (self.response is None) == (self.error is None):
+            raise ValueError("a batch result has a response or an error, not both nor neither")
+        return self
+
+    def encode(self) -> str:
+        return self.model_dump_json()
 
     @classmethod
-    def of(cls, data: str) -> BatchEntry:
-        item = json.loads(data)
-        return cls(item["custom_id"], item["endpoint"], RequestPayload.model_validate(item["payload"]))
+    def decode(cls, data: str | bytes) -> BatchResult:
+        return cls.model_validate_json(data)

@@ -3,16 +3,18 @@ the api writes them, every worker of the model reads them at its heartbeat and l
 first request. An entry may name the tenants allowed to use the adapter (none: every tenant)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
+from pydantic import ConfigDict
 from redis.asyncio import Redis
 
 from shared import redis_keys
+from shared.messages import Versioned
 
 
-@dataclass(frozen=True)
-class AdapterEntry:
+class AdapterEntry(Versioned):
+    """An adapter loaded at run time, as the api writes it and every worker of the model reads it."""
+
+    model_config = ConfigDict(frozen=True)
+
     path: str
     tenants: tuple[str, ...] | None = None  # who may use it (None: everyone)
 
@@ -26,22 +28,15 @@ class LoraRegistry:
         self.prefix = prefix
 
     async def register(self, model: str, name: str, entry: AdapterEntry) -> None:
-        data = {"path": entry.path, "tenants": list(entry.tenants) if entry.tenants is not None else None}
-        await self.redis.hset(redis_keys.lora_adapters(self.prefix, model), name, json.dumps(data))
+        await self.redis.hset(redis_keys.lora_adapters(self.prefix, model), name, entry.encode())
 
     async def unregister(self, model: str, name: str) -> bool:
         return bool(await self.redis.hdel(redis_keys.lora_adapters(self.prefix, model), name))
 
     async def entry(self, model: str, name: str) -> AdapterEntry | None:
         data = await self.redis.hget(redis_keys.lora_adapters(self.prefix, model), name)
-        return None if data is None else _entry(data)
+        return None if data is None else AdapterEntry.decode(data)
 
     async def entries(self, model: str) -> dict[str, AdapterEntry]:
         raw = await self.redis.hgetall(redis_keys.lora_adapters(self.prefix, model))
-        return {name: _entry(data) for name, data in raw.items()}
-
-
-def _entry(data: str) -> AdapterEntry:
-    value = json.loads(data)
-    tenants = value.get("tenants")
-    return AdapterEntry(value["path"], tuple(tenants) if tenants is not None else None)
+        return {name: AdapterEntry.decode(data) for name, data in raw.items()}

@@ -1,13 +1,19 @@
 """Messages between api and worker: JSON on the wire, one pydantic model per message type.
 
 A request's events (token, status, final) go both to its token log stream and its pub/sub
-channel, encoded the same way, so the relay can merge the two.
+channel, encoded the same way, so the relay can merge the two. A message that is not an event
+(the request to run, a control message such as a cancel, shared/heartbeat.py's heartbeat, an
+offline batch's entry) carries a `version`: a reader refuses a version it does not know, by
+name (UnknownVersion), instead of misreading it.
 """
 from __future__ import annotations
 
 import enum
+import json
 import time
 from typing import Annotated, Literal
+
+from typing import ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -54,6 +60,45 @@ def now() -> float:
     return time.time()
 
 
+class UnknownVersion(ValueError):
+    """A message of a version this process does not read (written by a newer one)."""
+
+
+class Versioned(BaseModel):
+    """A message with a version: `decode` checks it before anything else, so a newer writer's
+    message is refused with its version named, never half-read. A message without the field was
+    written before versions were: it is version 1, the shape it had then."""
+
+    VERSION: ClassVar[int] = 1
+    version: int = 1
+
+    @field_validator("version")
+    @classmethod
+    def _known(cls, value: int) -> int:
+        if value != cls.VERSION:
+            raise UnknownVersion(f"{cls.__name__} version {value}: this process reads version {cls.VERSION}")
+        return value
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Self:
+        """The message from its JSON; UnknownVersion for another version, ValidationError for a malformed one."""
+        version = _version_of(data)
+        if version != cls.VERSION:
+            raise UnknownVersion(f"{cls.__name__} version {version}: this process reads version {cls.VERSION}")
+        return cls.model_validate_json(data)
+
+
+def _version_of(data: str | bytes) -> object:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return 1  # not JSON: the validation that follows says what is wrong
+    return value.get("version", 1) if isinstance(value, dict) else 1
+
+
 MAX_PRIORITY = 20  # priorities are -20..20: each one a lane (a stream) per tenant
 
 
@@ -88,8 +133,8 @@ class PoolSpec(BaseModel):
         return self
 
 
-class RequestPayload(BaseModel):
-    """A request to run, as written to the model's request stream."""
+class RequestPayload(Versioned):
+    """A request to run, as written to the model's request stream (the entry's `payload` field)."""
 
     # `tenant` is "owner" on the wire, as entries were written before the code said tenant (a
     # worker of the previous version reads them; the request record keeps "owner" too).
@@ -183,3 +228,39 @@ def encode_event(event: TokenEvent | StatusEvent | FinalEvent) -> str:
 
 def decode_event(data: str | bytes) -> TokenEvent | StatusEvent | FinalEvent:
     return _EVENT.validate_json(data)
+
+
+class Cancel(Versioned):
+    """A control message on the cancel channel (shared/redis_keys.cancel_channel): stop this
+    request, which some worker runs. Every worker hears it; the one that holds the request stops it."""
+
+    type: Literal["cancel"] = "cancel"
+    request_id: str = Field(min_length=1)
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Cancel:
+        """Also reads the bare request id an api of the previous version publishes (a request id is
+        never JSON: it does not start with a brace)."""
+        text = data.decode() if isinstance(data, bytes) else data
+        if not text.startswith("{"):
+            return cls(request_id=text)
+        return super().decode(text)
+
+
+class KeptResponse(BaseModel):
+    """A stored response kept longer than its request's result (shared/redis_keys.kept_responses): the
+    api adds it, the scheduler's keep_responses job keeps the request as long and removes it. Its wire
+    form is a JSON list, [tenant, response id, request id]: it is a sorted set's member, whose string is
+    its identity, so it stays as members were always written."""
+
+    tenant: str
+    response_id: str
+    request_id: str
+
+    def encode(self) -> str:
+        return json.dumps([self.tenant, self.response_id, self.request_id])
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> KeptResponse:
+        tenant, response_id, request_id = json.loads(data)
+        return cls(tenant=tenant, response_id=response_id, request_id=request_id)

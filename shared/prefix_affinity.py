@@ -12,13 +12,14 @@ worker reads it first; the others take it only once it has waited past a bound
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
 from shared import redis_keys, scripts
+from shared.heartbeat import Heartbeat
 from shared.messages import RequestPayload
+from shared.workers import read_heartbeat
 
 MAX_HOLDERS = 4  # workers remembered per prefix, the latest first
 
@@ -73,10 +74,11 @@ class PrefixAffinity:
             for worker in workers:
                 pipe.get(redis_keys.worker_heartbeat(self.prefix, worker))
             beats = await pipe.execute()
-        live = {w: json.loads(beat) for w, beat in zip(workers, beats, strict=True) if beat is not None}
+        live = {w: read for w, beat in zip(workers, beats, strict=True)
+                if beat is not None and (read := read_heartbeat(w, beat)) is not None}
         for payload, h in zip(payloads, hashes, strict=True):
             payload.affinity = next((w for w in holders.get(h, []) if w in live and self._serves(live[w], payload)),
                                     None)
 
-    def _serves(self, beat: dict, payload: RequestPayload) -> bool:
-        return beat.get("model") == self.model and payload.backend in (None, beat.get("backend"))
+    def _serves(self, beat: Heartbeat, payload: RequestPayload) -> bool:
+        return beat.model == self.model and payload.backend in (None, beat.backend)

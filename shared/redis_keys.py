@@ -120,7 +120,7 @@ def cancel_channel(prefix: str) -> str:
 
 
 def worker_heartbeat(prefix: str, worker: str) -> str:
-    """String with TTL: the worker's model, backend, capacity and load, as JSON."""
+    """String with TTL: the worker's heartbeat (shared/heartbeat.py Heartbeat): model, backend, capacity, load."""
     return f"{prefix}:worker:{worker}"
 
 

@@ -99,56 +99,131 @@ class _Section(BaseModel):
 
 S = TypeVar("S", bound=_Section)
 
-
-class BatchingSettings(_Section):
-    batch_size: int  # most requests in one step (max_num_seqs)
-    max_num_batched_tokens: int  # the step's token budget
-
-
-class CacheSettings(_Section):
-    block_size: int
-    num_kv_blocks: int | None  # None: sized from kv_cache_gb
-    kv_cache_gb: float
-    prefix_caching: bool
-    kv_tier: bool  # the shared KV tier (worker/engine/kv_tier.py)
-    kv_redis_url: str | None  # None: the queue's Redis
-    kv_tier_gb: float
-    kv_tier_ttl_s: float
-    kv_tier_timeout_ms: int
+# Each section's fields are declared once, in its _...Fields class: WorkerSettings has them all (flat, as
+# the environment names them: STREAMQ_<FIELD>), and the section (the same fields, frozen) is what the
+# worker hands on as one object (settings.batching, settings.cache, ...).
 
 
-class StepSettings(_Section):
-    dtype: Literal["auto", "float32", "bfloat16", "float16"]
-    device: Literal["auto", "cpu", "cuda"]
-    cpu_kernels: bool
-    kernel_cache_dir: Path
-    cpu_isa: Literal["auto", "avx512vnni", "avx512", "avx2", "portable"]
-    quantization: Literal["none", "int8", "int4"]
-    gguf_weights: Literal["quantized", "dequantized"]
-    cuda_graphs: bool
-    deterministic: bool
+class _BatchingFields(BaseModel):
+    """How much runs in one step."""
+
+    batch_size: int = Field(128, ge=1, le=1024,
+                            description="Most requests run together in one step (max_num_seqs); the built-in engine "
+                                        "lowers it to what its KV cache holds at 256 tokens a request.")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
+                                        description="Token budget of one step; longer prompts are prefilled in chunks.")
 
 
-# A section's field named after its setting less the section's word (settings.speculative.method
-# is STREAMQ_SPECULATIVE_METHOD): the setting's name is the field's alias.
-class SpeculativeSettings(_Section):
-    method: Literal["off", "ngram", "draft"] = Field(alias="speculative_method")
-    num_tokens: int = Field(alias="num_speculative_tokens")
-    ngram_min: int
-    ngram_max: int
-    disable_by_batch_size: int = Field(alias="speculative_disable_by_batch_size")
-    model: str | None = Field(alias="speculative_model")
+class BatchingSettings(_BatchingFields, _Section):
+    pass
 
 
-class LoraSettings(_Section):
-    modules: str = Field(alias="lora_modules")  # name=path,... (parse_lora_modules)
-    enable: bool = Field(alias="enable_lora")
-    max_loras: int
-    max_rank: int = Field(alias="max_lora_rank")
+class _CacheFields(BaseModel):
+    """The KV cache, and the shared KV tier (worker/engine/kv_tier.py)."""
+
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
+    kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
+    prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
+    kv_tier: bool = Field(True, description="Share full KV-cache blocks between workers through Redis (the shared "
+                                            "tier, docs/scaling.md): offloaded as computed, fetched where this "
+                                            "worker's prefix cache misses; a takeover recomputes only the last "
+                                            "partial block. Needs prefix_caching.")
+    kv_redis_url: str | None = Field(None, description="The Redis (or redis+cluster://) of the shared KV tier; "
+                                                       "unset: the queue's (REDIS_URL).")
+    kv_tier_gb: float = Field(1.0, gt=0, le=1_000_000, description="Most KV blocks the tier keeps per model space, "
+                                                                   "in GiB; the least recently used go first.")
+    kv_tier_ttl_s: float = Field(3600.0, ge=1, le=30 * 86_400,
+                                 description="A block of the tier is dropped this long after its last use.")
+    kv_tier_timeout_ms: int = Field(500, ge=1, le=60_000,
+                                    description="Longest a tier fetch may hold a step; past it (or on any Redis "
+                                                "error) the tier rests 5 s and prefixes are computed.")
+
+
+class CacheSettings(_CacheFields, _Section):
+    pass
+
+
+class _StepFields(BaseModel):
+    """How a step computes."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
+    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/model/kernels.py); "
+                                                "off, or where they fail to build, the eager torch ops run.")
+    kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
+                                   description="Where the CPU step kernels are compiled, once per CPU and source.")
+    cpu_isa: Literal["auto", "avx512vnni", "avx512", "avx2", "portable"] = Field(
+        "auto", description="Instruction set of the CPU kernels' projections (panel and quantized matmuls): auto the "
+                            "widest this CPU has; avx512vnni runs quantized weights with int8 activations (rounded "
+                            "per group, as llama.cpp does), avx512 and avx2 with fp32 ones; portable none (oneDNN, "
+                            "or dequantize then matmul); one this CPU lacks stops the worker with an error naming both.")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="Weight-only, group-wise compression of float projections at load (llama-family and "
+                            "Gemma 3 models on a CPU): int8 (symmetric) or int4 (min-max), 32 weights a scale.")
+    gguf_weights: Literal["quantized", "dequantized"] = Field(
+        "quantized", description="A GGUF model's block-quantized tensors: kept quantized in memory (llama-family "
+                                 "and Gemma 3 models on a CPU), or dequantized once into a float copy in the "
+                                 "model cache.")
+    cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
+                                                "bucket (worker/model/cuda_graphs.py); off: every step launches eagerly.")
+    deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "
+                                                   "its prefill chunked or cached or not, with speculation or not, "
+                                                   "and after a failover, in bf16 too (docs/reliability.md); "
+                                                   "CPU step kernels only.")
+
+
+class StepSettings(_StepFields, _Section):
+    pass
+
+
+class _SpeculativeFields(BaseModel):
+    """Speculative decoding in the built-in engine."""
+
+    speculative_method: Literal["off", "ngram", "draft"] = Field(
+        "off", description="Speculative decoding in the built-in engine: 'ngram' proposes by prompt lookup, "
+                           "'draft' with speculative_model; the output is the model's either way.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per request per step.")
+    ngram_min: int = Field(3, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
+    ngram_max: int = Field(5, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
+    speculative_disable_by_batch_size: int = Field(
+        0, ge=0, le=1024, description="Speculation pauses in steps with more running requests than this "
+                                      "(where a big batch is compute-bound); 0: never pauses.")
+    speculative_model: str | None = Field(
+        None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
+                          "as a folder or a Hugging Face id in the local cache.")
+
+
+class SpeculativeSettings(_SpeculativeFields, _Section):
+    # The section's short names (settings.speculative.method is STREAMQ_SPECULATIVE_METHOD).
+    method = property(lambda self: self.speculative_method)
+    num_tokens = property(lambda self: self.num_speculative_tokens)
+    disable_by_batch_size = property(lambda self: self.speculative_disable_by_batch_size)
+    model = property(lambda self: self.speculative_model)
+
+
+class _LoraFields(BaseModel):
+    """LoRA adapters on the built-in paged engine (docs/lora.md) and on vLLM's."""
+
+    lora_modules: str = Field("", description="LoRA adapters served, name=folder,name2=folder2 (peft save_pretrained "
+                                              "folders); loaded at start up to max_loras, the rest on first use. A "
+                                              "request names one by its name (payload `adapter`).")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters: those of lora_modules (which turn this on) and "
+                                                 "those loaded at run time through the api's /v1/load_lora_adapter.")
+    max_loras: int = Field(8, ge=1, le=256, description="Most LoRA adapters loaded at once; an idle one is unloaded "
+                                                        "to load another.")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank r served; an adapter over it is refused.")
+
+
+class LoraSettings(_LoraFields, _Section):
+    modules = property(lambda self: self.lora_modules)  # name=path,... (parse_lora_modules)
+    enable = property(lambda self: self.enable_lora)
+    max_rank = property(lambda self: self.max_lora_rank)
 
     @property
     def paths(self) -> dict[str, Path]:
-        return parse_lora_modules(self.modules)
+        return parse_lora_modules(self.lora_modules)
 
 
 def parse_lora_modules(text: str) -> dict[str, Path]:
@@ -165,13 +240,26 @@ def parse_lora_modules(text: str) -> dict[str, Path]:
     return modules
 
 
-class VllmSettings(_Section):
-    gpu_memory_utilization: float = Field(alias="vllm_gpu_memory_utilization")
-    max_model_len: int | None = Field(alias="vllm_max_model_len")
-    enforce_eager: bool = Field(alias="vllm_enforce_eager")
-    tensor_parallel_size: int = Field(alias="vllm_tensor_parallel_size")
-    quantization: str | None = Field(alias="vllm_quantization")
-    speculative_config: dict | None = Field(alias="vllm_speculative_config")
+class _VllmFields(BaseModel):
+    """vLLM's engine, backend=vllm; max_num_seqs is batch_size, dtype and prefix_caching as the built-in engine's."""
+
+    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
+    vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
+    vllm_enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs / torch.compile (faster start).")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM: GPUs one model is split over.")
+    vllm_quantization: str | None = Field(None, description="vLLM: quantization method (awq, gptq, fp8, ...).")
+    vllm_speculative_config: dict | None = Field(
+        None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4}.')
+
+
+class VllmSettings(_VllmFields, _Section):
+    gpu_memory_utilization = property(lambda self: self.vllm_gpu_memory_utilization)
+    max_model_len = property(lambda self: self.vllm_max_model_len)
+    enforce_eager = property(lambda self: self.vllm_enforce_eager)
+    tensor_parallel_size = property(lambda self: self.vllm_tensor_parallel_size)
+    quantization = property(lambda self: self.vllm_quantization)
+    speculative_config = property(lambda self: self.vllm_speculative_config)
 
 
 def check_budget(max_num_batched_tokens: int, batch_size: int) -> None:
@@ -192,7 +280,7 @@ class _SectionOf(Generic[S]):
         """The section, made once per settings object and again only when one of its fields changed."""
         if settings is None:
             raise AttributeError(f"a section of the settings ({self.section.__name__}) needs an instance")
-        names = [field.alias or name for name, field in self.section.model_fields.items()]  # the settings' names
+        names = list(self.section.model_fields)  # the settings' own names
         values = tuple(getattr(settings, name) for name in names)
         key = self.section, id(settings)  # a model_copy shares the dict: each copy keeps its own
         made = settings._sections.get(key)
@@ -202,7 +290,8 @@ class _SectionOf(Generic[S]):
         return made[1]
 
 
-class WorkerSettings(CommonSettings):
+class WorkerSettings(CommonSettings, _BatchingFields, _CacheFields, _StepFields, _SpeculativeFields, _LoraFields,
+                     _VllmFields):
     """Settings of one model worker process, in sections; the worker hands each section on as
     one object (`batching`, `cache`, `step`, `speculative`, `vllm`). The environment variables
     stay flat: STREAMQ_<FIELD>."""
@@ -230,93 +319,6 @@ class WorkerSettings(CommonSettings):
                               description="Port of the worker's Prometheus /metrics; 0 picks a free one "
                                           "(logged, and in the heartbeat); -1 for none.")
     metrics_host: str = Field("127.0.0.1", description="Address the worker's /metrics binds.")
-
-    # -- batching: how much runs in one step (BatchingSettings) ------------------------------------
-    batch_size: int = Field(128, ge=1, le=1024,
-                            description="Most requests run together in one step (max_num_seqs); the built-in engine "
-                                        "lowers it to what its KV cache holds at 256 tokens a request.")
-    max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
-                                        description="Token budget of one step; longer prompts are prefilled in chunks.")
-
-    # -- the KV cache (CacheSettings) --------------------------------------------------------------
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; unset: sized from kv_cache_gb.")
-    kv_cache_gb: float = Field(1.0, gt=0, le=4096, description="Memory for the KV cache, allocated once at start.")
-    prefix_caching: bool = Field(True, description="Share the KV blocks of common prompt prefixes.")
-    kv_tier: bool = Field(True, description="Share full KV-cache blocks between workers through Redis (the shared "
-                                            "tier, docs/scaling.md): offloaded as computed, fetched where this "
-                                            "worker's prefix cache misses; a takeover recomputes only the last "
-                                            "partial block. Needs prefix_caching.")
-    kv_redis_url: str | None = Field(None, description="The Redis (or redis+cluster://) of the shared KV tier; "
-                                                       "unset: the queue's (REDIS_URL).")
-    kv_tier_gb: float = Field(1.0, gt=0, le=1_000_000, description="Most KV blocks the tier keeps per model space, "
-                                                                   "in GiB; the least recently used go first.")
-    kv_tier_ttl_s: float = Field(3600.0, ge=1, le=30 * 86_400,
-                                 description="A block of the tier is dropped this long after its last use.")
-    kv_tier_timeout_ms: int = Field(500, ge=1, le=60_000,
-                                    description="Longest a tier fetch may hold a step; past it (or on any Redis "
-                                                "error) the tier rests 5 s and prefixes are computed.")
-
-    # -- how a step computes (StepSettings) --------------------------------------------------------
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto is bf16 where the hardware computes it fast, else fp32.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto takes CUDA when present.")
-    cpu_kernels: bool = Field(True, description="The built-in engine's compiled CPU step kernels (worker/model/kernels.py); "
-                                                "off, or where they fail to build, the eager torch ops run.")
-    kernel_cache_dir: Path = Field(default_factory=lambda: _default_cache_dir().parent / "kernels",
-                                   description="Where the CPU step kernels are compiled, once per CPU and source.")
-    cpu_isa: Literal["auto", "avx512vnni", "avx512", "avx2", "portable"] = Field(
-        "auto", description="Instruction set of the CPU kernels' projections (panel and quantized matmuls): auto the "
-                            "widest this CPU has; avx512vnni runs quantized weights with int8 activations (rounded "
-                            "per group, as llama.cpp does), avx512 and avx2 with fp32 ones; portable none (oneDNN, "
-                            "or dequantize then matmul); one this CPU lacks stops the worker with an error naming both.")
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="Weight-only, group-wise compression of float projections at load (llama-family and "
-                            "Gemma 3 models on a CPU): int8 (symmetric) or int4 (min-max), 32 weights a scale.")
-    gguf_weights: Literal["quantized", "dequantized"] = Field(
-        "quantized", description="A GGUF model's block-quantized tensors: kept quantized in memory (llama-family "
-                                 "and Gemma 3 models on a CPU), or dequantized once into a float copy in the "
-                                 "model cache.")
-    cuda_graphs: bool = Field(True, description="On a GPU, decode steps replay CUDA graphs captured per batch-size "
-                                                "bucket (worker/model/cuda_graphs.py); off: every step launches eagerly.")
-    deterministic: bool = Field(False, description="A request's tokens are the same alone or in any batch, with "
-                                                   "its prefill chunked or cached or not, with speculation or not, "
-                                                   "and after a failover, in bf16 too (docs/reliability.md); "
-                                                   "CPU step kernels only.")
-
-    # -- speculative decoding in the built-in engine (SpeculativeSettings) -------------------------
-    speculative_method: Literal["off", "ngram", "draft"] = Field(
-        "off", description="Speculative decoding in the built-in engine: 'ngram' proposes by prompt lookup, "
-                           "'draft' with speculative_model; the output is the model's either way.")
-    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per request per step.")
-    ngram_min: int = Field(3, ge=1, le=16, description="Prompt lookup: shortest suffix n-gram that may match.")
-    ngram_max: int = Field(5, ge=1, le=16, description="Prompt lookup: longest suffix n-gram tried first.")
-    speculative_disable_by_batch_size: int = Field(
-        0, ge=0, le=1024, description="Speculation pauses in steps with more running requests than this "
-                                      "(where a big batch is compute-bound); 0: never pauses.")
-    speculative_model: str | None = Field(
-        None, description="Draft model (speculative_method=draft): a smaller model with the same tokenizer, "
-                          "as a folder or a Hugging Face id in the local cache.")
-
-    # -- LoRA adapters on the built-in paged engine (LoraSettings; docs/lora.md) ---------------------
-    lora_modules: str = Field("", description="LoRA adapters served, name=folder,name2=folder2 (peft save_pretrained "
-                                              "folders); loaded at start up to max_loras, the rest on first use. A "
-                                              "request names one by its name (payload `adapter`).")
-    enable_lora: bool = Field(False, description="Serve LoRA adapters: those of lora_modules (which turn this on) and "
-                                                 "those loaded at run time through the api's /v1/load_lora_adapter.")
-    max_loras: int = Field(8, ge=1, le=256, description="Most LoRA adapters loaded at once; an idle one is unloaded "
-                                                        "to load another.")
-    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank r served; an adapter over it is refused.")
-
-    # -- vLLM's engine, backend=vllm (VllmSettings); max_num_seqs is batch_size, dtype and prefix_caching as above ---
-    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: share of GPU memory it may use.")
-    vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM: context length (the model's when unset).")
-    vllm_enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs / torch.compile (faster start).")
-    vllm_tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM: GPUs one model is split over.")
-    vllm_quantization: str | None = Field(None, description="vLLM: quantization method (awq, gptq, fp8, ...).")
-    vllm_speculative_config: dict | None = Field(
-        None, description='vLLM: speculative decoding, as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
-                          '"prompt_lookup_max": 4}.')
 
     _sections: dict = PrivateAttr(default_factory=dict)  # _SectionOf's: (section, id) -> (its values, it)
     batching: ClassVar[_SectionOf[BatchingSettings]] = _SectionOf(BatchingSettings)

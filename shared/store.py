@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from shared import redis_keys, scripts
-from shared.messages import (FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
+from shared.messages import (Cancel, FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
                              Usage, decode_event, encode_event, now)
 from shared.queue import RequestQueue, lane_of
 from shared.redis_keys import EVENT_FIELD
 from shared.request_record import RecordField, RequestRecord
 
 @dataclass(frozen=True)
-class Admission:
-    """What a submit found: whether it queued the requests, and the model's backlog before them."""
+class Enqueued:
+    """What an enqueue found: whether it queued the requests, and the model's backlog before them."""
     queued: bool
     waiting: int  # requests no worker had taken yet, over all lanes
     taken: int  # requests ever taken by a worker (its growth is the drain rate)
@@ -39,7 +39,7 @@ class RequestStore:
         """Write the record, then queue the request in its lane."""
         await self.enqueue([payload])
 
-    async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Admission:
+    async def enqueue(self, payloads: list[RequestPayload], max_waiting: int | None = None) -> Enqueued:
         """Queue requests of one model, all or none, unless that would leave more than
         `max_waiting` requests waiting for a worker: the check and the queueing are one script,
         so replicas submitting at once never pass the limit together.
@@ -64,7 +64,7 @@ class RequestStore:
                   *[x for p in payloads for x in (lane_of(p), p.model_dump_json())]])
         if not queued:
             await self._delete(records)
-        return Admission(bool(queued), int(waiting), int(taken))
+        return Enqueued(bool(queued), int(waiting), int(taken))
 
     async def _delete(self, keys: list[str]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:  # one DEL each: they lie in several slots
@@ -93,7 +93,8 @@ class RequestStore:
         if status is None:
             return None
         if status == RequestStatus.RUNNING.value:
-            await self.redis.execute_command("SPUBLISH", redis_keys.cancel_channel(self.prefix), request_id)
+            await self.redis.execute_command("SPUBLISH", redis_keys.cancel_channel(self.prefix),
+                                             Cancel(request_id=request_id).encode())
         return RequestStatus(status)
 
     async def expire(self, payload: RequestPayload) -> bool:

@@ -16,7 +16,8 @@ from shared.redis_client import connect_blocking
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer, served_context
 from worker.model import kernels, quant_model
-from worker.engine.backend import Backend, Threaded
+from worker.engine.backend import Backend
+from worker.engine.threaded import Threaded
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.drafter import DraftProposer
@@ -215,8 +216,7 @@ async def serve(settings: WorkerSettings) -> None:
     finally:
         tracing.shutdown()
         await redis.aclose()
-        if hasattr(engine, "close"):
-            await engine.close()
+        await engine.close()
 
 
 def main(settings: WorkerSettings | None = None) -> None:

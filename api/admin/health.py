@@ -24,7 +24,7 @@ async def readyz(store: StoreDep, model_name: ModelNameDep):
     """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
     try:
         await store.redis.ping()
-        workers = [w for w in await live_workers(store.redis, store.prefix) if w.get("model") == model_name]
+        workers = [w.wire() for w in await live_workers(store.redis, store.prefix) if w.model == model_name]
     except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
         return JSONResponse(status_code=503, content={"status": "unavailable", "reason": f"redis: {exc}"})
     if not workers:

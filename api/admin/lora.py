@@ -55,7 +55,7 @@ async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep
     if body.lora_name in await served.served() or served.loaded(body.lora_name) is not None:
         raise ApiError(400, f"{body.lora_name!r} is a model's name", param="lora_name")
     await run_in_threadpool(_check_folder, Path(body.lora_path))  # a file read: off the event loop
-    entry = AdapterEntry(body.lora_path, tuple(body.tenants) if body.tenants is not None else None)
+    entry = AdapterEntry(path=body.lora_path, tenants=tuple(body.tenants) if body.tenants is not None else None)
     await LoraRegistry(replica.store.redis, replica.settings.prefix).register(base.base_model, body.lora_name, entry)
     return {"object": "lora_adapter", "id": body.lora_name, "parent": base.base_model, "root": body.lora_path,
             "status": "loaded"}

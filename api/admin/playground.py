@@ -54,5 +54,5 @@ async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep)
     by the worker's tokens and first tokens: the playground charts their rates. Needs a key when
     keys are on, as every /v1 call; the playground polls it every 2 s."""
     waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
-    workers = await live_workers(store.redis, store.prefix)
+    workers = [w.wire() for w in await live_workers(store.redis, store.prefix)]
     return {"model": model_name, "workers": workers, "queue": {"waiting": waiting}}

@@ -26,6 +26,7 @@ from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
 from shared.tokenizer import ChatTemplateError, Tokenizer
+from shared.heartbeat import Heartbeat
 from shared.workers import live_workers
 
 
@@ -64,13 +65,13 @@ class Generation:
         view.model_name, view.adapter, view.adapter_backends = name, name, frozenset(backends)
         return view
 
-    async def live_workers(self) -> list[dict]:
+    async def live_workers(self) -> list[Heartbeat]:
         """The heartbeats of the live workers that serve this model."""
-        return [w for w in await live_workers(self.store.redis, self.store.prefix) if w.get("model") == self.base_model]
+        return [w for w in await live_workers(self.store.redis, self.store.prefix) if w.model == self.base_model]
 
     async def live_backends(self) -> set[str]:
         """The backends of the live workers that serve this model."""
-        return {w["backend"] for w in await self.live_workers() if w.get("backend")}
+        return {w.backend for w in await self.live_workers() if w.backend}
 
     async def check_backend(self, backend: str) -> None:
         """404 unless a live worker of `backend` serves the model (a request for it would wait forever)."""

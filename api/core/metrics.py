@@ -43,7 +43,7 @@ class ApiMetrics:
     async def sample_fleet(self, redis: Redis, prefix: str, model: str) -> None:
         """The live workers of `model` (and of every model seen) and the dead letters, as Redis has
         them now, into their gauges."""
-        live = [w.get("model") for w in await live_workers(redis, prefix)]
+        live = [w.model for w in await live_workers(redis, prefix)]
         self._models.update([model, *filter(None, live)])
         for name in self._models:
             self.workers_ready.labels(name).set(live.count(name))

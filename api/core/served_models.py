@@ -112,8 +112,8 @@ class Models:
         live = await live_workers(self.store.redis, self.settings.prefix)
         found: dict[str, Adapter] = {}
         for worker in live:
-            for name in worker.get("adapters") or []:
-                found.setdefault(name, Adapter(worker["model"], set())).backends.add(worker.get("backend"))
+            for name in worker.adapters:
+                found.setdefault(name, Adapter(worker.model, set())).backends.add(worker.backend)
         registry = LoraRegistry(self.store.redis, self.settings.prefix)
         for model in {adapter.base for adapter in found.values()}:
             for name, entry in (await registry.entries(model)).items():
@@ -125,7 +125,7 @@ class Models:
         """Models with a live worker. (This api's own model takes requests even before its
         worker is up: they wait in its queue, as at start-up.)"""
         live = await live_workers(self.store.redis, self.settings.prefix)
-        return {w["model"] for w in live if w.get("model")}
+        return {w.model for w in live if w.model}
 
     def loaded(self, name: str) -> Generation | None:
         return self._loaded.get(name)

@@ -86,7 +86,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
     for item in body.requests:
         payloads = await _payloads(body.endpoint, item, generation)
         payloads[0].tenant = tenant
-        items.append(BatchEntry(item.custom_id, body.endpoint, payloads[0]).to_json())
+        items.append(BatchEntry(custom_id=item.custom_id, endpoint=body.endpoint, payload=payloads[0]).encode())
     batch_id = f"batch_{uuid.uuid4().hex}"
     record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata)
     redis = store.redis
@@ -127,5 +127,5 @@ async def batch_results(batch_id: str, store: StoreDep, tenant: TenantDep):
     await _batch_object(store, batch_id, tenant)
     items = await store.redis.lrange(redis_keys.batch_items(store.prefix, batch_id), 0, -1)
     results = await store.redis.hgetall(redis_keys.batch_results(store.prefix, batch_id))
-    lines = [results[cid] for cid in (BatchEntry.of(i).custom_id for i in items) if cid in results]
+    lines = [results[cid] for cid in (BatchEntry.decode(i).custom_id for i in items) if cid in results]
     return JSONLines(lines)

@@ -49,7 +49,7 @@ def test_worker_metrics_count_what_was_sent(stack):
     assert ("streamq:num_preemptions_total", ()) in after
     # Where the steps' time went: every phase counted, the forward and the publish took some.
     phases = {phase: delta("streamq:step_phase_seconds_total", phase=phase)
-              for phase in ("admit", "schedule", "forward", "sample", "publish")}
+              for phase in ("arrivals", "schedule", "forward", "sample", "publish")}
     assert all(seconds >= 0 for seconds in phases.values()) and phases["forward"] > 0 and phases["publish"] > 0
 
 

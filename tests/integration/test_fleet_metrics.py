@@ -1,14 +1,16 @@
 """The fleet gauges an api replica reads from Redis at each scrape (ApiMetrics.sample_fleet): the
 ready workers by model and the dead letters, which the alerts in deploy/prometheus watch."""
-import json
 
 from api.core.metrics import ApiMetrics
 from shared import redis_keys
+from shared.heartbeat import Heartbeat
 
 
 async def _beat(redis, prefix: str, worker: str, model: str, ttl_ms: int = 60_000) -> None:
-    await redis.set(redis_keys.worker_heartbeat(prefix, worker), json.dumps({"worker": worker, "model": model}),
-                    px=ttl_ms)
+    beat = Heartbeat(worker=worker, model=model, backend="null", capacity=1, running=0, waiting=0, metrics_port=None,
+                     deterministic=False, batch_invariant=False, pools=False, lora=False, adapters=[], plan={},
+                     at=0.0, generated_tokens=0, ttft_sum_s=0.0, ttft_count=0)
+    await redis.set(redis_keys.worker_heartbeat(prefix, worker), beat.encode(), px=ttl_ms)
 
 
 async def test_ready_workers_are_counted_by_model_and_a_model_left_without_any_reads_zero(redis, prefix):

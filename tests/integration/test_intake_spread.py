@@ -13,7 +13,7 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from tests.waiting import until
-from worker.engine.backend import Threaded
+from worker.engine.threaded import Threaded
 from worker.backends.null_engine import NullEngine
 from worker.service.service import WorkerService
 

@@ -5,6 +5,7 @@ import json
 import uuid
 
 from shared import redis_keys
+from shared.heartbeat import Heartbeat
 from shared.messages import RequestPayload
 from shared.prefix_affinity import PrefixAffinity
 from shared.queue import RequestQueue, lane_of
@@ -12,7 +13,7 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from tests.waiting import until
-from worker.engine.backend import Threaded
+from worker.engine.threaded import Threaded
 from worker.service.intake import Intake
 from worker.backends.null_engine import NullEngine
 from worker.service.service import WorkerService
@@ -30,8 +31,10 @@ def _payload(prompt: list[int] = SYSTEM, tenant: str = "t", backend: str | None 
 
 async def _beat(redis, prefix, worker: str, model: str = "m", backend: str = "null") -> None:
     """A heartbeat, as a live worker writes it."""
-    beat = {"worker": worker, "model": model, "backend": backend}
-    await redis.set(redis_keys.worker_heartbeat(prefix, worker), json.dumps(beat))
+    beat = Heartbeat(worker=worker, model=model, backend=backend, capacity=8, running=0, waiting=0, metrics_port=None,
+                     deterministic=False, batch_invariant=False, pools=False, lora=False, adapters=[], plan={},
+                     at=0.0, generated_tokens=0, ttft_sum_s=0.0, ttft_count=0)
+    await redis.set(redis_keys.worker_heartbeat(prefix, worker), beat.encode())
 
 
 async def _routed(redis, prefix, payload: RequestPayload) -> RequestPayload:

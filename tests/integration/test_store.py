@@ -4,7 +4,7 @@ import json
 
 from shared import redis_keys
 from shared.pubsub import ShardPubSub
-from shared.messages import FinalEvent, RequestPayload, RequestStatus, decode_event
+from shared.messages import Cancel, FinalEvent, RequestPayload, RequestStatus, decode_event
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
 
@@ -57,7 +57,7 @@ async def test_cancel_of_running_request_flags_it_and_tells_the_workers(redis, p
     while message is None or message["type"] != "smessage":
         message = await pubsub.get_message(timeout=5)
         assert message is not None, "no cancel message reached the workers' channel"
-    assert message["data"] == payload.id
+    assert Cancel.decode(message["data"]) == Cancel(request_id=payload.id)
     await pubsub.aclose()
 
 

@@ -10,7 +10,10 @@ from shared import redis_keys
 from shared.request_record import RecordField
 from shared.settings import WorkerSettings
 from tests.waiting import until
-from worker.engine.backend import Counts, Threaded
+from worker.engine.backend import Counts
+from worker.engine.threaded import Threaded
+from worker.engine.base import BaseEngine
+from worker.engine.execution_plan import null_plan
 from worker.service.service import WorkerService
 
 
@@ -30,14 +33,14 @@ async def _true(value):
     return value
 
 
-class BlockingEngine:
+class BlockingEngine(BaseEngine):
     """Stands in for the engine: its step blocks until released, as a long forward would."""
 
-    batch_size = 4
     pools = False  # runs no pooling requests
-    last_step_size = 0
+    plan = null_plan()
 
     def __init__(self):
+        super().__init__(batch_size=4)
         self.release = threading.Event()
         self.stepping = threading.Event()
         self.cancelled: list[str] = []
@@ -66,6 +69,18 @@ class BlockingEngine:
 
     def counts(self):
         return Counts()
+
+    def add(self, payload, resumed=()):
+        raise AssertionError("no request is queued for it")
+
+    def _running_or_waiting(self):
+        return self.running + self.waiting
+
+    def _forget(self, seq):
+        pass
+
+    def _reset(self):
+        pass
 
 
 async def test_cancels_and_heartbeats_flow_while_a_step_runs(redis, redis_url, prefix):

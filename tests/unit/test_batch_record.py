@@ -6,10 +6,13 @@ import json
 import re
 
 import pytest
+from pydantic import ValidationError
 
+from scheduler.batches import result_line
 from shared import scripts
-from shared.batch_record import BatchEntry, BatchField, BatchRecord, BatchStatus
-from shared.messages import RequestPayload
+from shared.batch_record import BatchEntry, BatchField, BatchRecord, BatchResult, BatchStatus
+from shared.messages import FinishReason, RequestPayload, RequestStatus, UnknownVersion
+from shared.request_record import RequestRecord
 from shared.sampling import SamplingParams
 
 FULL = BatchRecord(status=BatchStatus.COMPLETED, endpoint="/v1/chat/completions", tenant="acme",
@@ -60,9 +63,9 @@ def test_an_entry_is_written_as_batches_always_were_and_reads_back():
     # What the route wrote for each request before BatchEntry said it once (a batch left queued by it).
     earlier = json.dumps({"custom_id": "q0", "endpoint": "/v1/completions",
                           "payload": json.loads(payload.model_dump_json())})
-    entry = BatchEntry("q0", "/v1/completions", payload)
-    assert entry.to_json() == earlier
-    assert BatchEntry.of(earlier) == entry
+    entry = BatchEntry(custom_id="q0", endpoint="/v1/completions", payload=payload)
+    assert json.loads(entry.encode()) == {"version": 1, **json.loads(earlier)}
+    assert BatchEntry.decode(earlier) == entry
 
 
 @pytest.mark.parametrize("fields", [{}, {"completed": "1"}])
@@ -74,3 +77,41 @@ def test_a_hash_without_a_status_is_no_batch(fields):
 def test_the_result_script_is_given_the_count_it_adds_to():
     names = "|".join(re.escape(m.value) for m in BatchField)
     assert not re.search(rf"""['"]({names})['"]""", scripts.text("batch_result"))
+
+
+def _entry() -> BatchEntry:
+    payload = RequestPayload(id="r1", model="m", params=SamplingParams(max_tokens=4), prompt_token_ids=[1, 2, 3],
+                             tenant="acme")
+    return BatchEntry(custom_id="q0", endpoint="/v1/completions", payload=payload)
+
+
+def test_an_entry_of_an_unknown_version_is_refused_by_name():
+    newer = json.dumps({**json.loads(_entry().encode()), "version": 2})
+    with pytest.raises(UnknownVersion, match="BatchEntry version 2"):
+        BatchEntry.decode(newer)
+
+
+def _record(status: str, **more) -> RequestRecord:
+    return RequestRecord(status=RequestStatus(status), prompt_tokens=3, created_at=1712000000.5, **more)
+
+
+def test_a_done_request_is_a_result_line_in_openais_shape_and_reads_back():
+    line = result_line("r1", _entry(), _record("done", completion_tokens=2, finish_reason=FinishReason.LENGTH),
+                       "hi", "m")
+    assert json.loads(line.encode()) == {
+        "id": "batch_req_r1", "custom_id": "q0", "error": None, "response": {
+            "status_code": 200, "request_id": "r1", "body": {
+                "id": "cmpl-r1", "object": "text_completion", "created": 1712000000, "model": "m",
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}]}}}
+    assert BatchResult.decode(line.encode()) == line
+    chat = result_line("r1", _entry().model_copy(update={"endpoint": "/v1/chat/completions"}),
+                       _record("done", completion_tokens=2, finish_reason=FinishReason.STOP), "hi", "m")
+    assert chat.response.body.choices[0].message.content == "hi" and chat.response.body.object == "chat.completion"
+
+
+def test_a_failed_request_is_an_error_line_and_a_line_has_one_of_the_two():
+    line = result_line("r1", _entry(), _record("failed", error="boom"), "", "m")
+    assert json.loads(line.encode())["error"] == {"code": "failed", "message": "boom"} and line.response is None
+    with pytest.raises(ValidationError, match="a response or an error"):
+        BatchResult(id="x", custom_id="q0", response=None, error=None)

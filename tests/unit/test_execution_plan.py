@@ -10,7 +10,6 @@ from worker.model import kernels
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
-from worker.engine.execution_plan import plan_of
 from worker.model.model_loader import load_model
 from worker.model.model_runner import PagedRunner
 from worker.backends.null_engine import NullEngine
@@ -27,7 +26,7 @@ def plan(folder, ops, *, eager: bool = False, quantized: bool = False):
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 module.quantized = quantize(module.weight.data, 8, 32)
     runner = PagedRunner(model, CPU, 16, 4, ops, fuse=not eager)
-    return plan_of(Engine(runner, Tokenizer(folder), Batcher(BlockManager(16, 4), 4, 32)))
+    return Engine(runner, Tokenizer(folder), Batcher(BlockManager(16, 4), 4, 32)).plan
 
 
 def test_the_kernels_plan_names_this_cpus_isa_and_the_portable_one_when_forced(tiny_llama):
@@ -59,7 +58,7 @@ def test_quantized_weights_name_their_kernels(tiny_llama):
 
 
 def test_labels_are_strings_for_the_metric_and_the_null_engines_plan():
-    null = plan_of(NullEngine(4, 10.0))
+    null = NullEngine(4, 10.0).plan
     assert null.engine == "null" and null.labels()["one_token_stack"] == "false"
     assert all(isinstance(v, str) for v in null.labels().values())
 

@@ -26,7 +26,7 @@ from api.core.metrics import ApiMetrics
 from shared.model_source import served_name
 from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, WorkerSettings
 from streamq.cli import main as cli_main
-from worker.engine.backend import Threaded
+from worker.engine.threaded import Threaded
 from worker.service.metrics import WorkerMetrics
 from worker.backends.null_engine import NullEngine
 from worker.service.service import WorkerService

@@ -19,7 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
 from worker.model.model_loader import load_model
 from worker.model.model_runner import PagedRunner
-from worker.engine.pooling import PoolJob, plan
+from worker.engine.pooling import PoolJob, pick
 
 TEXTS = ["the cat sat on the mat", "a", "streams of tokens flow through the cache of many workers at once",
          "embeddings are the mean of the last hidden states", "Paris is the capital of France"]
@@ -150,13 +150,13 @@ def test_plan_keeps_to_the_budget_the_free_blocks_and_one_task():
     blocks = BlockManager(num_blocks=6, block_size=4)
     embed = PoolJob.of(pool_payload("e", [[1] * 8, [2] * 8, [3] * 8], task="embed"))
     score = PoolJob.of(pool_payload("s", [[1] * 3], task="score", candidates=[1, 2]))
-    picked = plan([embed, score], blocks, max_tokens=12)
+    picked = pick([embed, score], blocks, max_tokens=12)
     assert [(job.id, i) for job, i in picked] == [("e", 0)]  # a second input would pass 12 tokens
-    picked = plan([embed, score], blocks, max_tokens=100)
+    picked = pick([embed, score], blocks, max_tokens=100)
     assert [(job.id, i) for job, i in picked] == [("e", 0), ("e", 1), ("e", 2)]  # 6 blocks; not the score
-    assert plan([score, embed], blocks, max_tokens=100)[0][0] is score
+    assert pick([score, embed], blocks, max_tokens=100)[0][0] is score
     blocks.append_slots("busy", 24)
-    assert plan([embed], blocks, max_tokens=100) == []  # waits for blocks
+    assert pick([embed], blocks, max_tokens=100) == []  # waits for blocks
 
 
 @pytest.mark.parametrize("isa", ["auto", "portable"])

@@ -72,7 +72,7 @@ def test_proposals_ride_on_decodes_and_rejected_ones_give_their_blocks_back():
     s = seq(REPEATING)
     decoding(batcher, s)
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     [chunk] = out.chunks
     assert chunk.draft == [12, 13, 14, 15] and chunk.length == 5
     assert chunk.input_ids == [11, 12, 13, 14, 15] and chunk.num_logits == 5
@@ -92,7 +92,7 @@ def test_proposal_length_adapts_to_each_requests_acceptance():
     lengths = []
     for kept_all in (False, False, True):
         out = batcher.schedule()
-        spec.plan(out, batcher, context_length=256)
+        spec.propose(out, batcher, context_length=256)
         [chunk] = out.chunks
         lengths.append(len(chunk.draft))
         kept = len(chunk.draft) if kept_all else 0
@@ -102,7 +102,7 @@ def test_proposal_length_adapts_to_each_requests_acceptance():
             s.append(t)
         s.append(10 + (s.token_ids[-1] - 9) % 8)  # the model's own token: the pattern goes on
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     assert lengths == [8, 7, 6] and len(out.chunks[0].draft) == 8  # -1, -1, then +2 (capped at 8)
 
 
@@ -114,7 +114,7 @@ def test_speculation_never_preempts_and_stays_within_the_budget_and_the_limits()
     decoding(batcher, a, b)
     free = blocks.num_free
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     assert free == 2 and not out.preempted and blocks.num_free == 0
     # Each had 2 free slots in its last block and took one more block: 6 and 5 slots (a's
     # lookup has 4 tokens to offer, b's 3); nobody was preempted for them.
@@ -125,14 +125,14 @@ def test_speculation_never_preempts_and_stays_within_the_budget_and_the_limits()
     s = seq(REPEATING)
     decoding(tight, s)
     out = tight.schedule()
-    spec.plan(out, tight, context_length=256)
+    spec.propose(out, tight, context_length=256)
     assert out.num_tokens == 3  # the step's budget
 
     short = Batcher(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64)
     s = seq(REPEATING, max_tokens=3)  # after its first token two more may come: one proposed at most
     decoding(short, s)
     out = short.schedule()
-    spec.plan(out, short, context_length=256)
+    spec.propose(out, short, context_length=256)
     assert out.chunks[0].draft == [12]
 
 
@@ -142,7 +142,7 @@ def test_requests_that_opt_out_or_use_penalties_decode_plainly():
     plain = [seq(REPEATING, speculative=False), seq(REPEATING, repetition_penalty=1.2), seq(REPEATING)]
     decoding(batcher, *plain)
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     assert [len(c.draft) for c in out.chunks] == [0, 0, 4]
 
 
@@ -152,11 +152,11 @@ def test_speculation_pauses_while_the_batch_is_bigger_than_its_limit():
     a, b = seq(REPEATING), seq(REPEATING)
     decoding(batcher, a, b)
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     assert [len(c.draft) for c in out.chunks] == [0, 0]  # two running, more than 1
     batcher.remove(b)
     batcher.computed(out.chunks[0])
     a.append(12)
     out = batcher.schedule()
-    spec.plan(out, batcher, context_length=256)
+    spec.propose(out, batcher, context_length=256)
     assert [len(c.draft) for c in out.chunks] == [4]  # alone again: it speculates

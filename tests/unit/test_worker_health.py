@@ -13,7 +13,7 @@ import pytest
 from shared import redis_keys
 from shared.settings import WorkerSettings
 from worker.service import service as service_module
-from worker.engine.backend import Threaded
+from worker.engine.threaded import Threaded
 from worker.service.metrics import WorkerMetrics
 from worker.backends.null_engine import NullEngine
 from worker.service.service import EngineStalled, WorkerService

@@ -13,6 +13,7 @@ import time
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from worker.engine.fair_queue import FairQueue
 from worker.engine.base import BaseEngine
+from worker.engine.execution_plan import ExecutionPlan, null_plan
 from worker.engine.sequence import Sequence, StepOutput, new_sequence, step_output
 
 NULL_TOKEN = 0  # every token the null backend emits has this id
@@ -45,6 +46,10 @@ class NullEngine(BaseEngine):
     def free_slots(self) -> int:
         return max(0, self.batch_size - len(self._running) - len(self._waiting))
 
+    @property
+    def plan(self) -> ExecutionPlan:
+        return null_plan()
+
     def step(self) -> list[StepOutput]:
         """Wait for the next tick, then give every running request one token."""
         delay = self._next - time.monotonic()
@@ -76,7 +81,7 @@ class NullEngine(BaseEngine):
         self._running = still
         return outputs
 
-    def _admitted(self) -> list[Sequence]:
+    def _running_or_waiting(self) -> list[Sequence]:
         with self._lock:
             return self._running + list(self._waiting)
 

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from shared.tokenizer import Tokenizer, served_context
 from worker.engine.base import BaseEngine
+from worker.engine.execution_plan import ExecutionPlan, static_plan
 from worker.engine.random_streams import make_generator, replay_draws
 from worker.engine.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.engine.sequence import Sequence, StepOutput, new_sequence, step_output
@@ -48,6 +49,10 @@ class StaticEngine(BaseEngine):
     def running(self) -> list[Sequence]:
         return [s for s in self.rows if not s.finished]
 
+    @property
+    def plan(self) -> ExecutionPlan:
+        return static_plan(str(next(self.runner.model.parameters()).dtype), str(self.runner.device))
+
     # -- one step, run in the model thread -------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = self._end_cancelled()
@@ -62,7 +67,7 @@ class StaticEngine(BaseEngine):
             self.runner.release()
         return outputs
 
-    def _admitted(self) -> list[Sequence]:
+    def _running_or_waiting(self) -> list[Sequence]:
         return self.running + list(self.waiting)
 
     def _forget(self, seq: Sequence) -> None:

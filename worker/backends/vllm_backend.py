@@ -1,4 +1,4 @@
-"""The vLLM backend: vLLM's async engine (AsyncLLM) behind the worker's Backend protocol.
+"""The vLLM backend: vLLM's async engine (AsyncLLM) behind the worker's Backend (worker/engine/backend.py).
 
 vLLM is imported only here, and only when `backend=vllm` is chosen; it lives in its own
 virtualenv (`make vllm-env`), since its pins differ from the project's. Everything around the
@@ -22,7 +22,7 @@ from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.structured import JSON_LAYOUT
 from shared.tokenizer import Tokenizer
-from worker.engine.backend import Counts
+from worker.engine.backend import Backend
 from worker.engine.execution_plan import ExecutionPlan, vllm_plan
 from worker.engine.sequence import Logprobs, Sequence, StepOutput, new_sequence, step_output, token_event
 
@@ -113,8 +113,9 @@ def batch_invariant() -> None:
     os.environ["VLLM_BATCH_INVARIANT"] = "1"  # vLLM refuses it at start where its backends cannot
 
 
-class VllmBackend:
+class VllmBackend(Backend):
     pools = False  # embeddings need a vLLM engine of task embed; this one generates
+    lora = True  # vLLM's own LoRA, where lora_modules or enable_lora turn it on
     name = "vllm"
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
@@ -131,7 +132,7 @@ class VllmBackend:
         self.deterministic = deterministic  # vLLM's batch-invariant mode on (a GPU worker only)
         self.batch_size = batch_size
         self.context_length = context_length
-        self.last_step_size = 0
+        self._last_step_size = 0
         self._active: dict[str, tuple[Sequence, asyncio.Task[None]]] = {}
         self._events: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._configured = lora  # STREAMQ_LORA_MODULES, where LoRA is on
@@ -166,7 +167,7 @@ class VllmBackend:
         lora = settings.lora.paths if settings.lora.paths or settings.lora.enable else None
         return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic, lora)
 
-    # -- the Backend protocol ------------------------------------------------------------------
+    # -- the Backend -----------------------------------------------------------------------------------------------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
         limit = payload.params.max_tokens or self.context_length
@@ -193,6 +194,10 @@ class VllmBackend:
     def waiting(self) -> list[Sequence]:
         return []  # vLLM keeps its own waiting queue; every request taken here is "running" for us
 
+    @property
+    def last_step_size(self) -> int:
+        return self._last_step_size
+
     def has_work(self) -> bool:
         return bool(self._active) or not self._events.empty()
 
@@ -203,7 +208,7 @@ class VllmBackend:
             return []
         while not self._events.empty():
             outputs.append(self._events.get_nowait())
-        self.last_step_size = len({out.request_id for out in outputs})
+        self._last_step_size = len({out.request_id for out in outputs})
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
@@ -215,14 +220,8 @@ class VllmBackend:
         self._active.clear()
         return outputs
 
-    def counts(self) -> Counts:
-        return Counts()  # vLLM keeps its own (its prefix cache, preemptions), not read here
-
-    def phase_seconds(self) -> dict[str, float]:
-        return {}  # vLLM's step is one await here: its phases are its own
-
-    def kv_blocks(self) -> tuple[int, int] | None:
-        return None
+    # counts, phase_seconds and kv_blocks are Backend's (none): vLLM keeps its own totals (its prefix
+    # cache, preemptions) and phases (its step is one await here), not read here.
 
     @property
     def batch_invariant(self) -> bool:

@@ -3,23 +3,31 @@ worker/engine/backend.py): its batch size, the cancels inbox the event loop writ
 step for the metrics, and how a request leaves: cancelled, failed by its own sampling, failed
 with every other when a step fails, or done after its last token.
 
-A subclass says which requests it holds (`_admitted`, `_held`), what a request's leaving frees
-(`_forget`) and what a failed step resets (`_reset`). `generate` runs requests to their ends in
+A subclass says which requests it holds (`_running_or_waiting`, `_held`), what a request's leaving
+frees (`_forget`), what a failed step resets (`_reset`) and the paths it takes (`plan`); what it
+may have that others lack it declares (`pools`, `batch_invariant`, `adapters`, `phase_seconds`,
+`kv_blocks`, `counts`), so that worker/engine/backend.py's Threaded never probes for it. `generate` runs requests to their ends in
 the caller's thread, for in-process use (tests, benchmarks) where no worker loop steps it.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
 from worker.engine.backend import Counts
 from worker.engine.cancels import CancelInbox
+from worker.engine.execution_plan import ExecutionPlan
 from worker.engine.sequence import Sequence, StepOutput, step_output, token_event
 from worker.engine.structured import follow_grammar
+
+if TYPE_CHECKING:
+    from worker.model.lora import Adapters
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +46,39 @@ class Generated:
     tokens: list[TokenEvent] = field(default_factory=list)
 
 
-class BaseEngine:
-    pools = False  # whether it runs pooling requests (embeddings, rerank): the paged engine only
+class BaseEngine(abc.ABC):
+    pools: ClassVar[bool] = False  # whether it runs pooling requests (embeddings, rerank): the paged engine only
+    lora: ClassVar[bool] = False  # whether it can serve LoRA adapters (`adapters`: whether it does): the paged engine only
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
         self.cancels = CancelInbox()
         self.last_step_size = 0  # requests in the last step, for metrics
+        # Seconds its steps spent in each phase, summed (the paged engine's STEP_PHASES; empty: not split)
+        self.phase_seconds: dict[str, float] = {}
+
+    @abc.abstractmethod
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+        """Take a request (continuing after `resumed`); it joins at a coming step."""
+
+    @abc.abstractmethod
+    def step(self) -> list[StepOutput]:
+        """One step, in the model thread: its events."""
+
+    @property
+    @abc.abstractmethod
+    def plan(self) -> ExecutionPlan:
+        """The paths this engine takes (worker/engine/execution_plan.py)."""
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each token is computed alone (the paged runner's deterministic numerics)."""
+        return False
+
+    @property
+    def adapters(self) -> Adapters | None:
+        """The LoRA adapters it serves (None: none; only the paged engine can)."""
+        return None
 
     # -- called from the asyncio side ------------------------------------------------------
     def cancel(self, request_id: str) -> None:
@@ -88,9 +122,9 @@ class BaseEngine:
         return outputs
 
     def _end_cancelled(self) -> list[StepOutput]:
-        """End the admitted requests whose cancel arrived since the last step."""
+        """End the running or waiting requests whose cancel arrived since the last step."""
         cancelled = self.cancels.take()
-        return self._end([seq for seq in self._admitted() if seq.id in cancelled], FinishReason.CANCELLED)
+        return self._end([seq for seq in self._running_or_waiting() if seq.id in cancelled], FinishReason.CANCELLED)
 
     def _end(self, seqs: list[Sequence], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
         outputs = []
@@ -120,17 +154,18 @@ class BaseEngine:
         return step_output(seq, token_event(seq, token, text, logprobs), seq.finished)
 
     # -- what a subclass says --------------------------------------------------------------
-    def _admitted(self) -> list[Sequence]:
+    @abc.abstractmethod
+    def _running_or_waiting(self) -> list[Sequence]:
         """The requests a step may end: those in the batch and those waiting for it."""
-        raise NotImplementedError
 
     def _held(self) -> list[Sequence]:
-        """Every request this engine holds, those not admitted yet included."""
-        return self._admitted()
+        """Every request this engine holds, those not taken in by a step yet included."""
+        return self._running_or_waiting()
 
+    @abc.abstractmethod
     def _forget(self, seq: Sequence) -> None:
         """Free what the ended request `seq` held here."""
 
+    @abc.abstractmethod
     def _reset(self) -> None:
         """After fail_all: hold nothing."""
-        raise NotImplementedError

@@ -26,7 +26,9 @@ from worker.model.batch import SchedulerOutput
 from worker.engine.block_manager import ChainBlock
 from worker.model.model_runner import PagedRunner
 from worker.engine.base import BaseEngine
+from worker.engine.execution_plan import ExecutionPlan, paged_plan
 from worker.engine.kv_tier import KVTier
+from worker.model.lora import Adapters
 from worker.engine import pooling
 from worker.engine.pooling import PoolJob
 from worker.engine.random_streams import make_generator, replay_draws
@@ -41,13 +43,14 @@ from worker.engine.structured import Compiler, Grammars
 BUILD_WAIT_S = 0.005
 IDLE_BUILD_WAIT_S = 0.02
 # Where a step's time goes, summed over the engine's life (Engine.phase_seconds, the worker's
-# streamq:step_phase_seconds): admitting arrivals and cancels; scheduling (batcher, speculation's
-# plan, the sampling batch); the model's forward; sampling, stop checks and detokenizing.
-STEP_PHASES = ("admit", "schedule", "forward", "sample")
+# streamq:step_phase_seconds): taking in the requests and cancels that arrived; scheduling (batcher,
+# speculation's proposals, the sampling batch); the model's forward; sampling, stop checks and detokenizing.
+STEP_PHASES = ("arrivals", "schedule", "forward", "sample")
 
 
 class Engine(BaseEngine):
     pools = True
+    lora = True
 
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
                  speculator: Speculator | None = None, tier: KVTier | None = None):
@@ -64,7 +67,7 @@ class Engine(BaseEngine):
         self.overlap_masks = runner.device.type != "cpu"
         self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="masks")  # its thread starts at the first mask
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
-        self._sampling: dict[str, SamplingRow] = {}  # each admitted request's sampling state
+        self._sampling: dict[str, SamplingRow] = {}  # each taken-in request's sampling state
         self._arrivals: list[Sequence] = []  # added since the last step began
         self._arrivals_lock = threading.Lock()
         self._running: list[Sequence] = []  # views of the batcher as the last step left it
@@ -89,6 +92,18 @@ class Engine(BaseEngine):
     @property
     def running(self) -> list[Sequence]:
         return list(self._running)
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return paged_plan(self.runner)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.runner.batch_invariant
+
+    @property
+    def adapters(self) -> Adapters | None:
+        return self.runner.adapters
 
     @property
     def waiting(self) -> list[Sequence | PoolJob]:
@@ -116,12 +131,12 @@ class Engine(BaseEngine):
     def step(self) -> list[StepOutput]:
         clock = time.perf_counter
         began = clock()
-        outputs = self._admit() + self._end_cancelled() + self._pool_step()
-        admitted = clock()
+        outputs = self._enqueue_arrivals() + self._end_cancelled() + self._pool_step()
+        arrived = clock()
         scheduled = self.batcher.schedule()
         _stamp_first_step(scheduled)
         if self.speculator:
-            self.speculator.plan(scheduled, self.batcher, self.runner.context_length, self._fitting)
+            self.speculator.propose(scheduled, self.batcher, self.runner.context_length, self._fitting)
         planned = forwarded = clock()
         if scheduled.chunks:
             batch = self._sampling_batch(scheduled)
@@ -138,7 +153,7 @@ class Engine(BaseEngine):
         self._running, self._waiting = list(self.batcher.running), list(self.batcher.waiting)
         self.last_step_size = len(scheduled.chunks)
         ended = clock()
-        for phase, seconds in zip(STEP_PHASES, (admitted - began, planned - admitted, forwarded - planned,
+        for phase, seconds in zip(STEP_PHASES, (arrived - began, planned - arrived, forwarded - planned,
                                                 ended - forwarded)):
             self.phase_seconds[phase] += seconds
         return outputs
@@ -163,7 +178,7 @@ class Engine(BaseEngine):
                                                               f"than this worker's, which holds {most} tokens"))
             else:
                 self._pools.append(job)
-        picked = pooling.plan(self._pools, self.batcher.blocks, self.batcher.max_num_batched_tokens)
+        picked = pooling.pick(self._pools, self.batcher.blocks, self.batcher.max_num_batched_tokens)
         if not picked:
             return outputs
         stamp = now()
@@ -174,17 +189,17 @@ class Engine(BaseEngine):
         self._pools = [job for job in self._pools if not job.done]
         return outputs
 
-    def _admitted(self) -> list[Sequence]:
+    def _running_or_waiting(self) -> list[Sequence]:
         return list(self.batcher.running) + list(self.batcher.waiting)
 
     def _held(self) -> list[Sequence]:
-        return self._admitted() + self._take_arrivals()
+        return self._running_or_waiting() + self._take_arrivals()
 
     def _reset(self) -> None:
         self._running, self._waiting = [], []
         self.batcher.blocks.clear_prefix_cache()  # the failed step may have left them half written
 
-    def _admit(self) -> list[StepOutput]:
+    def _enqueue_arrivals(self) -> list[StepOutput]:
         """Requests added since the last step join the batcher's queue; a constrained one waits
         there as WAITING_FOR_GRAMMAR, passed over by the batcher, until its matcher is built.
         Each is made ready to run once (_ready), or ends here with an error."""

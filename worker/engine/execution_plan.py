@@ -6,7 +6,6 @@ sent in the heartbeat (so /readyz's worker entry shows it) and as a metric's lab
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,16 +28,23 @@ class ExecutionPlan:
         return ", ".join(f"{k}={v}" for k, v in self.labels().items())
 
 
-def plan_of(engine: Any) -> ExecutionPlan:
-    """The plan of a built-in engine (Engine, StaticEngine, NullEngine)."""
-    runner = getattr(engine, "runner", None)
-    if runner is None or not hasattr(runner, "k_cache"):  # the null or the static engine
-        kind = "null" if runner is None else "static"
-        return ExecutionPlan(kind, kind, "n/a", False, False, _dtype(runner), _device(runner), "n/a", False, False)
+def paged_plan(runner) -> ExecutionPlan:
+    """The plan of the paged engine, read off its runner (worker/model/model_runner.py PagedRunner)."""
     dtype, device, isa, _, invariant = runner.numerics
     return ExecutionPlan("paged", runner.plan.forward, _projections(runner), runner.one_token is not None,
                          runner.graphs is not None, dtype.removeprefix("torch."), device, isa or "portable",
                          runner.deterministic, invariant)
+
+
+def static_plan(dtype: str, device: str) -> ExecutionPlan:
+    """The static-batch engine's: the model's own modules, in `dtype` on `device`."""
+    return ExecutionPlan("static", "static", "n/a", False, False, dtype.removeprefix("torch."), device, "n/a",
+                         False, False)
+
+
+def null_plan() -> ExecutionPlan:
+    """The null engine's: no model."""
+    return ExecutionPlan("null", "null", "n/a", False, False, "n/a", "n/a", "n/a", False, False)
 
 
 def vllm_plan(dtype: str, device: str, deterministic: bool) -> ExecutionPlan:
@@ -59,12 +65,3 @@ def _kind(w) -> str:
     if w.kind == "panels":
         return f"panels, onednn from {w.matmul_rows} rows" if w.matmul_rows else "panels"
     return f"{w.kind}, tiled" if w.tile else w.kind
-
-
-def _dtype(runner) -> str:
-    model = getattr(runner, "model", None)
-    return str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "n/a"
-
-
-def _device(runner) -> str:
-    return str(getattr(runner, "device", "n/a"))

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from redis.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from shared import redis_keys
@@ -132,8 +133,8 @@ class KVTier:
         keys = [self.key(link) for link in blocks]
         began = time.perf_counter()
         try:
-            values = self.redis.mget_nonatomic(keys) if hasattr(self.redis, "mget_nonatomic") else \
-                self.redis.mget(keys)
+            # A cluster's keys lie in many slots: its MGET would refuse them, mget_nonatomic splits them.
+            values = self.redis.mget_nonatomic(keys) if isinstance(self.redis, RedisCluster) else self.redis.mget(keys)
         except RedisError as exc:
             self._failed("fetch", exc)
             return []

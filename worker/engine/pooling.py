@@ -74,7 +74,7 @@ def encode_floats(values: torch.Tensor) -> str:
     return base64.b64encode(values.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()).decode()
 
 
-def plan(jobs: list[PoolJob], blocks: BlockManager, max_tokens: int) -> list[tuple[PoolJob, int]]:
+def pick(jobs: list[PoolJob], blocks: BlockManager, max_tokens: int) -> list[tuple[PoolJob, int]]:
     """The next inputs to run, in arrival order, of one task, as the step's token budget and the
     free cache blocks allow; always the first one where its blocks are free, however long it is."""
     picked, tokens, needed = [], 0, 0

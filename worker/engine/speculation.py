@@ -1,4 +1,4 @@
-"""Speculative decoding's plan for a step (pure Python): which decoding requests get proposed
+"""Speculative decoding for a step (pure Python): which decoding requests get proposed
 tokens, how many, and what was kept.
 
 Proposals come from prompt lookup (the tokens that followed the latest earlier occurrence of
@@ -103,8 +103,8 @@ class Speculator:
     stats: SpecStats = field(default_factory=SpecStats)
     _k: dict[str, int] = field(default_factory=dict)  # each request's current proposal length
 
-    def plan(self, out: SchedulerOutput, batcher: Batcher, context_length: int,
-             fitting: Callable[[Sequence, list[int]], int] | None = None) -> None:
+    def propose(self, out: SchedulerOutput, batcher: Batcher, context_length: int,
+               fitting: Callable[[Sequence, list[int]], int] | None = None) -> None:
         """Put proposed tokens (and the proposer's distributions over them) on this step's
         decode chunks, within the step's leftover budget and the free KV blocks (speculation
         never preempts anyone). `fitting(seq, tokens)`: how many leading proposed tokens the

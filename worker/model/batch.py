@@ -5,28 +5,39 @@ nothing of the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from worker.model.lora_step import StepLora
 
 
+class ChunkRequest(Protocol):
+    """What the forward reads of a chunk's request: its LoRA adapter (None: the base model). The
+    engine's request (worker/engine/sequence.py Sequence) is one; this package does not import it."""
+
+    @property
+    def adapter(self) -> str | None: ...
+
+
+R = TypeVar("R", bound=ChunkRequest)
+
+
 @dataclass
-class Chunk:
+class Chunk(Generic[R]):
     """Tokens of one request to run in this step: input_ids at positions start .. start + length.
 
     The runner reads input_ids, start, block_table and num_logits; the engine's postprocess
     reads seq, draft and draft_probs."""
 
-    seq: Any  # its request (worker/engine/sequence.py Sequence); the forward reads only its adapter
+    seq: R | None  # its request (the engine's Chunk[Sequence]; None: a pooling input, on the base model)
     start: int
     input_ids: list[int]  # the request's known tokens from start on, then any proposed ones
     block_table: list[int]
     num_logits: int  # trailing positions whose logits the step needs: 1 when the chunk reaches the end of
     #                  the known tokens (its last logits pick the next one) plus one per proposed token; else 0
     draft: list[int] = field(default_factory=list)  # proposed tokens after the known ones, to verify
-    draft_probs: Any = None  # the proposer's distributions over them (a draft model's), for the acceptance rule
+    draft_probs: torch.Tensor | None = None  # the proposer's distributions over them (a draft model's), for the acceptance rule
 
     @property
     def length(self) -> int:
@@ -38,9 +49,9 @@ class Chunk:
 
 
 @dataclass
-class SchedulerOutput:
-    chunks: list[Chunk] = field(default_factory=list)
-    preempted: list[Any] = field(default_factory=list)
+class SchedulerOutput(Generic[R]):
+    chunks: list[Chunk[R]] = field(default_factory=list)
+    preempted: list[R] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

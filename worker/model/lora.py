@@ -8,7 +8,8 @@ never merged into the model's: one step serves rows of several adapters and of t
 at load with a ValueError naming it (DoRA, biases, modules_to_save, embedding targets, ...).
 
 `Adapters` is the worker's registry: at most `max_loras` loaded at once, each request holding
-its adapter (acquire/release) from admission to its end, so an adapter in use is never evicted.
+its adapter (acquire/release) from when the engine takes it in to its end, so an adapter in use is
+never evicted.
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ class StepLora:
         rows: dict[str, list[int]] = {}
         first = 0
         for chunk in chunks:
-            name = getattr(chunk.seq, "adapter", None)
+            name = chunk.seq.adapter if chunk.seq is not None else None
             if name is not None:
                 rows.setdefault(name, []).extend(range(first, first + chunk.length))
             first += chunk.length

@@ -54,7 +54,7 @@ class WorkerMetrics:
         self.step_time = Histogram("streamq:step_duration_seconds", "One engine step (schedule, forward, sample).",
                                    buckets=STEP_BUCKETS, registry=r)
         self.phases = Counter("streamq:step_phase_seconds",
-                              "Seconds of the worker's steps by phase: admit, schedule, forward, sample (the "
+                              "Seconds of the worker's steps by phase: arrivals, schedule, forward, sample (the "
                               "engine's, where it splits them) and publish (tokens to Redis).", ["phase"], registry=r)
         self.prompt_tokens = Counter("streamq:prompt_tokens", "Prompt tokens of requests taken.", registry=r)
         self.generation_tokens = Counter("streamq:generation_tokens", "Tokens generated.", registry=r)
@@ -80,17 +80,7 @@ class WorkerMetrics:
                                      registry=r)
         self.spec_accepted = Counter("streamq:spec_decode_num_accepted_tokens", "Proposed tokens the model kept.",
                                      registry=r)
-        # The shared KV tier's running totals (worker/engine/kv_tier.py TierCounts), where it is on.
-        self.kv_tier = {name: Counter(f"streamq:kv_tier_{name}", doc, registry=r) for name, doc in (
-            ("hits", "KV blocks fetched from the shared tier."),
-            ("misses", "Tier lookups that ended at a block the tier did not have."),
-            ("fetches", "Tier lookups (one per request whose prefix this worker's cache lacked)."),
-            ("fetch_seconds", "Seconds the model thread spent fetching from the tier."),
-            ("bytes_in", "Bytes of KV blocks fetched from the tier."),
-            ("bytes_out", "Bytes of KV blocks offloaded to the tier."),
-            ("offloaded", "KV blocks offloaded to the tier."),
-            ("dropped", "KV blocks not offloaded: the tier's writer was behind, or Redis away."),
-            ("errors", "Redis errors of the tier (each a miss or dropped blocks, never a failed request)."))}
+        self.kv_tier = _tier_counters(r)
         self._last_token: dict[str, float] = {}  # request id -> when its last token was published
         self._first_token: dict[str, float] = {}  # request id -> when its first token was published
         self._tenant: dict[str, str] = {}  # request id -> its tenant, from taken to finished
@@ -184,6 +174,24 @@ class WorkerMetrics:
         if total > seen:
             counter.inc(total - seen)
             self._seen[key] = total
+
+
+# The shared KV tier's running totals (worker/engine/kv_tier.py TierCounts), where it is on.
+_TIER_COUNTERS = (
+    ("hits", "KV blocks fetched from the shared tier."),
+    ("misses", "Tier lookups that ended at a block the tier did not have."),
+    ("fetches", "Tier lookups (one per request whose prefix this worker's cache lacked)."),
+    ("fetch_seconds", "Seconds the model thread spent fetching from the tier."),
+    ("bytes_in", "Bytes of KV blocks fetched from the tier."),
+    ("bytes_out", "Bytes of KV blocks offloaded to the tier."),
+    ("offloaded", "KV blocks offloaded to the tier."),
+    ("dropped", "KV blocks not offloaded: the tier's writer was behind, or Redis away."),
+    ("errors", "Redis errors of the tier (each a miss or dropped blocks, never a failed request)."))
+
+
+def _tier_counters(registry: CollectorRegistry) -> dict[str, Counter]:
+    """streamq:kv_tier_<name> for each of the tier's totals, by name."""
+    return {name: Counter(f"streamq:kv_tier_{name}", doc, registry=registry) for name, doc in _TIER_COUNTERS}
 
 
 class _Quiet(WSGIRequestHandler):

@@ -1,4 +1,5 @@
-"""The worker's asyncio side: intake, cancellation, heartbeats, and the step loop.
+"""The worker's asyncio side: the step loop, intake, heartbeats and health; a taken entry is claimed
+in worker/service/claims.py, cancels are heard in worker/service/cancel_listener.py.
 
 Between steps it takes newly queued requests (up to the engine's free slots), so a request
 that arrives mid-batch joins at the next step.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -18,25 +18,25 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisClusterException, ResponseError
+from redis.exceptions import ResponseError
 
 from shared import redis_keys
+from shared.heartbeat import Heartbeat
 from shared.lora_registry import LoraRegistry
-from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
+from shared.messages import now
 from shared.prefix_affinity import PrefixAffinity
-from shared.pubsub import MESSAGE, SUBSCRIBED, UNSUBSCRIBED, close_pubsub, node_of, pubsub_on, refresh
 from shared.queue import RequestQueue
 from shared.reclaim import reclaim_dead_workers
 from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine.backend import Backend
+from worker.service.cancel_listener import CancelListener
+from worker.service.claims import Claims
 from worker.service.intake import Intake, Taken
 from worker.service.metrics import Check, WorkerMetrics
 from worker.service.publisher import Publisher
-from worker.engine.sequence import refused
 from worker.service.tracing import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class WorkerService:
         self._plan = backend.plan  # decided when the engine was built: read once
         self.metrics.plan.labels(**self._plan.labels()).set(1)
         self.spans = RequestSpans(self.name)  # where tracing is on (worker/service/tracing.py)
+        self.claims = Claims(redis, self.store, backend, self.publisher, self.metrics, self.spans, self.name,
+                             self._held)
+        self.cancels = CancelListener(redis, settings.prefix, self.store, backend, self._held)
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
         self._redis_away_since: float | None = None  # the loop waits for Redis: no stuck engine, however long
@@ -114,8 +117,8 @@ class WorkerService:
             self.metrics_port = server.server_port
             log.info("worker metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         loop = asyncio.create_task(self._loop())
-        heartbeat = asyncio.create_task(self._heartbeat())
-        listener = asyncio.create_task(self._listen_cancels())
+        heartbeat = asyncio.create_task(self._beat_every_interval())
+        listener = asyncio.create_task(self.cancels.listen())
         tasks = [loop, heartbeat, listener]
         try:
             # The listener ends only by failing: a worker deaf to cancels stops, and says why.
@@ -197,7 +200,7 @@ class WorkerService:
             await self._retry("groups", self.queue.ensure_groups)
             return
         self._announced = max(0, free - len(taken.entries))
-        await self._admit_taken(taken)
+        await self._claim_taken(taken)
         if taken.abandoned:
             await self._retry("drop lanes", lambda: self.intake.drop(taken.abandoned))
         if block and not taken.entries:
@@ -212,17 +215,17 @@ class WorkerService:
             return [lane for lane in lanes if lane not in here]
         return []
 
-    async def _admit_taken(self, taken: Taken) -> None:
+    async def _claim_taken(self, taken: Taken) -> None:
         """Hand the entries taken to the engine, and announce their prefixes where affinity is on."""
-        admitted = []
+        claimed = []
         for stream, entry_id, fields in taken.entries:
-            # Every Redis call of _admit can be repeated; the engine gets the request last.
-            payload = await self._retry("admission", lambda s=stream, e=entry_id, f=fields: self._admit(s, e, f))
+            # Every Redis call of a claim can be repeated; the engine gets the request last.
+            payload = await self._retry("claim", lambda s=stream, e=entry_id, f=fields: self.claims.claim(s, e, f))
             if payload is not None:
-                admitted.append(payload)
-        if admitted and self.affinity is not None:
+                claimed.append(payload)
+        if claimed and self.affinity is not None:
             ttl_ms = int(self.settings.prefix_affinity_ttl_s * 1000)
-            await self._retry("announce", lambda: self.affinity.announce(self.name, admitted, ttl_ms))
+            await self._retry("announce", lambda: self.affinity.announce(self.name, claimed, ttl_ms))
 
     async def _wait_for_entries(self, taken: Taken) -> None:
         """Nothing taken, nothing running: wait on the lanes (and the new-lane doorbell) for an entry."""
@@ -239,101 +242,11 @@ class WorkerService:
             self._lanes_read_at = time.monotonic()
         return self._lanes
 
-    async def _admit(self, stream: str, entry_id: str, fields: dict[str, str]) -> RequestPayload | None:
-        """Hand a taken entry's request to the backend; None when it is not to run (malformed,
-        expired, ended while queued)."""
-        try:
-            payload = RequestPayload.model_validate_json(fields.get("payload", ""))
-        except ValidationError as exc:
-            # E.g. queued by an api with other bounds: its client hears why instead of waiting.
-            log.error("failing malformed request entry %s: %s", entry_id, exc)
-            request_id = _request_id(fields.get("payload", ""))
-            if request_id is not None:
-                await self.store.fail_queued(request_id, f"the worker cannot run this request: {exc}")
-            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return None
-        if payload.expires_at is not None and now() > payload.expires_at and await self.store.expire(payload):
-            log.info("request %s expired in the queue", payload.id)
-            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return None
-        if not await self.store.claim(payload.id, self.name):
-            # Cancelled (or otherwise ended) while queued: nothing to run.
-            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return None
-        if payload.id in self._held():
-            # Put back while this worker still ran it (its heartbeat came late: a stalled machine, a
-            # long pause): it goes on here, and its end acks the entry it came back as.
-            log.warning("request %s came back to the worker that still runs it; it goes on", payload.id)
-            self.publisher.taken(payload.id, entry_id)
-            return None
-        # A request put back after its worker died continues after the tokens already delivered.
-        delivered = [decode_event(data) for _, data in await self.store.events(payload.id)]
-        if any(isinstance(e, FinalEvent) for e in delivered):
-            await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)
-            return None
-        resumed = [e for e in delivered if isinstance(e, TokenEvent)]
-        log.info("request %s started", payload.id, extra={
-            "request_id": payload.id, "worker": self.name, "tenant": payload.tenant,
-            "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
-            "resumed_after": len(resumed)})
-        self.metrics.taken(payload)
-        self.spans.taken(payload, len(resumed))
-        self.publisher.taken(payload.id, entry_id)
-        if (error := self._cannot_run(payload)) is not None:  # queued for this backend by hand
-            await self.publisher.publish([refused(payload, error)])
-            return None
-        self.backend.add(payload, resumed)
-        return payload
-
-    def _cannot_run(self, payload: RequestPayload) -> str | None:
-        """Why this worker's backend cannot run the request (None: it can)."""
-        if payload.pool is not None and not self.backend.pools:
-            return f"the {self.backend.name} backend does not compute embeddings or scores"
-        if payload.adapter is not None and self.backend.adapters is None:
-            return (f"LoRA adapter {payload.adapter!r}: this worker serves no adapters (the paged engine with "
-                    "STREAMQ_ENABLE_LORA or STREAMQ_LORA_MODULES does)")
-        return None
-
-    async def _listen_cancels(self) -> None:
-        # By hand, not a redis-py Retry: the listen loop itself must start again on a fresh
-        # subscription, for as long as the worker runs.
-        # On a cluster, the subscription goes to the node that serves the channel's slot now.
-        channel = redis_keys.cancel_channel(self.settings.prefix)
-        while True:
-            pubsub = None
-            try:
-                await refresh(self.redis)
-                pubsub = pubsub_on(self.redis, node_of(self.redis, channel))
-                await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
-                    if message["type"] == MESSAGE:
-                        self.backend.cancel(message["data"])
-                    elif message["type"] == SUBSCRIBED:  # listening from here on: catch up on before
-                        await self._cancel_flagged()
-                    elif message["type"] == UNSUBSCRIBED:  # its slot moved to another node
-                        break
-            except (*REDIS_DOWN, RedisClusterException, ResponseError) as exc:  # e.g. MOVED: the slot's new node
-                log.warning("cancel listener lost redis (%s); resubscribing", exc)
-                await asyncio.sleep(0.5)
-            finally:
-                if pubsub is not None:
-                    await close_pubsub(self.redis, pubsub)
-
-    async def _cancel_flagged(self) -> None:
-        """Stop what this worker holds whose record was flagged cancelled while its listener was not
-        subscribed. A cancel is published once, to whoever listens then: without this, one sent
-        while Redis restarted, the connection was lost or the channel's slot moved would leave its
-        request running to its end."""
-        held = self._held()
-        for request_id in await self.store.cancel_flagged(held) if held else []:
-            log.info("request %s was cancelled while the cancel listener was away", request_id)
-            self.backend.cancel(request_id)
-
     def _held(self) -> list[str]:
         """The ids of the requests this worker holds: running, or taken and waiting to run."""
         return [seq.id for seq in self.backend.running + self.backend.waiting]
 
-    async def _heartbeat(self) -> None:
+    async def _beat_every_interval(self) -> None:
         """Announce this worker every heartbeat interval while its loop goes round (beat)."""
         while True:
             await self.beat()
@@ -347,17 +260,9 @@ class WorkerService:
             log.error("%s: withdrawing this worker", stalled)
             raise EngineStalled(stalled)
         adapters = self.backend.adapters
-        beat = {"worker": self.name, "model": self.model, "backend": self.settings.backend,
-                "capacity": self.backend.batch_size, "running": len(self.backend.running),
-                "waiting": len(self.backend.waiting), "metrics_port": self.metrics_port,
-                "deterministic": self.settings.step.deterministic, "batch_invariant": self.backend.batch_invariant,
-                "pools": self.backend.pools, "lora": adapters is not None, "adapters": adapters or [],
-                "plan": self._plan.labels(),
-                **self._kv_blocks(),
-                "at": round(now(), 3), **self.metrics.totals()}  # at: when the totals were read
         try:
-            await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name), json.dumps(beat),
-                                 px=int(self.settings.heartbeat_ttl_s * 1000))
+            await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name),
+                                 self.heartbeat(adapters).encode(), px=int(self.settings.heartbeat_ttl_s * 1000))
             self._beat_at = time.monotonic()
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
@@ -388,18 +293,16 @@ class WorkerService:
         except Exception:  # a bug here must not stop the heartbeat
             log.exception("looking for dead workers' requests failed")
 
-    def _kv_blocks(self) -> dict[str, int]:
-        blocks = self.backend.kv_blocks()
-        return {} if blocks is None else {"kv_blocks_free": blocks[0], "kv_blocks_total": blocks[1]}
-
-
-def _request_id(payload: str) -> str | None:
-    """The id of a request entry whose payload does not validate, if it has one."""
-    try:
-        request_id = json.loads(payload).get("id")
-    except (ValueError, AttributeError):
-        return None
-    return request_id if isinstance(request_id, str) else None
+    def heartbeat(self, adapters: list[str] | None) -> Heartbeat:
+        """This worker as its heartbeat says it now (`adapters`: the backend's, read once per beat)."""
+        backend, kv = self.backend, self.backend.kv_blocks()
+        return Heartbeat(worker=self.name, model=self.model, backend=self.settings.backend, capacity=backend.batch_size,
+                         running=len(backend.running), waiting=len(backend.waiting), metrics_port=self.metrics_port,
+                         deterministic=self.settings.step.deterministic, batch_invariant=backend.batch_invariant,
+                         pools=backend.pools, lora=adapters is not None, adapters=adapters or [],
+                         plan=self._plan.labels(), kv_blocks_free=kv[0] if kv else None,
+                         kv_blocks_total=kv[1] if kv else None,
+                         at=round(now(), 3), **self.metrics.totals())  # at: when the totals were read
 
 
 class EngineStalled(RuntimeError):

@@ -59,8 +59,8 @@ async def require_pooling(generation: Generation) -> None:
         raise ApiError(400, f"embeddings and rerank run on base models only; {generation.adapter!r} is a LoRA "
                             f"adapter of {generation.base_model!r}", param="model", code="pooling_not_supported")
     workers = await generation.live_workers()
-    if not any(w.get("pools") for w in workers):
-        backends = sorted({str(w.get("backend")) for w in workers})
+    if not any(w.pools for w in workers):
+        backends = sorted({w.backend for w in workers})
         raise ApiError(400, f"no live worker of {generation.model_name!r} computes embeddings or rerank scores "
                             f"(the built-in paged engine does; live backends: {backends})",
                        param="model", code="pooling_not_supported")

@@ -14,7 +14,6 @@ token log are kept at least as long (`keep`).
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from redis.asyncio import Redis
@@ -22,7 +21,7 @@ from redis.asyncio import Redis
 from api.openai.responses.events import ResponseEvents
 from api.openai.responses.record import LIVE_STATUS, ResponseRecord, whole_seconds
 from shared import redis_keys
-from shared.messages import FinalEvent, TokenEvent, decode_event
+from shared.messages import FinalEvent, KeptResponse, TokenEvent, decode_event
 from shared.request_record import RequestRecord
 from shared.store import RequestStore
 
@@ -47,7 +46,7 @@ class ResponseStore:
             pipe.hset(key, mapping=record.fields())
             pipe.expire(key, self.retention_s)
             if self.retention_s > redis_keys.RESULT_TTL_S:
-                member = json.dumps([record.tenant, record.id, record.request_id])
+                member = KeptResponse(tenant=record.tenant, response_id=record.id, request_id=record.request_id).encode()
                 pipe.zadd(redis_keys.kept_responses(self.prefix), {member: record.created_at})
             await pipe.execute()
 
