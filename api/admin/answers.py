@@ -7,30 +7,19 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from api.core.openapi import Answer
+from shared.heartbeat import Heartbeat  # the contract itself: what the worker wrote
 
 MODEL = "SmolLM2-135M-Instruct"
-BEAT = {"worker": "worker-1", "model": MODEL, "backend": "hf", "capacity": 16, "running": 1, "waiting": 0,
-        "at": 1767225600.0}
+BEAT = {"version": 1, "worker": "worker-1", "model": MODEL, "backend": "hf", "capacity": 16, "running": 1,
+        "waiting": 0, "metrics_port": 9100, "deterministic": False, "batch_invariant": True, "pools": True,
+        "lora": False, "adapters": [], "plan": {"forward": "kernels"}, "kv_blocks_free": 900, "kv_blocks_total": 1024,
+        "at": 1767225600.0, "generated_tokens": 1200, "ttft_sum_s": 3.1, "ttft_count": 20}
 
 
 class Healthy(Answer):
     model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ok"}]})
 
     status: Literal["ok"]
-
-
-class Heartbeat(Answer):
-    """A live worker's heartbeat: these fields, and its running totals and settings besides."""
-
-    model_config = ConfigDict(extra="allow")
-
-    worker: str
-    model: str
-    backend: str
-    capacity: int = Field(description="Requests it runs at once.")
-    running: int
-    waiting: int
-    at: float = Field(description="When its totals were read (seconds since the epoch).")
 
 
 class Ready(Answer):
