@@ -60,11 +60,11 @@ class Backpressure:
 
     async def enqueue(self, store: RequestStore, payloads: list[RequestPayload]) -> None:
         """Queue the requests, all or none; 503 if they would push the backlog past the limit."""
-        admission = await store.enqueue(payloads, max_waiting=self.limit)
-        self._note(admission.taken)
-        if admission.queued:
+        enqueued = await store.enqueue(payloads, max_waiting=self.limit)
+        self._note(enqueued.taken)
+        if enqueued.queued:
             return
-        waiting, rate = admission.waiting, self.drain_rate()
+        waiting, rate = enqueued.waiting, self.drain_rate()
         excess = waiting + len(payloads) - self.limit
         retry = MAX_RETRY_AFTER_S if rate <= 0 else min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate)))
         raise ApiError(503, f"the server is busy: {waiting} requests are waiting for a worker (limit {self.limit}); "

@@ -150,7 +150,7 @@ class Generation:
         weight, tokens = 1.0, 0
         if self.limits is not None and tenant:
             tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
-            weight = await self.limits.admit(tenant, [p.id for p in payloads], tokens)
+            weight = await self.limits.charge(tenant, [p.id for p in payloads], tokens)
         trace_context = tracing.inject()  # the request span's (api/core/tracing.py): the worker's spans join it
         for payload in payloads:
             payload.tenant, payload.weight, payload.trace = tenant, weight, trace_context

@@ -1,13 +1,13 @@
 """Per-tenant limits, enforced across every replica through Redis: requests per minute, tokens
-per minute (prompt plus max_tokens, reserved at admission) and concurrent requests.
+per minute (prompt plus max_tokens, reserved when charged) and concurrent requests.
 
-One Lua script checks all three and records the admission atomically, so two replicas together
+One Lua script checks all three and records the charge atomically, so two replicas together
 never admit more than a limit. Past a limit: 429 with Retry-After (when the oldest request in
 the window leaves it) and OpenAI's error body. A tenant's unfinished requests are counted by
 looking at their records, so no finishing path has to remember to release a slot. The records
 are read before the script, which is told which of the tenant's requests have ended: the script
 touches only the tenant's own keys (one hash tag, so one slot on Redis Cluster), and a request
-that ends between the read and the script still counts, until the next admission sees it ended.
+that ends between the read and the script still counts, until the next charge sees it ended.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Limits:
         self.redis = redis
         self.prefix = prefix
         self.active_ttl_s = active_ttl_s  # an entry outliving its request this long is dropped
-        self._admit = scripts.register(redis, "limits_admit")
+        self._charge = scripts.register(redis, "limits_charge")
 
     async def set(self, tenant: str, rpm: int | None = None, tpm: int | None = None, concurrent: int | None = None,
                   weight: float | None = None) -> None:
@@ -42,10 +42,10 @@ class Limits:
         if given:
             await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant), mapping=given)
 
-    async def admit(self, tenant: str, request_ids: list[str], tokens: int) -> float:
-        """Record the admission of these requests and return the tenant's scheduling weight,
+    async def charge(self, tenant: str, request_ids: list[str], tokens: int) -> float:
+        """Charge these requests to the tenant's limits and return the tenant's scheduling weight,
         or raise 429 naming the limit and the wait."""
-        result = await self._admit(
+        result = await self._charge(
             keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
                  [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
             args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s])
@@ -71,8 +71,8 @@ class Limits:
         return [rid for rid, status in zip(active, statuses) if status not in _UNFINISHED]
 
     async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
-        """Undo `admit` for requests that were then refused (e.g. by backpressure), in one round trip
-        (not one transaction: an admit in between counts them still, and refuses rather than admits)."""
+        """Undo `charge` for requests that were then refused (e.g. by backpressure), in one round trip
+        (not one transaction: a charge in between counts them still, and refuses rather than lets through)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")

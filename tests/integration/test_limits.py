@@ -17,7 +17,7 @@ def rid() -> str:
 
 async def _try(limits: Limits, tenant: str, tokens: int = 10) -> bool:
     try:
-        await limits.admit(tenant, [rid()], tokens)
+        await limits.charge(tenant, [rid()], tokens)
         return True
     except ApiError as exc:
         assert exc.status == 429 and int(exc.headers["Retry-After"]) >= 1
@@ -39,7 +39,7 @@ async def test_tokens_per_minute(redis, prefix):
     assert not await _try(limits, "acme", 50)
     assert await _try(limits, "acme", 40)
     with pytest.raises(ApiError, match="tokens per minute"):
-        await limits.admit("acme", [rid()], 1)
+        await limits.charge("acme", [rid()], 1)
 
 
 async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
@@ -47,12 +47,12 @@ async def test_concurrency_counts_unfinished_requests_only(redis, prefix):
     await limits.set("acme", concurrent=2)
     first, second = rid(), rid()
     for r in (first, second):
-        await limits.admit("acme", [r], 1)
+        await limits.charge("acme", [r], 1)
         await redis.hset(redis_keys.request_record(prefix, r), RecordField.STATUS, RequestStatus.RUNNING)
     with pytest.raises(ApiError, match="concurrent"):
-        await limits.admit("acme", [rid()], 1)
+        await limits.charge("acme", [rid()], 1)
     await redis.hset(redis_keys.request_record(prefix, first), RecordField.STATUS, RequestStatus.DONE)
-    await limits.admit("acme", [rid()], 1)  # a finished request frees its slot
+    await limits.charge("acme", [rid()], 1)  # a finished request frees its slot
 
 
 async def test_setting_one_limit_keeps_the_others(redis, prefix):
@@ -62,7 +62,7 @@ async def test_setting_one_limit_keeps_the_others(redis, prefix):
     await limits.set("acme", weight=2)
     assert await redis.hgetall(redis_keys.tenant_limits(prefix, "acme")) == {
         "rpm": "60", "tpm": "20000", "concurrent": "8", "weight": "2"}
-    assert await limits.admit("acme", [rid()], 1) == 2.0
+    assert await limits.charge("acme", [rid()], 1) == 2.0
     await limits.set("acme", rpm=0)  # 0 lifts one limit
     assert (await redis.hgetall(redis_keys.tenant_limits(prefix, "acme")))["rpm"] == "0"
     with pytest.raises(ValueError, match="0 \\(none\\) or more"):

@@ -38,7 +38,7 @@ def test_a_three_master_cluster_spreads_keys_and_survives_a_master(tmp_path):
 
 
 async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
-    """api/core/limits.py's admission touches only the tenant's keys (one hash tag, one slot): it runs
+    """api/core/limits.py's charge touches only the tenant's keys (one hash tag, one slot): it runs
     on a cluster, where a script reading a key it is not given fails (CROSSSLOT)."""
     import pytest
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
@@ -58,13 +58,13 @@ async def test_the_tenant_limits_script_runs_on_a_cluster(tmp_path):
             await limits.set("acme", concurrent=2)
             ids = ["0b6a5a8e-0000-4000-8000-00000000000" + str(i) for i in range(4)]
             for rid in ids[:2]:
-                await limits.admit("acme", [rid], 1)
+                await limits.charge("acme", [rid], 1)
                 await client.hset(redis_keys.request_record("c", rid), RecordField.STATUS, RequestStatus.RUNNING)
             assert len({client.keyslot(redis_keys.request_record("c", rid)) for rid in ids}) > 1  # records spread
             with pytest.raises(ApiError, match="concurrent"):
-                await limits.admit("acme", [ids[2]], 1)
+                await limits.charge("acme", [ids[2]], 1)
             await client.hset(redis_keys.request_record("c", ids[0]), RecordField.STATUS, RequestStatus.DONE)
-            await limits.admit("acme", [ids[3]], 1)  # the ended request freed its slot
+            await limits.charge("acme", [ids[3]], 1)  # the ended request freed its slot
         finally:
             await client.aclose()
     finally:

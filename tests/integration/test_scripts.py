@@ -144,15 +144,15 @@ async def case_affinity_lookup(client, prefix):
     assert await run(client, "affinity_lookup", [holders, free], ["h1", "h9"]) == [["w2", "w1"], []]
 
 
-async def case_limits_admit(client, prefix):
+async def case_limits_charge(client, prefix):
     keys = [redis_keys.tenant_limits(prefix, "acme")] + \
            [redis_keys.tenant_usage(prefix, "acme", kind) for kind in ("rpm", "tpm", "active")]
     await client.hset(keys[0], mapping={"rpm": 2, "weight": 3})
     now = time.time()
-    assert await run(client, "limits_admit", keys, [now, "r1 r2", 10, "", 600]) == [0, "3"]
+    assert await run(client, "limits_charge", keys, [now, "r1 r2", 10, "", 600]) == [0, "3"]
     assert await client.zrange(keys[1], 0, -1) == ["r1", "r2"] and await client.zrange(keys[2], 0, -1) == ["r1:10"]
     assert await client.zcard(keys[3]) == 2
-    kind, wait = await run(client, "limits_admit", keys, [now + 1, "r3", 10, "", 600])
+    kind, wait = await run(client, "limits_charge", keys, [now + 1, "r3", 10, "", 600])
     assert kind == "requests per minute" and 1 <= int(wait) <= 60
     assert await client.zcard(keys[1]) == 2
 

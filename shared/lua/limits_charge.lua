@@ -1,4 +1,4 @@
--- A tenant's admission against its limits, checked and recorded at once (api/limits.py Limits.admit).
+-- A tenant's requests charged against its limits, checked and recorded at once (api/core/limits.py Limits.charge).
 -- All keys are the tenant's (one hash tag, one slot).
 -- KEYS[1]: the tenant's limits hash (rpm, tpm, concurrent, weight).
 -- KEYS[2]: its requests-per-minute zset.
