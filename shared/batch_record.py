@@ -175,7 +175,8 @@ class BatchResult(BaseModel):
         return self
 
     def encode(self) -> str:
-        return self.model_dump_json()
+        """The line as the results have always held it: json.dumps's spacing, non-ASCII as it is."""
+        return json.dumps(self.model_dump(mode="json"), ensure_ascii=False)
 
     @classmethod
     def decode(cls, data: str | bytes) -> BatchResult:

@@ -105,6 +105,8 @@ def test_a_done_request_is_a_result_line_in_openais_shape_and_reads_back():
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
                 "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}]}}}
     assert BatchResult.decode(line.encode()) == line
+    # the bytes as the results were always written: json.dumps's spacing, non-ASCII as it is
+    assert line.encode() == json.dumps(json.loads(line.encode()), ensure_ascii=False)
     chat = result_line("r1", _entry().model_copy(update={"endpoint": "/v1/chat/completions"}),
                        _record("done", completion_tokens=2, finish_reason=FinishReason.STOP), "hi", "m")
     assert chat.response.body.choices[0].message.content == "hi" and chat.response.body.object == "chat.completion"
