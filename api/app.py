@@ -24,9 +24,11 @@ from api.core.hub import PubSubHub
 from api.core.relay import Relay
 from api.core.tracing import TraceRequests
 from api.admin import health, lora, playground
+from api.core.openapi import errors
 from api.anthropic import messages
 from api.native import requests, seed
 from api.openai import batches, chat, completions, models
+from api.openai.answers import OpenAIError
 from api.openai.errors import OPENAI_PATHS, openai_error
 from api.openai.pooling import routes as pooling
 from api.openai.responses import routes as responses
@@ -61,9 +63,10 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         return metrics.response()
 
     for router in (requests.router, models.router, completions.router, chat.router, responses.router,
-                   messages.router, pooling.router, lora.router, seed.router, batches.router, health.router,
-                   playground.router):
+                   messages.router, pooling.router, seed.router, batches.router, health.router, playground.router):
         app.include_router(router)
+    # The adapter routes answer errors in OpenAI's body (OPENAI_FAMILY), as vLLM's do.
+    app.include_router(lora.router, responses=errors(OpenAIError, "OpenAI's error body."))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
     _handle_errors(app)
     return app

@@ -129,7 +129,8 @@ def test_the_answer_models_carry_examples_that_they_validate(spec):
 def test_errors_are_documented_in_each_familys_body(spec):
     """The OpenAI and Anthropic paths answer every error in their own body (never FastAPI's 422)."""
     for path, model in (("/v1/chat/completions", "OpenAIError"), ("/v1/messages", "AnthropicError"),
-                        ("/v1/responses", "OpenAIError"), ("/v1/embeddings", "OpenAIError")):
+                        ("/v1/responses", "OpenAIError"), ("/v1/embeddings", "OpenAIError"),
+                        ("/v1/load_lora_adapter", "OpenAIError"), ("/v1/unload_lora_adapter", "OpenAIError")):
         responses = spec["paths"][path]["post"]["responses"]
         assert responses["4XX"]["content"]["application/json"]["schema"] == {"$ref": f"{REF}{model}"}, path
         assert "422" not in responses, path
