@@ -15,12 +15,18 @@ PACKAGES = ["api", "worker", "scheduler", "shared", "streamq"]
 
 
 def _imports(path: Path) -> set[str]:
+    """The top-level packages a file imports."""
+    return {name.split(".")[0] for name in _dotted_imports(path)}
+
+
+def _dotted_imports(path: Path) -> set[str]:
+    """The modules a file imports, by their dotted names (absolute imports only)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
     return found
 
 
@@ -65,16 +71,6 @@ def test_api_core_imports_no_protocol_and_no_protocol_imports_another():
             if package in API_PROTOCOLS and package != own:
                 wrong.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not wrong, wrong
-
-
-def _dotted_imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return found
 
 
 # worker/'s packages and what each may import of worker/ (its __init__ says the same).

@@ -11,8 +11,6 @@ import pytest
 from api.core.parsers import registry
 from api.core.parsers.base import Delta, OutputParser, ToolFormat
 from api.core.parsers.reply import ReplyParser
-from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_tokenizer
 
 CALLS = [("get_weather", {"city": "Paris \"{x}\"", "days": 3}), ("add", {"a": 1, "b": [2, {"c": "}]\\"}]})]
 HERMES_CALLS = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in CALLS)
@@ -80,16 +78,6 @@ def test_without_a_tool_format_the_text_passes_as_it_is():
     parser = ReplyParser(None)
     assert parser.feed('{"tool_calls": [') == [Delta(content='{"tool_calls": [')]
     assert not parser.holding and parser.finish("stop").content == '{"tool_calls": ['
-
-
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
-    out = {}
-    for name, template in (("generic", CHAT_TEMPLATE), ("hermes", HERMES_TEMPLATE)):
-        folder = tmp_path_factory.mktemp(name)
-        build_tokenizer(folder, chat_template=template)
-        out[name] = Tokenizer(folder)
-    return out
 
 
 def test_auto_chooses_the_format_the_template_certainly_asks_for_else_the_generic_one(tokenizers):

@@ -13,7 +13,6 @@ from api.core.parsers import generic
 from api.core.parsers.base import read_reply
 from api.core.tools import NamedToolChoice, Tool, closed
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_models import CHAT_TEMPLATE, HERMES_TEMPLATE, build_tokenizer
 
 WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city"],
@@ -26,16 +25,6 @@ ADD = Tool.model_validate({"type": "function", "function": {"name": "add", "para
 NO_ARGUMENTS = Tool.model_validate({"type": "function", "function": {"name": "now"}})
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 KM = '<tool_call>\n{"name": "convert", "arguments": {"km": 5}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
-    out = {}
-    for name, template in (("generic", CHAT_TEMPLATE), ("hermes", HERMES_TEMPLATE)):
-        folder = tmp_path_factory.mktemp(name)
-        build_tokenizer(folder, chat_template=template)
-        out[name] = Tokenizer(folder)
-    return out
 
 
 def test_only_a_template_that_renders_tools_and_asks_for_call_blocks_is_hermes(tokenizers):
