@@ -25,6 +25,7 @@ from api.core.relay import Relay
 from api.core.tracing import TraceRequests
 from api.admin import health, lora, playground
 from api.core.openapi import errors
+from api.core.parsers import registry
 from api.anthropic import messages
 from api.native import requests, seed
 from api.openai import batches, chat, completions, models
@@ -46,6 +47,7 @@ OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
+    registry.check(settings.tool_parser)  # a wrong name stops the replica here, not at its first model
     metrics = ApiMetrics()
     app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics),
                   **_no_native_telemetry())

@@ -97,6 +97,17 @@ def test_a_setting_names_the_format_for_every_model_or_per_model(tokenizers):
         registry.choose("a=", "a", tokenizers["generic"])
 
 
+@pytest.mark.parametrize("setting, error", [("nope", "no tool format 'nope'"), ("a=hermes,b=nope", "no tool format 'nope'"),
+                                            ("a=", "not MODEL=FORMAT")])
+def test_an_app_with_a_wrong_tool_parser_setting_is_refused_before_it_serves(setting, error):
+    from api.app import create_app
+    from shared.settings import ApiSettings
+
+    with pytest.raises(ValueError, match=error):
+        create_app(ApiSettings(tool_parser=setting))
+    create_app(ApiSettings(tool_parser="a=hermes, b=generic"))  # a right one builds
+
+
 def test_a_new_format_is_one_class_and_one_registration(tokenizers):
     class Shouting(OutputParser):
         def feed(self, delta: Delta) -> list[Delta]:

@@ -34,6 +34,15 @@ def get(name: str) -> ToolFormat:
         raise ValueError(f"no tool format {name!r}; known: {', '.join([AUTO, *names()])}") from None
 
 
+def check(setting: str) -> None:
+    """ValueError where the setting names a format that is not registered, or is not MODEL=FORMAT
+    pairs: said when the api starts, before any model is served."""
+    names_given = [_pair(part)[1] for part in setting.split(",") if part.strip()] if "=" in setting else [setting.strip()]
+    for name in names_given:
+        if name != AUTO:
+            get(name)
+
+
 def choose(setting: str, model: str, tokenizer: Tokenizer) -> ToolFormat:
     """The format of `model`'s replies by the setting (STREAMQ_TOOL_PARSER): a format's name, or
     MODEL=FORMAT pairs; under "auto" the first format whose template check is certain, else the
