@@ -11,9 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import time
-from typing import Annotated, Literal
-
-from typing import ClassVar, Self
+from typing import Annotated, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -75,9 +73,13 @@ class Versioned(BaseModel):
     @field_validator("version")
     @classmethod
     def _known(cls, value: int) -> int:
-        if value != cls.VERSION:
-            raise UnknownVersion(f"{cls.__name__} version {value}: this process reads version {cls.VERSION}")
+        cls._check(value)
         return value
+
+    @classmethod
+    def _check(cls, version: object) -> None:
+        if version != cls.VERSION:
+            raise UnknownVersion(f"{cls.__name__} version {version}: this process reads version {cls.VERSION}")
 
     def encode(self) -> str:
         return self.model_dump_json()
@@ -85,9 +87,7 @@ class Versioned(BaseModel):
     @classmethod
     def decode(cls, data: str | bytes) -> Self:
         """The message from its JSON; UnknownVersion for another version, ValidationError for a malformed one."""
-        version = _version_of(data)
-        if version != cls.VERSION:
-            raise UnknownVersion(f"{cls.__name__} version {version}: this process reads version {cls.VERSION}")
+        cls._check(_version_of(data))  # before validation, so the error is UnknownVersion itself
         return cls.model_validate_json(data)
 
 
