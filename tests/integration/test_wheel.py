@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,10 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The wheel built from this checkout, unpacked into a folder of its own (as site-packages)."""
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel built from this checkout's files, unpacked into a folder of its own (as site-packages).
+    Built from a copy of the files git keeps (tracked, or new and not ignored): a build/ folder left
+    in the checkout by an earlier build would put its stale files in the wheel, and hide a missing one."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():  # a tracked file deleted in the work tree is not part of it
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, timeout=600)
+                    str(source)], check=True, capture_output=True, timeout=600)
     (wheel,) = out.glob("streamq-*.whl")
     site = tmp_path_factory.mktemp("site")
     with zipfile.ZipFile(wheel) as archive:
