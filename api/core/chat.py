@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from api.core.parsers import generic, registry
 from api.core.parsers.base import Reply, ToolFormat
-from api.core.parsers.reply import ReplyParser
+from api.core.parsers.reply import ReplyParser, read_whole
 from api.core.tools import Tool, ToolChoice, chosen
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
@@ -233,9 +233,7 @@ class ChatRequest(SamplingFields):
     def reply(self, text: str, finish_reason: str) -> Reply:
         """A reply's content, tool calls and finish reason, read whole in the request's tool
         format; without tools, its text as it stands."""
-        if self.tool_format is None:
-            return Reply(text, [], finish_reason)
-        return self.tool_format.reply(text, finish_reason)
+        return read_whole(self.tool_format, text, finish_reason)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation for the chat template, in the reply's tool format (the generic one

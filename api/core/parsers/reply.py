@@ -35,6 +35,11 @@ class ReplyParser:
 
     def finish(self, finish_reason: str) -> Reply:
         """The whole reply read: its answer or its calls, and the finish reason to report."""
-        if self.tool_format is None:
-            return Reply(self.text, [], finish_reason)
-        return self.tool_format.reply(self.text, finish_reason)
+        return read_whole(self.tool_format, self.text, finish_reason)
+
+
+def read_whole(tool_format: ToolFormat | None, text: str, finish_reason: str) -> Reply:
+    """A whole reply read in its tool format; without one, its text as it stands."""
+    if tool_format is None:
+        return Reply(text, [], finish_reason)
+    return tool_format.reply(text, finish_reason)
