@@ -21,8 +21,10 @@ class ToolCallParser(OutputParser):
         return not self.answering
 
     def feed(self, delta: Delta) -> list[Delta]:
-        if not self.holding or not delta.content:
-            return [delta] if not self.holding else []
+        if not self.holding:
+            return [delta]
+        if not delta.content:
+            return []
         self.text += delta.content
         if self.answering is None:
             self.answering = not self.text.startswith(self.call_opens)
