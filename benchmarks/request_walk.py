@@ -1,51 +1,55 @@
 """Which api modules a Messages request (non-streaming, no tools) enters, in order, and how often it
 comes back to a module it had left: a measure of how far a reader follows one request through the
-code. The generation is a stand-in (no Redis, no worker); every call into it counts as one module.
-It reads the tree it runs in, this layout or the one before api/ was split by protocol (api/routes/):
+code. It reads the tree it runs in, this layout or the one before api/ was split by protocol
+(api/routes/):
 
     .venv/bin/python benchmarks/request_walk.py
+
+The request runs through the real route, chat, generation and parser code; only what touches
+Redis or a model is a stand-in: the served models' lookup, `Generation.submit` (queueing) and
+`Generation.follow` (the relay's events), counted as the modules they stand in for, and the
+tokenizer (shared/, outside api/, not counted). A step is a call into a function of an api module,
+as a reader follows one: not the resumption of a coroutine or generator already entered (an
+`await` that waited, the next turn of an `async for`), nor code that no source file holds (the
+`__init__` a dataclass generates).
 """
 from __future__ import annotations
 
 import asyncio
+import dis
 import importlib
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path.cwd() if (Path.cwd() / "api").is_dir() else Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.chdir(ROOT)
 
-from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, TokenEvent, Usage
+from shared.messages import FinalEvent, FinishReason, RequestStatus, TokenEvent, Usage
 
-old = os.path.isdir("api/routes")
-routes = importlib.import_module("api.routes.messages" if old else "api.anthropic.messages")
-schemas = importlib.import_module("api.anthropic_schemas" if old else "api.anthropic.schemas")
-
+OLD = (ROOT / "api" / "routes").is_dir()
+routes = importlib.import_module("api.routes.messages" if OLD else "api.anthropic.messages")
+schemas = importlib.import_module("api.anthropic_schemas" if OLD else "api.anthropic.schemas")
+generation_module = importlib.import_module("api.generation" if OLD else "api.core.generation")
+SERVED = "api.served_models" if OLD else "api.core.served_models"
 
 
 class Tok:
+    """The tokenizer (shared/tokenizer.py) as a stand-in."""
+
     vocab_size, context_length, chat_template = 1000, 512, None
 
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join("x" for _ in ids)
-
-
-class Gen:
-    """The generation (and the served models) as a stand-in."""
-
-    model_name = "m"
-    tokenizer = Tok()
-
-    def check_model(self, model):
-        pass
-
-    async def encode(self, prompt=None, messages=None, tools=None):
+    def encode_chat(self, messages, tools=None):
         return [1, 2, 3]
 
-    def build(self, prompt_ids, params, priority=0):
-        return RequestPayload(id="r", model="m", prompt_token_ids=prompt_ids, params=params)
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+class Gen(generation_module.Generation):
+    """The real Generation, without Redis: queueing does nothing, the relay's events are scripted."""
 
     async def submit(self, payloads, tenant=""):
         pass
@@ -55,28 +59,64 @@ class Gen:
         yield 0, FinalEvent(status=RequestStatus.DONE, finish_reason=FinishReason.STOP,
                             usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0))
 
+
+class Served:
+    """The served models' lookup (api/core/served_models.py) as a stand-in."""
+
+    def __init__(self, generation):
+        self.generation = generation
+
     async def get(self, name):
-        return self
+        return self.generation
 
 
-body = schemas.MessagesRequest.model_validate({"model": "m", "max_tokens": 4,
-                                               "messages": [{"role": "user", "content": "hello"}]})
-seq = []
+STAND_INS = {Gen.submit.__code__: generation_module.__name__, Gen.follow.__code__: generation_module.__name__,
+             Served.get.__code__: SERVED}
+seq: list[str] = []
 
 
-def prof(frame, event, arg):
-    if event == "call":
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("api.") or frame.f_globals is globals() and frame.f_code.co_name != "prof":
-            name = name if name.startswith("api.") else "generation(stand-in)"
-            if not seq or seq[-1] != name:
-                seq.append(name)
+def fresh(frame) -> bool:
+    """Whether a call event enters the function (at its first RESUME), rather than resumes it."""
+    for instruction in dis.get_instructions(frame.f_code):
+        if instruction.offset == frame.f_lasti:
+            return instruction.opname != "RESUME" or instruction.arg == 0
+    return True
 
 
-sys.setprofile(prof)
-result = asyncio.run(routes.messages(body, Gen(), ""))
-sys.setprofile(None)
-seq = [s for s in seq if s != "__main__"]
-returns = sum(1 for i, s in enumerate(seq) if s in seq[:i])
-print(" -> ".join(seq))
-print(f"modules entered: {len(set(seq))}, entries: {len(seq)}, returns to a module already left: {returns}")
+def profile(frame, event, arg):
+    if event != "call" or not fresh(frame):
+        return
+    name = STAND_INS.get(frame.f_code) or frame.f_globals.get("__name__", "")
+    if name.startswith("api.") and frame.f_code.co_filename.endswith(".py") and (not seq or seq[-1] != name):
+        seq.append(name)
+
+
+def walk() -> list[str]:
+    """The api modules the request enters, in order (one entry for consecutive steps in one module)."""
+    seq.clear()
+    generation = Gen(None, None, Tok(), "m", default_max_tokens=16)
+    body = schemas.MessagesRequest.model_validate({"model": "m", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "hello"}]})
+    sys.setprofile(profile)
+    try:
+        answer = asyncio.run(routes.messages(body, Served(generation), ""))
+    finally:
+        sys.setprofile(None)
+    assert answer["content"] == [{"type": "text", "text": "hi"}], answer
+    return list(seq)
+
+
+def returns(entries: list[str]) -> int:
+    """How often the walk comes back to a module it had left."""
+    return sum(1 for i, name in enumerate(entries) if name in entries[:i])
+
+
+def main() -> None:
+    entries = walk()
+    print(" -> ".join(entries))
+    print(f"modules entered: {len(set(entries))}, entries: {len(entries)}, "
+          f"returns to a module already left: {returns(entries)}")
+
+
+if __name__ == "__main__":
+    main()

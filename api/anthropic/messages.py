@@ -20,16 +20,15 @@ from fastapi import APIRouter
 from api.anthropic.answers import MESSAGE_EVENTS, MESSAGE_EVENTS_EXAMPLE, AnthropicError, MessageAnswer, TokenCount
 from api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from api.core.auth import TenantDep
-from api.core.chat import ChatRequest
-from api.core.collect import Choice, collect, finish_reason
+from api.core.choice import Choice, finish_reason
 from api.core.deps import ModelsDep
 from api.core.errors import ApiError
-from api.core.generation import Generation
+from api.core.generation import Generation, Prompt
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer, json_or_stream
-from api.core.payloads import chat_payloads
 from api.core.sse import ANTHROPIC, EventStreamResponse
 from api.core.parsers.base import Reply
+from api.core.parsers.reply import ReplyParser, read_whole
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -47,18 +46,15 @@ def anthropic_error(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _chat(read) -> ChatRequest:
-    try:
-        return read()
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-
-
 @router.post("/v1/messages/count_tokens", responses=json_answer(TokenCount, "The prompt's tokens."))
 async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
     """The prompt's tokens as the model's chat template renders it, tools included."""
     generation = await served.get(body.model)
-    payloads, _ = await chat_payloads(_chat(lambda: body.chat_request(max_tokens=1)), generation)
+    try:
+        chat = body.chat_request(max_tokens=1)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    payloads = await generation.payloads(chat.as_prompt(generation.tool_format))
     return {"input_tokens": len(payloads[0].prompt_token_ids)}
 
 
@@ -66,15 +62,19 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
                                                        MESSAGE_EVENTS_EXAMPLE))
 async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
-    chat = _chat(body.chat)
-    payloads, _ = await chat_payloads(chat, generation)
+    try:
+        chat = body.chat()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    prompt = chat.as_prompt(generation.tool_format)
+    payloads = await generation.payloads(prompt)
     await generation.submit(payloads, tenant=tenant)
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        events = _stream(generation, chat, body, payloads[0], mid)
+        events = _stream(generation, prompt, body, payloads[0], mid)
         return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
-    choice = (await collect(generation, payloads))[0]
-    reply = chat.reply("".join(choice.text), finish_reason(choice.final))
+    choice = (await generation.collect(payloads))[0]
+    reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final))
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
     return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
             "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -116,13 +116,13 @@ def _event(kind: str, **data: Any) -> str:
     return ANTHROPIC.event({"type": kind, **data})
 
 
-async def _stream(generation: Generation, chat: ChatRequest, body: MessagesRequest,
+async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
                   payload: RequestPayload, mid: str) -> AsyncIterator[str]:
     prompt_tokens = len(payload.prompt_token_ids)
     yield _event("message_start", message={
         "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0)})
-    reply_parser, choice, index, text_open, call_open = chat.reply_parser(), Choice(), 0, False, False
+    reply_parser, choice, index, text_open, call_open = ReplyParser(prompt.tool_format), Choice(), 0, False, False
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping
             yield ANTHROPIC.keepalive

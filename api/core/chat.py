@@ -7,7 +7,7 @@ not know: ignoring `functions` would answer plain text to a client that asked fo
 else. Only the arguments in IGNORED, which cannot change the output, pass unread.
 `response_format` (OpenAI's) and `structured_outputs` (vLLM's) constrain the output
 (shared/structured.py); `tools` are kept by such a constraint too, in the model's tool format
-(api/core/parsers/).
+(api/core/parsers/). `as_prompt` gives what the generation runs (api/core/generation.Prompt).
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from api.core.errors import ApiError
+from api.core.generation import Prompt
 from api.core.parsers import generic, registry
-from api.core.parsers.base import Reply, ToolFormat
-from api.core.parsers.reply import ReplyParser, read_whole
+from api.core.parsers.base import ToolFormat
 from api.core.tools import Tool, ToolChoice, chosen
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
@@ -132,6 +133,14 @@ class SamplingFields(BaseModel):
             logprobs=logprobs, logits_processors=self.logits_processors or [], speculative=self.speculative,
             structured_outputs=self.constraint())
 
+    def samples(self, count: int, max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
+        """The sampling parameters of `count` samples, each with its own seed (ApiError 400 where
+        they do not hold together)."""
+        try:
+            return [self.sampling(max_tokens, logprobs, i) for i in range(count)]
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -186,7 +195,7 @@ class ChatRequest(SamplingFields):
         return value
 
     _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
-    _format: ToolFormat = PrivateAttr(default_factory=lambda: registry.get(registry.FALLBACK))
+    _format: ToolFormat | None = PrivateAttr(None)  # the model's (use_tool_format); None: the generic one
 
     @model_validator(mode="after")
     def _tools_alone(self) -> ChatRequest:
@@ -194,6 +203,7 @@ class ChatRequest(SamplingFields):
         if self.calls_tools:
             if super().constraint() is not None:
                 raise ValueError("tools cannot be combined with response_format or structured_outputs")
+            self._format = registry.get(registry.FALLBACK)
             self._tool_constraint = self._format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
                                                             self.parallel_tool_calls)
         return self
@@ -226,15 +236,6 @@ class ChatRequest(SamplingFields):
             return None
         return self._format.template_tools(chosen(self.tools, self.tool_choice))
 
-    def reply_parser(self) -> ReplyParser:
-        """A parser for one of the request's replies (api/core/parsers/reply.py)."""
-        return ReplyParser(self.tool_format)
-
-    def reply(self, text: str, finish_reason: str) -> Reply:
-        """A reply's content, tool calls and finish reason, read whole in the request's tool
-        format; without tools, its text as it stands."""
-        return read_whole(self.tool_format, text, finish_reason)
-
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation for the chat template, in the reply's tool format (the generic one
         renders earlier calls, and describes the tools in a system message)."""
@@ -246,3 +247,25 @@ class ChatRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def as_prompt(self, tool_format: ToolFormat) -> Prompt:
+        """What this chat runs on a model whose replies with tool calls are in `tool_format`
+        (api/core/parsers/registry.py): ApiError 400 where the tools' grammar does not compile in
+        it, or where the messages or the sampling cannot be read."""
+        if self.calls_tools:
+            try:
+                self.use_tool_format(tool_format)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tools") from exc
+        try:
+            logprobs = self.wanted_logprobs()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        prompt = Prompt(self.model, self.samples(self.n, self.max_completion_tokens or self.max_tokens, logprobs),
+                        tools=self.template_tools(), priority=self.priority, backend=self.backend,
+                        tool_format=self.tool_format)
+        try:
+            prompt.messages = self.template_messages()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        return prompt

@@ -7,6 +7,7 @@ import asyncio
 import copy
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ from opentelemetry import trace
 from starlette.concurrency import run_in_threadpool
 
 from api.core.backpressure import Backpressure
+from api.core.choice import Choice
 from api.core.errors import ApiError
 from api.core.limits import Limits
 from api.core.parsers import registry
@@ -21,7 +23,7 @@ from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from shared import tracing
 from shared.lora_registry import LoraRegistry
-from shared.messages import FinalEvent, RequestPayload, now
+from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
@@ -31,6 +33,29 @@ from shared.workers import live_workers
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """What a request asks the model to run, read from its protocol's body (`ChatRequest.as_prompt`,
+    `CompletionRequest.as_prompt`) and checked against the model by `Generation.payloads`: the
+    prompt (a chat's messages with the tools a chat template renders itself, a text, or token ids)
+    and one SamplingParams per sample."""
+
+    model: str | None  # the model the body names (None: the one it was sent to)
+    samples: list[SamplingParams]
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    priority: int = 0
+    backend: str | None = None  # run on a worker of this backend only
+    tool_format: ToolFormat | None = None  # the replies' tool format, where the request calls tools
+
+    @property
+    def logprobs(self) -> int | None:
+        """The log probabilities each token reports (None: none)."""
+        return self.samples[0].logprobs
 
 
 class Generation:
@@ -95,6 +120,23 @@ class Generation:
             return await run_in_threadpool(self.tokenizer.encode, prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
+
+    async def payloads(self, prompt: Prompt) -> list[RequestPayload]:
+        """The requests a prompt runs, one per sample: checked against the model, not queued yet
+        (`submit` queues them)."""
+        self.check_model(prompt.model)
+        if prompt.token_ids is not None:
+            prompt_ids = prompt.token_ids
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
+                raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
+        else:
+            prompt_ids = await self.encode(prompt.text, prompt.messages, prompt.tools)
+        payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
+        if prompt.backend is not None:
+            await self.check_backend(prompt.backend)
+            for payload in payloads:
+                payload.backend = prompt.backend
+        return payloads
 
     def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:
         """Check the request against the model and build what the worker runs."""
@@ -187,6 +229,17 @@ class Generation:
     async def cancel(self, payloads: list[RequestPayload]) -> None:
         for payload in payloads:
             await self.store.cancel(payload.id, len(payload.prompt_token_ids))
+
+    async def collect(self, payloads: list[RequestPayload]) -> list[Choice]:
+        """Every payload's reply, whole."""
+        choices = [Choice() for _ in payloads]
+        async for i, event in self.follow([p.id for p in payloads]):
+            if isinstance(event, TokenEvent):
+                choices[i].text.append(event.text)
+                choices[i].tokens.append(event)
+            elif isinstance(event, FinalEvent):
+                choices[i].final = event
+        return choices
 
     async def follow(self, ids: list[str]) -> AsyncIterator[tuple[int, Event | None]]:
         """Events of several requests as they come: (index in `ids`, event); None is a keepalive.

@@ -21,9 +21,7 @@ from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer
 from api.openai.answers import Batch, BatchResultLine, OpenAIError
-from api.core.payloads import chat_payloads
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
-from api.openai.completions import completion_payloads
 from shared import redis_keys
 from shared.batch_record import BatchEntry, BatchRecord
 
@@ -67,8 +65,9 @@ async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
     if body.stream or body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
         raise ApiError(400, f"request {item.custom_id!r}: batch requests take n=1 and no stream", param="requests")
     try:
-        payloads = (await chat_payloads(body, generation))[0] if isinstance(body, ChatCompletionRequest) \
-            else await completion_payloads(body, generation)
+        prompt = body.as_prompt(generation.tool_format) if isinstance(body, ChatCompletionRequest) \
+            else body.as_prompt()
+        payloads = await generation.payloads(prompt)
     except ApiError as exc:
         raise ApiError(exc.status, f"request {item.custom_id!r}: {exc.message}", param="requests") from exc
     for payload in payloads:  # a batch waits its turn: it must not expire in the queue meanwhile

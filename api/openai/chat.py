@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 
 from api.core.auth import TenantDep
-from api.core.collect import collect, finish_reason, stream_reason
+from api.core.choice import finish_reason, stream_reason
 from api.core.deps import ModelsDep
-from api.core.generation import Generation
+from api.core.generation import Generation, Prompt
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_or_stream
 from api.core.parsers.base import CallDelta, Reply
-from api.core.payloads import chat_payloads
+from api.core.parsers.reply import ReplyParser, read_whole
 from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.answers import CHAT_EVENTS, CHAT_EVENTS_EXAMPLE, ChatCompletion, OpenAIError
 from api.openai.logprobs import chat_logprobs, usage
@@ -33,19 +33,20 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    payloads, logprobs = await chat_payloads(body, generation)
+    prompt = body.as_prompt(generation.tool_format)
+    payloads = await generation.payloads(prompt)
     await generation.submit(payloads, tenant=tenant)
     prompt_ids = payloads[0].prompt_token_ids
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
     if body.stream:
-        events = _stream_chat(generation, tokenizer, body, payloads, rid, created, model, logprobs)
+        events = _stream_chat(generation, tokenizer, body, prompt, payloads, rid, created, model)
         return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
-    choices = await collect(generation, payloads)
+    choices = await generation.collect(payloads)
     out = []
     for i, c in enumerate(choices):
-        reply = body.reply("".join(c.text), finish_reason(c.final))
+        reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final))
         out.append({"index": i, "message": _message(reply),
-                    "logprobs": chat_logprobs(tokenizer, c.tokens) if logprobs is not None else None,
+                    "logprobs": chat_logprobs(tokenizer, c.tokens) if prompt.logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
@@ -59,9 +60,9 @@ def _message(reply: Reply) -> dict:
     return {"role": "assistant", "content": reply.content}
 
 
-async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest,
-                       payloads: list[RequestPayload], rid: str, created: int, model: str,
-                       logprobs: int | None) -> AsyncIterator[str]:
+async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest, prompt: Prompt,
+                       payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
+    logprobs = prompt.logprobs
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     extra = {"usage": None} if usage_on else {}
@@ -73,7 +74,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
     completion_tokens, finals = 0, []
-    replies = [body.reply_parser() for _ in payloads]
+    replies = [ReplyParser(prompt.tool_format) for _ in payloads]
     held: list[list[TokenEvent]] = [[] for _ in payloads]  # each reply's tokens not streamed yet
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:

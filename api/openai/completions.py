@@ -11,13 +11,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 
 from api.core.auth import TenantDep
-from api.core.collect import collect, finish_reason, stream_reason
+from api.core.choice import finish_reason, stream_reason
 from api.core.deps import ModelsDep
-from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_or_stream
-from api.core.payloads import build_payloads
 from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.answers import COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE, Completion, OpenAIError
 from api.openai.logprobs import completion_logprobs, usage
@@ -28,28 +26,12 @@ from shared.tokenizer import Tokenizer
 router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 
-async def completion_payloads(body: CompletionRequest, generation: Generation) -> list[RequestPayload]:
-    """The requests one completion call runs (n, or best_of, samples); checked, not queued."""
-    generation.check_model(body.model)
-    if isinstance(body.prompt, str):
-        prompt_ids = await generation.encode(body.prompt)
-    elif body.prompt and isinstance(body.prompt[0], str):
-        prompt_ids = await generation.encode(body.prompt[0])
-    else:
-        prompt_ids = list(body.prompt)
-        if any(not 0 <= t < generation.tokenizer.vocab_size for t in prompt_ids):
-            raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
-    samples = body.best_of or body.n
-    logprobs = body.logprobs if body.logprobs is not None else (0 if samples > body.n else None)
-    return await build_payloads(generation, body, prompt_ids, samples, body.max_tokens, logprobs)
-
-
 @router.post("/v1/completions", responses=json_or_stream(
     Completion, "The completion.", COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE))
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    payloads = await completion_payloads(body, generation)
+    payloads = await generation.payloads(body.as_prompt())
     await generation.submit(payloads, tenant=tenant)
     prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
     ranking = samples > body.n
@@ -57,7 +39,7 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Tenant
     if body.stream:
         events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
         return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
-    choices = await collect(generation, payloads)
+    choices = await generation.collect(payloads)
     reasons = [finish_reason(c.final) for c in choices]
     order = list(range(samples))
     if ranking:

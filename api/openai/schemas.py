@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from api.core.chat import ChatRequest, SamplingFields
+from api.core.generation import Prompt
 from shared.sampling import MAX_TOKEN_ID
 
 
@@ -29,6 +30,17 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise ValueError("one prompt per request (send several requests, or use n)")
         return self
+
+    def as_prompt(self) -> Prompt:
+        """What this completion runs: its text or token ids, `n` (or `best_of`) samples."""
+        samples = self.best_of or self.n
+        logprobs = self.logprobs if self.logprobs is not None else (0 if samples > self.n else None)
+        text = self.prompt if isinstance(self.prompt, str) else None
+        if self.prompt and isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            text = self.prompt[0]
+        return Prompt(self.model, self.samples(samples, self.max_tokens, logprobs), text=text,
+                      token_ids=list(self.prompt) if text is None else None, priority=self.priority,
+                      backend=self.backend)
 
 
 

@@ -1,7 +1,8 @@
 """The tree reads as the docs say: shared/ is what api/, worker/ and scheduler/ have in
 common and imports none of them (nor the streamq command), the benchmarks import nothing from
 the test suite, and every module is in the layout of docs/layout.md, as is every file of
-benchmarks/, scripts/ and docs/, and no file the layout names is missing."""
+benchmarks/, scripts/ and docs/, and no file the layout names is missing; a request goes through
+the api's modules one way."""
 from __future__ import annotations
 
 import ast
@@ -52,6 +53,16 @@ def test_the_layout_names_every_module():
         modules = [p for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"]
         missing = sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named)
         assert not missing, f"docs/layout.md's layout does not name {missing}"
+
+
+def test_a_messages_request_goes_through_the_api_one_way():
+    """benchmarks/request_walk.py follows a Messages request through the real route, chat,
+    generation and parser code: it comes back at most 3 times to an api module it had left."""
+    from benchmarks.request_walk import returns, walk
+
+    entries = walk()
+    assert entries[0] == "api.anthropic.messages" and "api.core.generation" in entries, entries
+    assert returns(entries) <= 3, " -> ".join(entries)
 
 
 API_PROTOCOLS = ["openai", "anthropic", "native", "admin"]

@@ -45,20 +45,21 @@ class _Generation:
 
     model_name = "m"
     tokenizer = _Tokenizer()
+    tool_format = None
 
     def __init__(self, events, end=True):
         self.events, self.end = events, end
         self.cancelled: list[str] = []
         self.closed = False
 
-    def check_model(self, model):
-        pass
-
     async def encode(self, prompt=None, messages=None, tools=None):
         return [1, 2, 3]
 
     def build(self, prompt_ids, params, priority=0):
         return RequestPayload(id=RID, model="m", prompt_token_ids=prompt_ids, params=params)
+
+    async def payloads(self, prompt):
+        return [self.build([1, 2, 3], params) for params in prompt.samples]
 
     async def submit(self, payloads, tenant=""):
         pass

@@ -25,7 +25,6 @@ from api.core.openapi import errors, json_answer, json_or_stream
 from api.openai.answers import OpenAIError
 from api.openai.responses.answers import (RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE, InputItemList, ResponseDeleted,
                                           ResponseObject)
-from api.core.payloads import chat_payloads
 from api.core.relay import Relay
 from api.openai.responses.events import ResponseEvents
 from api.openai.responses.record import ResponseRecord, new_id, now_s, whole_seconds, with_ids
@@ -82,12 +81,13 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Tenan
         chat = body.chat_request(context)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from exc
-    payloads, _ = await chat_payloads(chat, generation)
+    prompt = chat.as_prompt(generation.tool_format)
+    payloads = await generation.payloads(prompt)
     payload = payloads[0]
     record = ResponseRecord(
         id=response_id, tenant=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
         echo=body.echo(), input_items=items, context=context,
-        tools=chat.tool_format.name if chat.tool_format is not None else "none",
+        tools=prompt.tool_format.name if prompt.tool_format is not None else "none",
         prompt_tokens=len(payload.prompt_token_ids))
     await responses.create(record)  # before the request is queued: a retrieve right after finds it
     try:

@@ -1,11 +1,11 @@
-"""A reply's events gathered (`collect`), and its finish reason as the protocols report it."""
+"""One sample's reply as it came (`Choice`, what `Generation.collect` gathers), and its finish
+reason as the protocols report it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from api.core.errors import ApiError
-from api.core.generation import Generation
-from shared.messages import FinalEvent, FinishReason, RequestPayload, TokenEvent
+from shared.messages import FinalEvent, FinishReason, TokenEvent
 
 
 @dataclass
@@ -19,18 +19,6 @@ class Choice:
     @property
     def cumulative_logprob(self) -> float:
         return sum(t.logprob or 0.0 for t in self.tokens)
-
-
-async def collect(generation: Generation, payloads: list[RequestPayload]) -> list[Choice]:
-    """Every payload's reply, whole."""
-    choices = [Choice() for _ in payloads]
-    async for i, event in generation.follow([p.id for p in payloads]):
-        if isinstance(event, TokenEvent):
-            choices[i].text.append(event.text)
-            choices[i].tokens.append(event)
-        elif isinstance(event, FinalEvent):
-            choices[i].final = event
-    return choices
 
 
 def finish_reason(final: FinalEvent) -> str:
