@@ -50,11 +50,7 @@ def anthropic_error(status: int, message: str) -> dict:
 async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
     """The prompt's tokens as the model's chat template renders it, tools included."""
     generation = await served.get(body.model)
-    try:
-        chat = body.chat_request(max_tokens=1)
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-    payloads = await generation.payloads(chat.as_prompt(generation.tool_format))
+    payloads = await generation.payloads(body.chat_request(max_tokens=1).as_prompt(generation.tool_format))
     return {"input_tokens": len(payloads[0].prompt_token_ids)}
 
 
@@ -62,11 +58,7 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
                                                        MESSAGE_EVENTS_EXAMPLE))
 async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
     generation = await served.get(body.model)
-    try:
-        chat = body.chat()
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-    prompt = chat.as_prompt(generation.tool_format)
+    prompt = body.chat().as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
     await generation.submit(payloads, tenant=tenant)
     mid = f"msg_{uuid.uuid4().hex}"

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.core.chat import ChatRequest
+from api.core.errors import ApiError
 from shared.sampling import MAX_TOKEN_ID
 
 
@@ -103,7 +104,18 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
 
     def chat_request(self, **sampling: Any) -> ChatRequest:
-        """The chat request this runs; ValueError with the reason where the chat route refuses it."""
+        """The chat request this runs; ApiError 400 with the reason where the chat route refuses it."""
+        try:
+            body = self._chat_body(sampling)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise ApiError(400, "; ".join(_reason(e) for e in exc.errors())) from exc
+
+    def _chat_body(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The chat body this reads as (ValueError where it cannot)."""
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), **sampling}
         if self.tools:
             body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
@@ -118,10 +130,7 @@ class CountTokensRequest(_Strict):
                 body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
                     {"type": "function", "function": {"name": _named(choice)}}
                 body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-        try:
-            return ChatRequest.model_validate(body)
-        except ValidationError as exc:
-            raise ValueError("; ".join(_reason(e) for e in exc.errors())) from exc
+        return body
 
     def _messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

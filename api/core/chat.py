@@ -195,7 +195,7 @@ class ChatRequest(SamplingFields):
         return value
 
     _tool_constraint: StructuredOutputs | None = PrivateAttr(None)
-    _format: ToolFormat | None = PrivateAttr(None)  # the model's (use_tool_format); None: the generic one
+    _format: ToolFormat | None = PrivateAttr(None)  # with tools: the generic one, then the model's; else None
 
     @model_validator(mode="after")
     def _tools_alone(self) -> ChatRequest:
@@ -220,6 +220,8 @@ class ChatRequest(SamplingFields):
         """The model's tool format (api/core/parsers/registry.py): the tools, the earlier calls and
         the reply's constraint take it instead of the generic one (ValueError where its constraint
         does not compile)."""
+        if tool_format is self._format:  # its constraint was built when the request was read
+            return
         self._format = tool_format
         if self.calls_tools:
             self._tool_constraint = tool_format.constraint(chosen(self.tools, self.tool_choice), self.tool_choice,
