@@ -108,7 +108,8 @@ MAX_POOL_INPUTS = 256  # inputs of one embeddings or rerank request
 class PoolSpec(BaseModel):
     """What makes a request a pooling one (embeddings, rerank) instead of a generation: the worker
     runs each input's prompt through the model once and answers vectors or scores, no tokens.
-    The inputs lie back to back in the payload's prompt_token_ids, `lengths` long each."""
+    The inputs lie back to back in the payload's prompt_token_ids, `lengths` long each; each input's
+    prompt is `head` + the input + `tail` (a rerank's template and query, written once, not per document)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -118,6 +119,12 @@ class PoolSpec(BaseModel):
     normalize: bool = True
     # score: P(candidates[0]) / (P(candidates[0]) + P(candidates[1])) at the input's last token (yes / no)
     candidates: list[int] | None = Field(None, min_length=2, max_length=2)
+    head: list[int] = Field(default_factory=list)  # the tokens before every input
+    tail: list[int] = Field(default_factory=list)  # ... and after it
+
+    def prompt_tokens(self) -> int:
+        """The tokens the model runs for every input: its own, its head's and its tail's."""
+        return sum(self.lengths) + len(self.lengths) * (len(self.head) + len(self.tail))
 
     @field_validator("lengths")
     @classmethod
@@ -167,12 +174,23 @@ class RequestPayload(Versioned):
         return self
 
     def pool_inputs(self) -> list[list[int]]:
-        """The token ids of each input of a pooling request."""
+        """The token ids of each input of a pooling request, without the pool's head and tail."""
         inputs, start = [], 0
         for n in self.pool.lengths:
             inputs.append(self.prompt_token_ids[start:start + n])
             start += n
         return inputs
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt tokens the model runs: a pooling request's every input whole (head and tail included)."""
+        return len(self.prompt_token_ids) if self.pool is None else self.pool.prompt_tokens()
+
+    @property
+    def cost_tokens(self) -> int:
+        """What it reserves of its tenant's tokens per minute: every prompt token it runs and the most
+        it may generate (a pooling request generates none)."""
+        return self.num_prompt_tokens + (0 if self.pool is not None else self.params.max_tokens or 0)
 
 
 class Usage(BaseModel):

@@ -95,7 +95,7 @@ class RequestRecord:
     def queued(cls, payload: RequestPayload) -> RequestRecord:
         """The record the api writes as it queues the request."""
         return cls(status=RequestStatus.QUEUED, model=payload.model, tenant=payload.tenant,
-                   params=payload.params.model_dump_json(), prompt_tokens=len(payload.prompt_token_ids),
+                   params=payload.params.model_dump_json(), prompt_tokens=payload.num_prompt_tokens,
                    created_at=payload.created_at, expires_at=payload.expires_at or None)
 
     @classmethod

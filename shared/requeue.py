@@ -52,7 +52,7 @@ class Requeue:
         rid = payload.id
         attempts = int(await self.redis.hget(redis_keys.request_record(self.prefix, rid), RecordField.ATTEMPTS) or 0)
         delivered = await self.redis.xlen(redis_keys.token_log(self.prefix, rid))
-        usage = Usage(prompt_tokens=len(payload.prompt_token_ids), completion_tokens=delivered)
+        usage = Usage(prompt_tokens=payload.num_prompt_tokens, completion_tokens=delivered)
         failed = FinalEvent(status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, usage=usage,
                             error=f"the request took down its worker {attempts + 1} times")
         cancelled = FinalEvent(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, usage=usage)

@@ -14,6 +14,8 @@ from typing import ClassVar, Generic, Literal, TypeVar
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.messages import MAX_POOL_INPUTS
+
 DEFAULT_MODEL = "default"
 
 
@@ -81,6 +83,11 @@ class ApiSettings(CommonSettings):
     max_body_bytes: int = Field(1_000_000, ge=1024, le=100_000_000,
                                 description="Largest request body accepted (413 past it).")
     max_tokens_cap: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
+    max_pooling_inputs: int = Field(MAX_POOL_INPUTS, ge=1, le=MAX_POOL_INPUTS,
+                                    description="Most inputs (embeddings) or documents (rerank) in one request (413 past it).")
+    max_pooling_tokens: int = Field(131_072, ge=1, le=100_000_000,
+                                    description="Most tokens one embeddings or rerank request has the model run, every "
+                                                "input whole (a rerank's query once per document; 413 past it).")
     max_queued_requests: int = Field(1000, ge=1, le=10_000_000,
                                      description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
     responses_retention_s: int = Field(

@@ -102,7 +102,7 @@ class RequestStore:
         waited = now() - payload.created_at
         error = f"the request waited {waited:.1f} s in the queue, past its timeout, and was not run"
         return await self._end_queued(payload.id, RequestStatus.EXPIRED, FinishReason.EXPIRED, error,
-                                      len(payload.prompt_token_ids))
+                                      payload.num_prompt_tokens)
 
     async def fail_queued(self, request_id: str, error: str) -> bool:
         """End a queued request that no worker can run (its entry does not parse); True if it did."""

@@ -191,7 +191,7 @@ class Generation:
             await self.affinity.route(payloads)
         weight, tokens = 1.0, 0
         if self.limits is not None and tenant:
-            tokens = sum(len(p.prompt_token_ids) + (p.params.max_tokens or 0) for p in payloads)
+            tokens = sum(p.cost_tokens for p in payloads)
             weight = await self.limits.charge(tenant, [p.id for p in payloads], tokens)
         trace_context = tracing.inject()  # the request span's (api/core/tracing.py): the worker's spans join it
         for payload in payloads:
@@ -199,7 +199,7 @@ class Generation:
         if trace_context is not None:
             first = payloads[0]
             span = trace.get_current_span()
-            span.set_attributes(tracing.request_attributes(first.model, len(first.prompt_token_ids),
+            span.set_attributes(tracing.request_attributes(first.model, first.num_prompt_tokens,
                                                            first.params.max_tokens))
             span.set_attribute("streamq.request_ids", [p.id for p in payloads])
         try:
@@ -212,12 +212,12 @@ class Generation:
                 await self.limits.release(tenant, [p.id for p in payloads], tokens)
             raise
         for payload in payloads:
-            fields = {"request_id": payload.id, "tenant": tenant, "prompt_tokens": len(payload.prompt_token_ids),
+            fields = {"request_id": payload.id, "tenant": tenant, "prompt_tokens": payload.num_prompt_tokens,
                       "max_tokens": payload.params.max_tokens, "priority": payload.priority,
                       "affinity": payload.affinity}
             if self.log_prompts:
                 fields["prompt"] = self.tokenizer.decode(payload.prompt_token_ids)
-            log.info("request %s accepted (%d prompt tokens)", payload.id, len(payload.prompt_token_ids), extra=fields)
+            log.info("request %s accepted (%d prompt tokens)", payload.id, payload.num_prompt_tokens, extra=fields)
 
     async def _check_adapter(self, tenant: str) -> None:
         """404 where the adapter is kept to other tenants (/v1/load_lora_adapter's `tenants`), as for
@@ -228,7 +228,7 @@ class Generation:
 
     async def cancel(self, payloads: list[RequestPayload]) -> None:
         for payload in payloads:
-            await self.store.cancel(payload.id, len(payload.prompt_token_ids))
+            await self.store.cancel(payload.id, payload.num_prompt_tokens)
 
     async def collect(self, payloads: list[RequestPayload]) -> list[Choice]:
         """Every payload's reply, whole."""

@@ -190,3 +190,34 @@ def test_quantized_weights_pool_with_float_activations(tiny_llama, isa):
     for got, want in zip(vectors, want_vectors):
         assert float(np.dot(got, want)) >= 0.9999
     assert scores == pytest.approx(want_scores, abs=1e-4)
+
+
+def test_a_pool_head_and_tail_score_as_the_whole_prompts(tiny_llama):
+    """Inputs queued without the head and tail they share (a rerank's template and query, once)
+    score as the whole prompts do, and count every token of them."""
+    engine = make_engine(tiny_llama, "eager")
+    tok = engine.tokenizer
+    head, tail = tok.encode("Document:"), tok.encode("\nQuestion: where is Paris?", add_special_tokens=False)
+    bodies = [tok.encode(" " + t, add_special_tokens=False) for t in TEXTS]
+    shared = pool_payload("h", bodies, task="score", candidates=[5, 9], head=head, tail=tail)
+    assert shared.num_prompt_tokens == shared.cost_tokens == sum(len(head + b + tail) for b in bodies)
+    engine.add(shared)
+    engine.add(pool_payload("w", [head + b + tail for b in bodies], task="score", candidates=[5, 9]))
+    ends = drain(engine)
+    assert ends["h"].pooled == ends["w"].pooled and ends["h"].prompt_tokens == ends["w"].prompt_tokens
+
+
+def test_a_cancelled_pooling_request_stops_between_its_inputs(tiny_llama):
+    """A cancel heard between steps ends the request there: cancelled, no results, the inputs left
+    never run, and every block back."""
+    engine = make_engine(tiny_llama, "eager", budget=8)
+    tok = engine.tokenizer
+    engine.add(pool_payload("c", [tok.encode(t) for t in TEXTS * 4], task="embed"))
+    engine.add(pool_payload("queued", [tok.encode(TEXTS[0])], task="embed"))
+    assert not [out for out in engine.step() if out.finished]  # some inputs ran, not all
+    engine.cancel("c")
+    ends = {out.request_id: out.end for out in engine.step() if out.finished}
+    assert ends["c"].finish_reason is FinishReason.CANCELLED and ends["c"].pooled is None
+    ends.update(drain(engine))
+    assert ends["queued"].finish_reason is FinishReason.STOP  # the other one goes on
+    assert engine.batcher.blocks.num_free == len(engine.batcher.blocks.blocks)

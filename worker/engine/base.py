@@ -123,7 +123,10 @@ class BaseEngine(abc.ABC):
 
     def _end_cancelled(self) -> list[StepOutput]:
         """End the running or waiting requests whose cancel arrived since the last step."""
-        cancelled = self.cancels.take()
+        return self._cancel(self.cancels.take())
+
+    def _cancel(self, cancelled: set[str]) -> list[StepOutput]:
+        """End the requests of these ids that this engine holds (a subclass adds what else it holds)."""
         return self._end([seq for seq in self._running_or_waiting() if seq.id in cancelled], FinishReason.CANCELLED)
 
     def _end(self, seqs: list[Sequence], reason: FinishReason, error: str | None = None) -> list[StepOutput]:

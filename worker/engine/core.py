@@ -164,6 +164,14 @@ class Engine(BaseEngine):
             jobs, self._pools, self._pool_arrivals = self._pools + self._pool_arrivals, [], []
         return outputs + [job.output(FinishReason.ERROR, error) for job in jobs]
 
+    def _cancel(self, cancelled: set[str]) -> list[StepOutput]:
+        """Pooling requests too: one cancelled between its inputs runs none of the rest."""
+        outputs = super()._cancel(cancelled)
+        with self._arrivals_lock:
+            self._pool_arrivals, gone = _split(self._pool_arrivals, cancelled)
+        self._pools, stopped = _split(self._pools, cancelled)
+        return outputs + [job.output(FinishReason.CANCELLED) for job in gone + stopped]
+
     def _pool_step(self) -> list[StepOutput]:
         """Run the next pooling inputs (embeddings, rerank) that the token budget and the free
         blocks allow, in one forward before the step's own; end the requests now done. They wait
@@ -172,7 +180,7 @@ class Engine(BaseEngine):
             arrivals, self._pool_arrivals = self._pool_arrivals, []
         outputs, most = [], self.batcher.max_tokens_per_request()
         for job in arrivals:
-            longest = max(map(len, job.inputs))
+            longest = max(map(job.length, range(job.size)))
             if longest > most:
                 outputs.append(job.output(FinishReason.ERROR, f"an input of {longest} tokens needs more KV cache "
                                                               f"than this worker's, which holds {most} tokens"))
@@ -318,3 +326,8 @@ def _stamp_first_step(scheduled: SchedulerOutput) -> None:
     for chunk in scheduled.chunks:
         if chunk.seq.scheduled_at is None:
             chunk.seq.scheduled_at = stamp
+
+
+def _split(jobs: list[PoolJob], ids: set[str]) -> tuple[list[PoolJob], list[PoolJob]]:
+    """(the jobs kept, those whose id is in `ids`)."""
+    return [job for job in jobs if job.id not in ids], [job for job in jobs if job.id in ids]

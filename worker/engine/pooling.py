@@ -25,15 +25,19 @@ from worker.engine.sequence import RequestEnd, StepOutput
 
 @dataclass(eq=False)
 class PoolJob:
-    """One pooling request in the engine: its inputs and the results computed so far."""
+    """One pooling request in the engine: its inputs and the results computed so far. Input i's
+    prompt is `head` + bodies[i] + `tail`, put together only as it runs (a rerank's query lies in
+    `tail` once, however many documents it scores)."""
 
     id: str
     task: str  # embed | score
-    inputs: list[list[int]]
+    bodies: list[list[int]]
     normalize: bool
     candidates: list[int] | None
     created_at: float
     lane: str
+    head: list[int] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
     results: list[str] = field(default_factory=list)  # base64 float32, one per input done, in order
     scheduled_at: float | None = None
 
@@ -41,15 +45,28 @@ class PoolJob:
     def of(cls, payload: RequestPayload) -> PoolJob:
         spec = payload.pool
         return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
-                   payload.created_at, lane_of(payload))
+                   payload.created_at, lane_of(payload), spec.head, spec.tail)
+
+    @property
+    def size(self) -> int:
+        """Its inputs."""
+        return len(self.bodies)
+
+    def length(self, i: int) -> int:
+        """Input i's prompt tokens."""
+        return len(self.head) + len(self.bodies[i]) + len(self.tail)
+
+    def tokens(self, i: int) -> list[int]:
+        """Input i's prompt."""
+        return self.head + self.bodies[i] + self.tail
 
     @property
     def done(self) -> bool:
-        return len(self.results) == len(self.inputs)
+        return len(self.results) == self.size
 
     @property
     def num_tokens(self) -> int:
-        return sum(map(len, self.inputs))
+        return sum(self.length(i) for i in range(self.size))
 
     def take(self, rows: torch.Tensor) -> None:
         """The next input's result from its rows of the step's output: every token's final hidden
@@ -65,7 +82,7 @@ class PoolJob:
 
     def output(self, reason: FinishReason = FinishReason.STOP, error: str | None = None) -> StepOutput:
         """Its end, with the results where it is done."""
-        pooled = tuple(self.results) if error is None else None
+        pooled = tuple(self.results) if reason is FinishReason.STOP and error is None else None
         end = RequestEnd(reason, error, "", self.num_tokens, 0, pooled=pooled)
         return StepOutput(self.id, None, True, self.created_at, self.scheduled_at, self.lane, end)
 
@@ -81,8 +98,8 @@ def pick(jobs: list[PoolJob], blocks: BlockManager, max_tokens: int) -> list[tup
     for job in jobs:
         if picked and job.task != picked[0][0].task:  # one forward gives hidden states or logits
             continue
-        for i in range(len(job.results), len(job.inputs)):
-            n = len(job.inputs[i])
+        for i in range(len(job.results), job.size):
+            n = job.length(i)
             more = -(-n // blocks.block_size)
             if needed + more > blocks.num_free or (picked and tokens + n > max_tokens):
                 return picked
@@ -96,7 +113,7 @@ def run(picked: list[tuple[PoolJob, int]], blocks: BlockManager, execute) -> Non
     own, given back at once, and hand each job its results."""
     chunks, ids = [], []
     for job, i in picked:
-        tokens, seq_id = job.inputs[i], f"pool:{job.id}:{i}"
+        tokens, seq_id = job.tokens(i), f"pool:{job.id}:{i}"
         blocks.append_slots(seq_id, len(tokens))
         ids.append(seq_id)
         rows = len(tokens) if job.task == "embed" else 1

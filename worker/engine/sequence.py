@@ -153,5 +153,5 @@ def step_output(seq: Sequence, token: TokenEvent | None, finished: bool) -> Step
 
 def refused(payload: RequestPayload, error: str) -> StepOutput:
     """The end of a request its worker cannot run at all (its backend lacks what it asks for)."""
-    end = RequestEnd(FinishReason.ERROR, error, "", len(payload.prompt_token_ids), 0)
+    end = RequestEnd(FinishReason.ERROR, error, "", payload.num_prompt_tokens, 0)
     return StepOutput(payload.id, None, True, payload.created_at, None, lane_of(payload), end)

@@ -68,7 +68,7 @@ class Claims:
         resumed = [e for e in delivered if isinstance(e, TokenEvent)]
         log.info("request %s started", payload.id, extra={
             "request_id": payload.id, "worker": self.name, "tenant": payload.tenant,
-            "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": len(payload.prompt_token_ids),
+            "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": payload.num_prompt_tokens,
             "resumed_after": len(resumed)})
         self.metrics.taken(payload)
         self.spans.taken(payload, len(resumed))

@@ -111,7 +111,7 @@ class WorkerMetrics:
 
     def taken(self, payload: RequestPayload) -> None:
         self.queue_time.observe(max(0.0, time.time() - payload.created_at))
-        self.prompt_tokens.inc(len(payload.prompt_token_ids))
+        self.prompt_tokens.inc(payload.num_prompt_tokens)
         self._tenant[payload.id] = payload.tenant or ANONYMOUS
 
     def step(self, outputs: list[StepOutput], duration_s: float, engine: Backend, worker: str = "") -> None:

@@ -52,7 +52,7 @@ class RequestSpans:
             queue = tracing.tracer().start_span("streamq.queue", context=parent, kind=SpanKind.CONSUMER,
                                                 start_time=tracing.ns(payload.created_at), attributes=ids)
             queue.end(end_time=tracing.ns(claimed))
-        attributes = {**ids, **tracing.request_attributes(payload.model, len(payload.prompt_token_ids),
+        attributes = {**ids, **tracing.request_attributes(payload.model, payload.num_prompt_tokens,
                                                           payload.params.max_tokens),
                       "gen_ai.operation.name": "text_completion", "streamq.resumed_after": resumed}
         span = tracing.tracer().start_span("streamq.worker", context=parent, start_time=tracing.ns(claimed),

@@ -14,8 +14,10 @@ import asyncio
 import base64
 import struct
 import uuid
+from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from api.core.errors import ApiError
 from api.core.generation import Generation
@@ -28,22 +30,55 @@ POOLING_BACKEND = "hf"  # the paged engine's: the workers that run pooling reque
 # queries of 4 documents, one relevant: benchmarks/embeddings.py), this one put the relevant document
 # first for 7 (Qwen3-Reranker's system-and-tags prompt: 5; a plain "<Query>/<Document>" one: 3).
 RERANK_QUESTION = "Document: {document}\nQuestion: {query}\nIs this document relevant to the question? Reply with yes or no."
+_MARK = "\x00document\x00"  # where the document goes in the rendered template (the first one: a query comes after)
 
 
-async def embed(generation: Generation, inputs: list[str | list[int]], tenant: str, priority: int) -> tuple[list[str], int]:
+@dataclass(frozen=True)
+class Caps:
+    """The most one pooling request may ask for (STREAMQ_MAX_POOLING_INPUTS, _TOKENS): past either, 413."""
+
+    inputs: int
+    tokens: int
+
+    def check_inputs(self, n: int, param: str) -> None:
+        if n > self.inputs:
+            raise ApiError(413, f"{param} has {n} items; this server runs at most {self.inputs} in one request",
+                           param=param, code="too_many_inputs")
+
+    def check_tokens(self, n: int, param: str) -> None:
+        if n > self.tokens:
+            raise ApiError(413, f"{param} comes to more than {self.tokens} tokens for the model to run (at least {n}); "
+                                f"this server runs at most {self.tokens} in one request", param=param,
+                           code="too_many_tokens")
+
+
+async def embed(generation: Generation, inputs: list[str | list[int]], tenant: str, priority: int, caps: Caps,
+                request: Request | None = None) -> tuple[list[str], int]:
     """Each input's embedding (base64 float32) and the tokens they took."""
-    ids = [await _tokens(generation, item, i) for i, item in enumerate(inputs)]
-    return await _run(generation, ids, PoolSpec(task="embed", lengths=[len(x) for x in ids]), tenant, priority)
+    caps.check_inputs(len(inputs), "input")
+    ids, total = [], 0
+    for i, item in enumerate(inputs):  # stops at the cap, before tokenizing the rest
+        ids.append(await _tokens(generation, item, i))
+        total += len(ids[-1])
+        caps.check_tokens(total, "input")
+    return await _run(generation, ids, PoolSpec(task="embed", lengths=[len(x) for x in ids]), tenant, priority, request)
 
 
-async def rerank(generation: Generation, query: str, documents: list[str], tenant: str,
-                 priority: int) -> tuple[list[float], int]:
-    """Each document's relevance score to `query` (0 to 1) and the tokens they took."""
-    prompts = await run_in_threadpool(lambda: [_rerank_prompt(generation, query, doc) for doc in documents])
-    for i, ids in enumerate(prompts):
-        _check_length(generation, ids, f"documents[{i}]")
-    spec = PoolSpec(task="score", lengths=[len(x) for x in prompts], candidates=rerank_candidates(generation.tokenizer))
-    pooled, tokens = await _run(generation, prompts, spec, tenant, priority)
+async def rerank(generation: Generation, query: str, documents: list[str], tenant: str, priority: int, caps: Caps,
+                 request: Request | None = None) -> tuple[list[float], int]:
+    """Each document's relevance score to `query` (0 to 1) and the tokens they took. The query and
+    the prompt around each document are tokenized and queued once (PoolSpec head and tail)."""
+    caps.check_inputs(len(documents), "documents")
+    tok = generation.tokenizer
+    head, tail = await run_in_threadpool(rerank_frame, tok, query)
+    caps.check_tokens(len(documents) * (len(head) + len(tail)), "documents")
+    bodies = await run_in_threadpool(lambda: [rerank_body(tok, doc) for doc in documents])
+    for i, ids in enumerate(bodies):
+        _check_length(generation, head + ids + tail, f"documents[{i}]")
+    spec = PoolSpec(task="score", lengths=[len(x) for x in bodies], candidates=rerank_candidates(tok),
+                    head=head, tail=tail)
+    caps.check_tokens(spec.prompt_tokens(), "documents")
+    pooled, tokens = await _run(generation, bodies, spec, tenant, priority, request)
     return [floats(value)[0] for value in pooled], tokens
 
 
@@ -67,7 +102,7 @@ async def require_pooling(generation: Generation) -> None:
 
 
 async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, tenant: str,
-               priority: int) -> tuple[list[str], int]:
+               priority: int, request: Request | None) -> tuple[list[str], int]:
     await require_pooling(generation)
     created = now()
     payload = RequestPayload(id=str(uuid.uuid4()), model=generation.base_model,
@@ -77,17 +112,41 @@ async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, 
                              backend=POOLING_BACKEND, pool=spec)
     await generation.submit([payload], tenant=tenant)
     try:
-        final = await _final(generation, payload.id)
+        final = await _final_unless_gone(generation, payload.id, request)
     except asyncio.CancelledError:  # the client went away: the worker need not compute it
         await asyncio.shield(generation.cancel([payload]))
         raise
+    if final is None:  # the client went away: nobody reads this answer
+        await generation.cancel([payload])
+        raise ApiError(409, "the client closed the connection; the request was cancelled", code="cancelled")
     if final.finish_reason is FinishReason.ERROR:
         raise ApiError(500, f"pooling failed: {final.error}")
     if final.finish_reason is FinishReason.EXPIRED:
         raise ApiError(503, final.error or "the request expired in the queue", code="expired")
     if final.finish_reason is FinishReason.CANCELLED or final.pooled is None:
-        raise ApiError(409, "the request was cancelled before it ran", code="cancelled")
-    return final.pooled, len(payload.prompt_token_ids)
+        raise ApiError(409, "the request was cancelled before it ended", code="cancelled")
+    return final.pooled, payload.num_prompt_tokens
+
+
+async def _final_unless_gone(generation: Generation, request_id: str, request: Request | None) -> FinalEvent | None:
+    """The request's final event, or None if the client disconnects first (the answer is not sent
+    until the end, so the server hears of it only by watching the connection)."""
+    if request is None:
+        return await _final(generation, request_id)
+    final, gone = asyncio.ensure_future(_final(generation, request_id)), asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({final, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (final, gone):
+            task.cancel()
+        await asyncio.gather(final, gone, return_exceptions=True)
+    return final.result() if final.done() and not final.cancelled() else None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _final(generation: Generation, request_id: str) -> FinalEvent:
@@ -119,17 +178,30 @@ def _check_length(generation: Generation, ids: list[int], name: str) -> None:
                        param=name.split("[")[0])
 
 
-def _rerank_prompt(generation: Generation, query: str, document: str) -> list[int]:
-    return rerank_prompt(generation.tokenizer, query, document)
-
-
 def rerank_prompt(tok: Tokenizer, query: str, document: str) -> list[int]:
     """The prompt whose next token answers yes or no: a user turn of the chat template, where the
     model has one."""
-    question = RERANK_QUESTION.format(document=document, query=query)
+    head, tail = rerank_frame(tok, query)
+    return head + rerank_body(tok, document) + tail
+
+
+def rerank_frame(tok: Tokenizer, query: str) -> tuple[list[int], list[int]]:
+    """The tokens before and after a document in the rerank prompt (the query lies in the tail),
+    tokenized apart from it: the split falls where a word begins, so the tokens are those of the
+    whole prompt (tests/unit/test_pooling_cost.py checks it)."""
+    before, after = RERANK_QUESTION.split("{document}")
+    question = before.rstrip(" ") + _MARK + after.format(query=query)
     if tok.chat_template:
-        return tok.encode_chat([{"role": "user", "content": question}])
-    return tok.encode(f"{question}\nAnswer:")
+        text = tok.render_chat([{"role": "user", "content": question}])
+        head, tail = text.split(_MARK, 1)
+        return tok.encode(head, add_special_tokens=False), tok.encode(tail, add_special_tokens=False)
+    head, tail = f"{question}\nAnswer:".split(_MARK, 1)
+    return tok.encode(head), tok.encode(tail, add_special_tokens=False)
+
+
+def rerank_body(tok: Tokenizer, document: str) -> list[int]:
+    """A document's tokens in the rerank prompt: with the space that parts it from its label."""
+    return tok.encode(" " + document, add_special_tokens=False)
 
 
 def rerank_candidates(tok: Tokenizer) -> list[int]:

@@ -1,12 +1,13 @@
 """Request bodies of the pooling endpoints: /v1/embeddings (OpenAI's) and /v1/rerank (the shape
-llama.cpp's server, vLLM, Jina and Cohere share). An unknown field is a 400 naming it."""
+llama.cpp's server, vLLM, Jina and Cohere share). An unknown field is a 400 naming it; more inputs than
+STREAMQ_MAX_POOLING_INPUTS is a 413 (api/openai/pooling/inputs.py Caps)."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.messages import MAX_POOL_INPUTS, MAX_PRIORITY
+from shared.messages import MAX_PRIORITY
 from shared.sampling import TokenId
 
 MAX_TEXT_CHARS = 1_000_000  # one input's characters; its tokens are checked against the context
@@ -31,8 +32,6 @@ class EmbeddingRequest(BaseModel):
             raise ValueError("input is empty: give a string, a list of strings, or token ids")
         if isinstance(items[0], int):
             items = [items]  # one input of token ids
-        if len(items) > MAX_POOL_INPUTS:
-            raise ValueError(f"input has {len(items)} items; at most {MAX_POOL_INPUTS} in one request")
         for i, item in enumerate(items):
             if not item:
                 raise ValueError(f"input[{i}] is empty")
@@ -59,7 +58,7 @@ class RerankRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
-    documents: list[str | Document] = Field(min_length=1, max_length=MAX_POOL_INPUTS)
+    documents: list[str | Document] = Field(min_length=1)  # how many: STREAMQ_MAX_POOLING_INPUTS (413 past it)
     model: str | None = None
     top_n: int | None = Field(None, ge=1, description="Return the n most relevant documents (all by default).")
     return_documents: bool = Field(True, description="Include each document's text in its result.")
