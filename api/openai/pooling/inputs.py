@@ -188,7 +188,7 @@ def rerank_prompt(tok: Tokenizer, query: str, document: str) -> list[int]:
 def rerank_frame(tok: Tokenizer, query: str) -> tuple[list[int], list[int]]:
     """The tokens before and after a document in the rerank prompt (the query lies in the tail),
     tokenized apart from it: the split falls where a word begins, so the tokens are those of the
-    whole prompt (tests/unit/test_pooling_cost.py checks it)."""
+    whole prompt for byte-level BPE tokenizers (a SentencePiece one may differ at the two seams)."""
     before, after = RERANK_QUESTION.split("{document}")
     question = before.rstrip(" ") + _MARK + after.format(query=query)
     if tok.chat_template:
