@@ -8,6 +8,10 @@ the request is marked for the one of them with the most free slots (`RequestPayl
 and waits in that worker's affinity lane of its tenant and priority (shared/queue.py). That
 worker reads it first; the others take it only once it has waited past a bound
 (worker/service/intake.py), so nothing starves behind a busy or dead worker.
+
+A prefix is hashed within its tenant's space (shared/prefix_scope.py), as the worker's cache keys
+its blocks: a request goes to the worker holding its own tenant's copy of the prefix, never to one
+that holds only another tenant's.
 """
 from __future__ import annotations
 
@@ -19,23 +23,27 @@ from redis.asyncio import Redis
 from shared import redis_keys, scripts
 from shared.heartbeat import Heartbeat
 from shared.messages import RequestPayload
+from shared.prefix_scope import PER_TENANT, PrefixScope
 from shared.workers import read_heartbeat
 
 MAX_HOLDERS = 4  # workers remembered per prefix, the latest first
 
-def prefix_hash(token_ids: Sequence[int], tokens: int) -> str | None:
-    """The hash of a prompt's first `tokens` token ids; None when the prompt is not longer (the
-    prefix cache never holds a prompt's last token, so a prompt of `tokens` tokens shares less)."""
+def prefix_hash(token_ids: Sequence[int], tokens: int, root: int | None = None) -> str | None:
+    """The hash of a prompt's first `tokens` token ids in the space of chain root `root` (None: the
+    shared one); None when the prompt is not longer (the prefix cache never holds a prompt's last
+    token, so a prompt of `tokens` tokens shares less)."""
     if len(token_ids) <= tokens:
         return None
-    return hashlib.blake2b(",".join(map(str, token_ids[:tokens])).encode(), digest_size=12).hexdigest()
+    head = b"" if root is None else root.to_bytes(16, "little") + b"|"
+    return hashlib.blake2b(head + ",".join(map(str, token_ids[:tokens])).encode(), digest_size=12).hexdigest()
 
 
 class PrefixAffinity:
     """One model's prefix announcements: a worker writes them (`announce`), the api reads them (`route`)."""
 
-    def __init__(self, redis: Redis, prefix: str, model: str, tokens: int):
+    def __init__(self, redis: Redis, prefix: str, model: str, tokens: int, scope: PrefixScope = PER_TENANT):
         self.redis = redis
+        self.scope = scope  # whose prefixes share a hash: the workers' caches' own
         self.prefix = prefix
         self.model = model
         self.tokens = tokens
@@ -46,7 +54,7 @@ class PrefixAffinity:
         self._lookup = scripts.register(redis, "affinity_lookup")
 
     def hash_of(self, payload: RequestPayload) -> str | None:
-        return prefix_hash(payload.prompt_token_ids, self.tokens)
+        return prefix_hash(payload.prompt_token_ids, self.tokens, self.scope.root(payload.tenant))
 
     async def announce(self, worker: str, payloads: Sequence[RequestPayload], ttl_ms: int) -> None:
         """`worker` took these requests: it holds their prefixes for the next `ttl_ms`."""

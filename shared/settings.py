@@ -63,6 +63,10 @@ class CommonSettings(BaseSettings):
     prefix_affinity_tokens: int = Field(256, ge=1, le=1_000_000,
                                         description="Leading prompt tokens that identify a prefix (the api's and the "
                                                     "workers' must agree); shorter prompts go to any worker.")
+    shared_prefix_tenants: str = Field("", max_length=4096, pattern=r"^\s*(\*|[^,\s]+(\s*,\s*[^,\s]+)*)?\s*$",
+                                       description="Tenants whose cached prompt prefixes are shared across tenants "
+                                                   "(comma-separated; * for all; the api's and the workers' must "
+                                                   "agree). Others' hit only their own (shared/prefix_scope.py).")
 
 
 class ApiSettings(CommonSettings):

@@ -12,6 +12,7 @@ from shared import tokenizer_files, tracing
 from shared.logs import route_transformers
 from shared.model_paths import gguf_file, model_dir, prepare_model, weights_dir
 from shared.model_source import ModelNotFound, served_name
+from shared.prefix_scope import PrefixScope
 from shared.redis_client import connect_blocking
 from shared.settings import BatchingSettings, CacheSettings, StepSettings, WorkerSettings
 from shared.tokenizer import Tokenizer, served_context
@@ -101,7 +102,7 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer),
-                  build_tier(settings, runner))
+                  build_tier(settings, runner), PrefixScope.parse(settings.shared_prefix_tenants))
 
 
 def build_adapters(settings: WorkerSettings, runner: PagedRunner) -> Adapters | None:

@@ -188,6 +188,8 @@ class Generation:
                 raise ApiError(400, f"adapter {self.adapter!r} is served by workers of {sorted(self.adapter_backends)}, "
                                     f"not of {bad}", param="backend")
         if self.affinity is not None:
+            for payload in payloads:  # a prefix is hashed in its tenant's space (shared/prefix_scope.py)
+                payload.tenant = tenant
             await self.affinity.route(payloads)
         weight, tokens = 1.0, 0
         if self.limits is not None and tenant:

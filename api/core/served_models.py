@@ -19,6 +19,7 @@ from api.core.relay import Relay
 from shared import tokenizer_files
 from shared.lora_registry import AdapterEntry, LoraRegistry
 from shared.prefix_affinity import PrefixAffinity
+from shared.prefix_scope import PrefixScope
 from shared.queue import RequestQueue
 from shared.settings import ApiSettings
 from shared.store import RequestStore
@@ -63,7 +64,8 @@ class Models:
                                 queue_timeout_s=settings.queue_timeout_s, max_tokens_cap=settings.max_tokens_cap,
                                 backpressure=backpressure, limits=self.limits, log_prompts=settings.log_prompts,
                                 affinity=PrefixAffinity(self.store.redis, settings.prefix, name,
-                                                        settings.prefix_affinity_tokens)
+                                                        settings.prefix_affinity_tokens,
+                                                        PrefixScope.parse(settings.shared_prefix_tenants))
                                 if settings.prefix_affinity else None,
                                 tool_format=registry.choose(settings.tool_parser, name, tokenizer))
         self._loaded[name] = generation

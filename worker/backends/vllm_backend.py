@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared.prefix_scope import PER_TENANT, PrefixScope
 from shared.sampling import SamplingParams
 from shared.settings import WorkerSettings
 from shared.structured import JSON_LAYOUT
@@ -102,6 +103,16 @@ def engine_kwargs(settings: WorkerSettings, model_dir: str) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def prompt_fields(seq: Sequence, scope: PrefixScope) -> dict[str, Any]:
+    """vLLM's prompt of a request: its tokens, salted with its tenant's root where its prefixes are
+    its own (vLLM's prefix cache keys a salted prompt's blocks apart from every other salt's)."""
+    fields: dict[str, Any] = {"prompt_token_ids": list(seq.token_ids)}
+    root = scope.root(seq.tenant)
+    if root is not None:
+        fields["cache_salt"] = f"{root:032x}"
+    return fields
+
+
 def batch_invariant() -> None:
     """Deterministic mode on vLLM: its batch-invariant mode (VLLM_BATCH_INVARIANT), which vLLM's
     CPU build does not have (its CPU attention backend does not support it)."""
@@ -119,8 +130,9 @@ class VllmBackend(Backend):
     name = "vllm"
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, batch_size: int, context_length: int,
-                 deterministic: bool = False, lora: dict[str, Path] | None = None):
-        """`lora`: the adapters of lora_modules where LoRA is on (None: off), name -> folder."""
+                 deterministic: bool = False, lora: dict[str, Path] | None = None, scope: PrefixScope = PER_TENANT):
+        """`lora`: the adapters of lora_modules where LoRA is on (None: off), name -> folder; `scope`:
+        whose cached prefixes a request may reuse (shared/prefix_scope.py)."""
         from vllm import SamplingParams as VllmSamplingParams  # only with backend=vllm
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -138,6 +150,7 @@ class VllmBackend(Backend):
         self._configured = lora  # STREAMQ_LORA_MODULES, where LoRA is on
         self._known = dict(lora or {})  # and the adapters loaded at run time: name -> folder
         self._lora_ids: dict[str, int] = {}  # vLLM's id of each adapter name, from 1
+        self.scope = scope
 
     @staticmethod
     def require_vllm() -> None:
@@ -165,7 +178,8 @@ class VllmBackend(Backend):
         engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         context = engine.model_config.max_model_len
         lora = settings.lora.paths if settings.lora.paths or settings.lora.enable else None
-        return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic, lora)
+        return cls(engine, tokenizer, settings.batch_size, context, settings.step.deterministic, lora,
+                   PrefixScope.parse(settings.shared_prefix_tenants))
 
     # -- the Backend -----------------------------------------------------------------------------------------------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
@@ -268,7 +282,7 @@ class VllmBackend(Backend):
                     raise ValueError("a request with structured_outputs cannot be continued on the vLLM backend")
                 kwargs["structured_outputs"] = self._structured_class(**kwargs["structured_outputs"])
             params = self._params_class(output_kind=self._delta, **kwargs)
-            async for out in self.engine.generate(self._prompt_class(prompt_token_ids=list(seq.token_ids)), params,
+            async for out in self.engine.generate(self._prompt_class(**prompt_fields(seq, self.scope)), params,
                                                   seq.id, lora_request=self._lora_request(seq.adapter)):
                 completion = out.outputs[0]
                 for i, token in enumerate(completion.token_ids):

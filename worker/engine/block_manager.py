@@ -14,6 +14,8 @@ The hash is stable (the same in every process and machine), so the shared KV tie
 A request of a LoRA adapter computes other keys and values for the same tokens: its chain starts
 from the adapter's root (`root`, worker/model/lora.py) instead of none, so its blocks are never shared
 with the base model's or another adapter's; the base model's hashes are those of a chain with no root.
+A tenant's chain starts from its own root the same way (shared/prefix_scope.py, joined with its
+adapter's), so a cache hit never tells one tenant what another sent.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class Block:
 class _Table:
     blocks: list[int] = field(default_factory=list)
     hashed: int = 0  # how many leading blocks are registered in the prefix cache
-    root: int | None = None  # the parent of its first block: its LoRA adapter's root, None for the base model
+    root: int | None = None  # the parent of its first block: its tenant's and LoRA adapter's root (None: neither)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -90,7 +92,7 @@ class BlockManager:
     # -- changes ---------------------------------------------------------------------------
     def allocate_prefix(self, seq_id: str, token_ids: Sequence[int], root: int | None = None) -> int:
         """Start a table for `seq_id`, sharing every cached full block of its prefix (the chain
-        from `root`: its LoRA adapter's, None for the base model).
+        from `root`: its tenant's and LoRA adapter's, shared/prefix_scope.py).
 
         Returns how many tokens are already computed. The last token is never taken from the
         cache: its forward gives the logits of the first new token.

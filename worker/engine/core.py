@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
+from shared.prefix_scope import PER_TENANT, PrefixScope
 from shared.tokenizer import Tokenizer
 from worker.engine.backend import Counts
 from worker.engine.batcher import Batcher
@@ -53,8 +54,9 @@ class Engine(BaseEngine):
     lora = True
 
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
-                 speculator: Speculator | None = None, tier: KVTier | None = None):
+                 speculator: Speculator | None = None, tier: KVTier | None = None, scope: PrefixScope = PER_TENANT):
         super().__init__(batcher.max_num_seqs)
+        self.scope = scope  # whose cached prefixes a request may reuse: its tenant's (shared/prefix_scope.py)
         self.runner = runner
         self.speculator = speculator
         self.tier = tier  # the shared KV tier, where on: blocks offloaded as filled, fetched on a miss
@@ -232,7 +234,7 @@ class Engine(BaseEngine):
             matcher = self.compiler.matcher(seq)
             if need > most:
                 raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
-            self._hold_adapter(seq)
+            seq.kv_root = self.scope.root(seq.tenant, self._hold_adapter(seq))
         except ValueError as exc:  # GrammarError included
             return self._end([seq], FinishReason.ERROR, str(exc))[0]
         self._fetch_prefix(seq)
@@ -242,16 +244,16 @@ class Engine(BaseEngine):
         seq.status = Status.WAITING
         return None
 
-    def _hold_adapter(self, seq: Sequence) -> None:
+    def _hold_adapter(self, seq: Sequence) -> int | None:
         """The request's LoRA adapter, loaded if need be and held until it ends; its chain root
-        keys the request's KV blocks apart from the base model's and other adapters' (a ValueError
-        naming the adapter where this worker cannot serve it)."""
+        (None for the base model), which keys the request's KV blocks apart from the base model's
+        and other adapters' (a ValueError naming the adapter where this worker cannot serve it)."""
         if seq.adapter is None:
-            return
+            return None
         adapters = self.runner.adapters
         if adapters is None:
             raise ValueError(f"adapter {seq.adapter!r}: this worker serves no LoRA adapters (STREAMQ_LORA_MODULES)")
-        seq.kv_root = adapters.acquire(seq.adapter, seq.id).root
+        return adapters.acquire(seq.adapter, seq.id).root
 
     def _fetch_prefix(self, seq: Sequence) -> None:
         """The blocks of the request's prefix that this worker's cache lacks, from the shared tier

@@ -45,7 +45,7 @@ class Sequence:
     arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
     scheduled_at: float | None = None  # wall clock of the first step that ran it here (not when claimed)
     adapter: str | None = None  # its LoRA adapter's name (None: the base model)
-    kv_root: int | None = None  # its adapter's prefix-cache chain root, set when the engine takes it in (worker/model/lora.py)
+    kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in
 
     def __post_init__(self) -> None:
         if not self.token_ids:

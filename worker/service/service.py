@@ -26,6 +26,7 @@ from shared.heartbeat import Heartbeat
 from shared.lora_registry import LoraRegistry
 from shared.messages import now
 from shared.prefix_affinity import PrefixAffinity
+from shared.prefix_scope import PrefixScope
 from shared.queue import RequestQueue
 from shared.reclaim import reclaim_dead_workers
 from shared.redis_client import REDIS_DOWN, until_redis_answers
@@ -58,7 +59,8 @@ class WorkerService:
         self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s,
                              settings.prefix_affinity_wait_ms if settings.prefix_affinity else None)
         # Announces the prefixes it takes, when it keeps them (a prefix cache) and affinity is on.
-        self.affinity = (PrefixAffinity(redis, settings.prefix, model, settings.prefix_affinity_tokens)
+        self.affinity = (PrefixAffinity(redis, settings.prefix, model, settings.prefix_affinity_tokens,
+                                        PrefixScope.parse(settings.shared_prefix_tenants))
                          if settings.prefix_affinity and settings.prefix_caching else None)
         self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
         self._lanes_read_at = -math.inf
