@@ -20,6 +20,7 @@ from api.core.limits import Limits
 from api.core.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.core.served_models import Models
 from api.core.errors import ApiError
+from api.core.hosts import HostCheck, allowed_names
 from api.core.hub import PubSubHub
 from api.core.relay import Relay
 from api.core.tracing import TraceRequests
@@ -48,6 +49,7 @@ OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
     registry.check(settings.tool_parser)  # a wrong name stops the replica here, not at its first model
+    hosts = allowed_names(settings.allowed_hosts, settings.host)  # so does a Host name that can never match
     metrics = ApiMetrics()
     app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics),
                   **_no_native_telemetry())
@@ -70,6 +72,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
     # The adapter routes answer errors in OpenAI's body (OPENAI_FAMILY), as vLLM's do.
     app.include_router(lora.router, responses=errors(OpenAIError, "OpenAI's error body."))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
+    app.add_middleware(HostCheck, names=hosts, error=_error)  # outermost: nothing runs for a refused Host
     _handle_errors(app)
     return app
 

@@ -16,12 +16,13 @@ log = logging.getLogger("streamq.api")
 
 def main(settings: ApiSettings | None = None) -> None:
     settings = settings or ApiSettings()
-    try:  # before the server: a model it cannot find is one line at start, not a lifespan traceback
+    try:  # before the server: a model it cannot find, or a setting that cannot work, is one line at start
         tokenizer = Tokenizer(model_dir(settings))
-    except ModelNotFound as exc:
+        app = create_app(settings, tokenizer)
+    except (ModelNotFound, ValueError) as exc:
         log.critical("%s", exc)
         raise SystemExit(2) from exc
     # One event loop, no reload: a replica is one process; run more of them to scale.
     # log_config=None: uvicorn's loggers go through the process's own set-up (text or JSON).
-    uvicorn.run(create_app(settings, tokenizer), host=settings.host, port=settings.port, log_level=settings.log_level,
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 log_config=None, timeout_graceful_shutdown=5)

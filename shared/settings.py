@@ -77,7 +77,13 @@ class ApiSettings(CommonSettings):
         "auto", description="API keys required: auto = on whenever the api binds beyond loopback.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     admin_tenant: str = Field("admin", min_length=1, max_length=64,
-                              description="With auth on, the tenant whose keys may load and unload LoRA adapters.")
+                              description="With auth on, the tenant whose keys may use the operator's routes: LoRA "
+                                          "adapters loaded and unloaded, /v1/cluster, /readyz's workers.")
+    allowed_hosts: str = Field(
+        "auto", min_length=1, max_length=4096,
+        description="Host header names answered (any port), comma-separated; '*' any, '*.example.com' its "
+                    "subdomains; auto = localhost, 127.0.0.1 and [::1] when the api binds loopback, else any. "
+                    "Any other Host gets 400 (a DNS-rebinding page's requests).")
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
                          description="Name of this replica, unique in the deployment.")
     default_max_tokens: int = Field(256, ge=1, le=1_000_000,

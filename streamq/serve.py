@@ -95,7 +95,8 @@ def _children(env: dict[str, str], host: str, port: int, api_replicas: int, work
                               with_parent=True))
         return children, []
     ports = _free_ports(api_replicas, avoid=port)
-    api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host)}
+    api_env = {**env, "STREAMQ_HOST": "127.0.0.1", "STREAMQ_AUTH": _replica_auth(env, host),
+               "STREAMQ_ALLOWED_HOSTS": _replica_hosts(env, host)}
     children += [Child(f"api{i}", command + ["api"], {**api_env, "STREAMQ_PORT": str(p)}, with_parent=True)
                  for i, p in enumerate(ports)]
     children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
@@ -167,6 +168,14 @@ def _replica_auth(env: dict[str, str], host: str) -> str:
     if mode != "auto":
         return mode  # on, off, or a typo the api itself reports
     return "on" if auth_enabled(mode, host) else "auto"
+
+
+def _replica_hosts(env: dict[str, str], host: str) -> str:
+    """nginx passes the client's Host on, so `auto` is decided for the address nginx listens on too."""
+    from api.core.hosts import is_loopback  # the api's own rule, as above
+
+    setting = env.get("STREAMQ_ALLOWED_HOSTS", "auto")
+    return "*" if setting.strip().lower() == "auto" and not is_loopback(host) else setting
 
 
 def _loopback_if_any(host: str) -> str:

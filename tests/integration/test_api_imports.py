@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from shared.settings import ApiSettings
 
-with TestClient(create_app(ApiSettings())) as client:
+with TestClient(create_app(ApiSettings()), base_url="http://127.0.0.1:8000") as client:
     accepted = client.post("/v1/requests", json={"prompt": "hello", "max_tokens": 3})
     chat = client.post("/v1/requests", json={"messages": [{"role": "user", "content": "hi"}]})
     poll = client.get(accepted.json()["links"]["self"])

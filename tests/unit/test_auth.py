@@ -20,7 +20,8 @@ def test_the_api_description_is_served_without_a_key():
     from api.app import create_app
     from shared.settings import ApiSettings
 
-    client = TestClient(create_app(ApiSettings(_env_file=None, auth="on")))  # no lifespan: no Redis needed
+    client = TestClient(create_app(ApiSettings(_env_file=None, auth="on")),  # no lifespan: no Redis needed
+                        base_url="http://127.0.0.1:8000")
     assert client.get("/openapi.json").json()["info"]["title"] == "streamq"
     for page in ("/docs", "/redoc"):
         answer = client.get(page)

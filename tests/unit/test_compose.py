@@ -80,6 +80,21 @@ def test_of_streamq_only_the_load_balancer_publishes_a_port_and_it_reaches_the_a
     assert ApiSettings(port=int(port)).port == int(port)
 
 
+def test_the_api_answers_its_health_check_and_the_hosts_nginx_and_prometheus_name(compose):
+    """Each names the api by its own Host (127.0.0.1, the client's through nginx, the container's address)."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    api = compose["services"]["api"]
+    env = {k.removeprefix("STREAMQ_").lower(): v for k, v in api["environment"].items() if k.startswith("STREAMQ_")}
+    app = create_app(ApiSettings(_env_file=None, **env))
+    [check] = re.findall(r"urlopen\('(http://[^/']+)(/[^']*)'\)", " ".join(api["healthcheck"]["test"]))
+    assert TestClient(app, base_url=check[0]).get(check[1]).status_code == 200
+    for host in ("localhost:8000", "streamq.example.com", "172.18.0.5:8000"):
+        assert TestClient(app, base_url=f"http://{host}").get("/healthz").status_code == 200, host
+
+
 def test_api_runs_several_replicas(compose):
     assert compose["services"]["api"]["deploy"]["replicas"] >= 2
 

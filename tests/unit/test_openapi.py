@@ -138,7 +138,7 @@ def test_errors_are_documented_in_each_familys_body(spec):
 
 @pytest.mark.parametrize("page", ["/docs", "/redoc"])
 def test_docs_and_redoc_are_served(app, page):
-    client = TestClient(app)  # not entered: no lifespan, no Redis
+    client = TestClient(app, base_url="http://localhost:8000")  # not entered: no lifespan, no Redis
     response = client.get(page)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert "/openapi.json" in response.text
