@@ -23,13 +23,15 @@ class Healthy(Answer):
 
 
 class Ready(Answer):
-    """Redis answers and at least one live worker serves the model."""
+    """Redis answers and at least one live worker serves the model; the model and its workers for
+    the operator only (the admin tenant's key, or a loopback Host with keys off)."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ready", "model": MODEL, "workers": [BEAT]}]})
+    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ready", "model": MODEL, "workers": [BEAT]},
+                                                              {"status": "ready"}]})
 
     status: Literal["ready"]
-    model: str
-    workers: list[Heartbeat]
+    model: str | None = Field(None, description="The operator's only.")
+    workers: list[Heartbeat] | None = Field(None, description="The operator's only.")
 
 
 class NotReady(Answer):

@@ -5,6 +5,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.admin.answers import Healthy, NotReady, Ready
+from api.core.auth import SeesDetailsDep
 from api.core.deps import ModelNameDep, StoreDep
 from api.core.openapi import json_answer
 from shared.workers import live_workers
@@ -20,14 +21,17 @@ async def healthz():
 
 @router.get("/readyz", responses={**json_answer(Ready, "Ready to serve."),
                                    **json_answer(NotReady, "Not ready, and why.", 503)})
-async def readyz(store: StoreDep, model_name: ModelNameDep):
-    """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise."""
+async def readyz(store: StoreDep, model_name: ModelNameDep, details: SeesDetailsDep):
+    """Ready when Redis answers and at least one live worker serves the model; 503 with the reason otherwise.
+    The model and its workers (their hosts, plans) and Redis's error go to the operator only: the admin
+    tenant's key, or with keys off a loopback Host; anyone else gets the status alone."""
     try:
         await store.redis.ping()
         workers = [w.wire() for w in await live_workers(store.redis, store.prefix) if w.model == model_name]
     except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
-        return JSONResponse(status_code=503, content={"status": "unavailable", "reason": f"redis: {exc}"})
+        reason = f"redis: {exc}" if details else "redis does not answer"
+        return JSONResponse(status_code=503, content={"status": "unavailable", "reason": reason})
     if not workers:
-        return JSONResponse(status_code=503, content={"status": "unavailable",
-                                                      "reason": f"no live worker serves {model_name}"})
-    return {"status": "ready", "model": model_name, "workers": workers}
+        reason = f"no live worker serves {model_name}" if details else "no live worker serves the model"
+        return JSONResponse(status_code=503, content={"status": "unavailable", "reason": reason})
+    return {"status": "ready", "model": model_name, "workers": workers} if details else {"status": "ready"}

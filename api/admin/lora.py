@@ -1,7 +1,8 @@
 """Loading and unloading LoRA adapters at run time (vLLM's /v1/load_lora_adapter and
-/v1/unload_lora_adapter), for the admin tenant when auth is on. An adapter loaded here is
-written to the model's registry in Redis (shared/lora_registry.py): every worker of the model
-reads it at its heartbeat and loads the adapter on its first request; every replica serves it."""
+/v1/unload_lora_adapter), for the operator only (api/core/auth.py: the admin tenant's key, or
+a loopback Host with auth off). An adapter loaded here is written to the model's registry in
+Redis (shared/lora_registry.py): every worker of the model reads it at its heartbeat and loads
+the adapter on its first request; every replica serves it."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from api.core.auth import TenantDep
+from api.core.auth import AdminDep
 from api.core.deps import ModelsDep, ReplicaDep
 from api.core.errors import ApiError
 from api.admin.answers import AdapterLoaded, AdapterUnloaded
@@ -40,15 +41,8 @@ class UnloadAdapter(BaseModel):
     model: str | None = None
 
 
-def _admin(replica, tenant: str) -> None:
-    if replica.keys is not None and tenant != replica.settings.admin_tenant:
-        raise ApiError(403, f"loading and unloading adapters is for the {replica.settings.admin_tenant!r} tenant's keys",
-                       code="forbidden")
-
-
 @router.post("/v1/load_lora_adapter", responses=json_answer(AdapterLoaded, "Registered for every worker of the model."))
-async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep, tenant: TenantDep):
-    _admin(replica, tenant)
+async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep, _admin: AdminDep):
     base = await served.get(body.model)
     if base.adapter is not None:
         raise ApiError(400, f"model {body.model!r} is an adapter; name its base model", param="model")
@@ -62,8 +56,7 @@ async def load_adapter(body: LoadAdapter, replica: ReplicaDep, served: ModelsDep
 
 
 @router.post("/v1/unload_lora_adapter", responses=json_answer(AdapterUnloaded, "Removed from the model's registry."))
-async def unload_adapter(body: UnloadAdapter, replica: ReplicaDep, served: ModelsDep, tenant: TenantDep):
-    _admin(replica, tenant)
+async def unload_adapter(body: UnloadAdapter, replica: ReplicaDep, served: ModelsDep, _admin: AdminDep):
     base = await served.get(body.model)
     if not await LoraRegistry(replica.store.redis, replica.settings.prefix).unregister(base.base_model, body.lora_name):
         raise ApiError(404, f"no adapter {body.lora_name!r} was loaded at run time for {base.base_model!r} "

@@ -9,7 +9,7 @@ from fastapi.openapi.constants import REF_PREFIX
 from fastapi.responses import FileResponse
 from pydantic import WithJsonSchema
 
-from api.core.auth import TenantDep
+from api.core.auth import AdminDep
 from api.admin.answers import Cluster
 from api.core.deps import ModelNameDep, StoreDep
 from api.core.openapi import json_answer
@@ -47,12 +47,12 @@ ClusterView = Annotated[dict, WithJsonSchema({"$ref": f"{REF_PREFIX}{Cluster.__n
 
 
 @router.get("/v1/cluster", tags=["cluster"], responses=json_answer(Cluster, "The live workers and the backlog."))
-async def cluster(store: StoreDep, model_name: ModelNameDep, _tenant: TenantDep) -> ClusterView:
+async def cluster(store: StoreDep, model_name: ModelNameDep, _admin: AdminDep) -> ClusterView:
     """The live workers (their heartbeats) and how many requests for the model wait for one.
 
     A heartbeat's running totals (generated_tokens, ttft_sum_s, ttft_count, read at `at`) grow
-    by the worker's tokens and first tokens: the playground charts their rates. Needs a key when
-    keys are on, as every /v1 call; the playground polls it every 2 s."""
+    by the worker's tokens and first tokens: the playground charts their rates. For the operator
+    only (the admin tenant's key; with keys off, a loopback Host); the playground polls it every 2 s."""
     waiting, _taken = await RequestQueue(store.redis, store.prefix, model_name).backlog()
     workers = [w.wire() for w in await live_workers(store.redis, store.prefix)]
     return {"model": model_name, "workers": workers, "queue": {"waiting": waiting}}

@@ -20,7 +20,6 @@ class ModelCard(Answer):
     owned_by: str
     max_model_len: int | None = Field(None, description="The model's context (a base model served here).")
     parent: str | None = Field(None, description="An adapter's base model.")
-    root: str | None = Field(None, description="An adapter's folder (loaded at run time).")
 
 
 class ModelList(Answer):

@@ -24,6 +24,6 @@ async def models(served: ModelsDep, tenant: TenantDep):
     for name, adapter in sorted((await served.adapters()).items()):
         entry = adapter.entry
         if entry is None or entry.allows(tenant):  # a tenant sees only the adapters it may use
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": adapter.base,
-                         "root": entry.path if entry is not None else None})
+            # No `root`: an adapter's folder is the operator's business, never a caller's.
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamq", "parent": adapter.base})
     return {"object": "list", "data": data}
