@@ -40,6 +40,30 @@ def test_requests_need_a_key(secured):
             assert client.get(f"{api}{path}").status_code == 401, path
 
 
+def test_the_operators_routes_and_readyz_details_take_the_admin_tenants_key(secured):
+    """Adapters, the cluster view and /readyz's workers (hosts, plans) are the operator's: the admin
+    tenant's key (STREAMQ_ADMIN_TENANT) gets them, another key 403 (readyz: the status alone)."""
+    api = secured.urls[1]
+    admin = bearer(keys_cli(secured, "create", "--tenant", "admin").stdout.strip())
+    user = bearer(keys_cli(secured, "create", "--tenant", "mallory").stdout.strip())
+    body = {"lora_name": "x", "lora_path": "/no/such/folder"}
+    with httpx.Client(timeout=30) as client:
+        for who in ({}, user):
+            assert client.get(f"{api}/readyz", headers=who).json() == {"status": "ready"}
+        assert client.get(f"{api}/readyz", headers=bearer("sq-wrong")).status_code == 401
+        ready = client.get(f"{api}/readyz", headers=admin).json()
+        assert ready["model"] == secured.model_name and "plan" in ready["workers"][0]
+        cluster = client.get(f"{api}/v1/cluster", headers=user)
+        assert cluster.status_code == 403 and "'admin'" in cluster.json()["detail"]
+        refused = client.post(f"{api}/v1/load_lora_adapter", json=body, headers=user)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+        assert client.post(f"{api}/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=user).status_code == 403
+        assert [w["worker"] for w in client.get(f"{api}/v1/cluster", headers=admin).json()["workers"]] == \
+            [w["worker"] for w in ready["workers"]]
+        tried = client.post(f"{api}/v1/load_lora_adapter", json=body, headers=admin)  # past the check: the folder
+        assert tried.status_code == 400 and "adapter_config.json" in tried.json()["error"]["message"]
+
+
 def test_anthropic_clients_send_their_key_as_x_api_key(secured):
     import anthropic
 

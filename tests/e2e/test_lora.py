@@ -78,7 +78,9 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(lora_stack, tiny_
     assert loaded.status_code == 200, loaded.text
     AdapterLoaded.model_validate(loaded.json())
     until_sync(lambda: "late" in _models(url), what="the workers list the adapter loaded at run time")
-    ModelList.model_validate(httpx.get(f"{url}/v1/models", timeout=30).json())  # the base, its adapters
+    listed = httpx.get(f"{url}/v1/models", timeout=30)
+    ModelList.model_validate(listed.json())  # the base, its adapters
+    assert not [path for path in adapters.values() if str(path) in listed.text]  # no folder shown, to anyone
     reply = _completion(url, "late")
     assert reply.status_code == 200, reply.text
     want = merged_greedy(tiny_llama, adapters["late"], Tokenizer(tiny_llama).encode(PROMPT), NEW)

@@ -182,7 +182,8 @@ def test_a_reply_streams_in_with_its_timings_and_the_worker_is_listed(browser, s
 
 def test_stop_cancels_the_generation_and_a_key_is_asked_for(browser, secured_null, tmp_path):
     api = secured_null.urls[0]
-    key = subprocess.run([sys.executable, "-m", "streamq.cli", "keys", "create", "--tenant", "playground"],
+    # The admin tenant's: the page's worker panel is the operator's cluster view.
+    key = subprocess.run([sys.executable, "-m", "streamq.cli", "keys", "create", "--tenant", "admin"],
                          cwd=ROOT, env=secured_null.env, capture_output=True, text=True, timeout=60,
                          check=True).stdout.strip()
     assert httpx.get(f"{api}/v1/cluster", timeout=30).status_code == 401

@@ -213,6 +213,22 @@ def test_readyz_lists_the_live_worker(stack, client):
     assert [w["worker"] for w in cluster["workers"]] == [w["worker"] for w in reply["workers"]]
 
 
+def test_a_loopback_api_refuses_a_rebinding_pages_host_on_every_route(stack, client):
+    """A page on evil.example whose name resolves to 127.0.0.1 has the browser send its own Host:
+    no route answers it, adapter loading included; the loopback names are answered on any port."""
+    api = stack.urls[0]
+    evil = {"Host": "evil.example"}
+    calls = [client.get(f"{api}/readyz", headers=evil), client.get(f"{api}/v1/cluster", headers=evil),
+             client.get(f"{api}/v1/models", headers=evil),
+             client.post(f"{api}/v1/load_lora_adapter", headers=evil, json={"lora_name": "x", "lora_path": "/tmp"}),
+             client.post(f"{api}/v1/requests", headers=evil, json={"prompt": "x", "max_tokens": 2})]
+    assert [c.status_code for c in calls] == [400] * 5
+    assert "evil.example" in calls[3].json()["error"]["message"] and "evil.example" in calls[4].json()["detail"]
+    port = api.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", "localhost:1", "127.0.0.1", f"[::1]:{port}"):
+        assert "workers" in client.get(f"{api}/readyz", headers={"Host": host}).json(), host
+
+
 def test_logprobs_and_penalties_through_the_stack(stack, client):
     events = stream_events(client, "POST", f"{stack.urls[0]}/v1/requests", json={
         "prompt": "Once upon", "max_tokens": 6, "temperature": 0.8, "seed": 1, "logprobs": 3,
