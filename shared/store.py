@@ -140,10 +140,7 @@ class RequestStore:
 
     async def output(self, request_id: str) -> list[TokenEvent]:
         """The request's token events so far, by index (a retried publish may log one twice)."""
-        tokens: dict[int, TokenEvent] = {}
-        for _, data in await self.events(request_id):
-            if isinstance(event := decode_event(data), TokenEvent):
-                tokens.setdefault(event.index, event)
+        tokens = first_of_each_index([decode_event(data) for _, data in await self.events(request_id)])
         return [tokens[i] for i in sorted(tokens)]
 
     async def events(self, request_id: str, after_entry: str = "-") -> list[tuple[str, str]]:
@@ -151,3 +148,24 @@ class RequestStore:
         start = "-" if after_entry == "-" else f"({after_entry}"
         entries = await self.redis.xrange(redis_keys.token_log(self.prefix, request_id), min=start)
         return [(entry_id, fields[EVENT_FIELD]) for entry_id, fields in entries]
+
+
+def first_of_each_index(events: list) -> dict[int, TokenEvent]:
+    """The token events among `events`, by index: the first logged of each (a retried publish logs
+    one twice, and its readers saw the first)."""
+    tokens: dict[int, TokenEvent] = {}
+    for event in events:
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, event)
+    return tokens
+
+
+def delivered_tokens(events: list) -> list[TokenEvent]:
+    """The tokens a continuation goes on after: by index from 0, the first logged of each, up to
+    the last index published or the first one missing (a token lost with a Redis crash): the model
+    continues after tokens it has all of, and a client is sent no index it already has."""
+    tokens = first_of_each_index(events)
+    run: list[TokenEvent] = []
+    while len(run) in tokens:
+        run.append(tokens[len(run)])
+    return run

@@ -113,6 +113,27 @@ async def case_requeue_decide(client, prefix):
     assert [f for _, f in await client.xrange(keys[1])] == [{EVENT_FIELD: "failed"}]
 
 
+async def case_publisher_publish(client, prefix):
+    keys = await _record(client, prefix, "running", worker="w1")
+    end = ["end", "done", "length", 3, "9.5", "abc", 0, "", 600]
+    assert await run(client, "publisher_publish", keys, ["w1", 2, "t0", "t1", "5", "", ""]) == 1
+    assert [f for _, f in await client.xrange(keys[1])] == [{EVENT_FIELD: "t0"}, {EVENT_FIELD: "t1"}]
+    assert await client.hmget(keys[0], "first_token_at", "scheduled_at") == ["5", None]
+    assert await client.ttl(keys[0]) == -1
+    # Another worker's, or one that ended: nothing written, its final event neither.
+    assert await run(client, "publisher_publish", keys, ["w2", 1, "t2", "", "", *end]) == 0
+    await client.hset(keys[0], "status", "failed")
+    assert await run(client, "publisher_publish", keys, ["w1", 1, "t2", "", "", *end]) == 0
+    assert await client.xlen(keys[1]) == 2 and await client.hget(keys[0], "status") == "failed"
+    # Put back and claimed by no one yet: its last worker goes on, and its end ends it.
+    await client.hset(keys[0], mapping={"status": "queued", "worker": ""})
+    assert await run(client, "publisher_publish", keys, ["w1", 1, "t2", "", "", *end]) == 1
+    assert [f[EVENT_FIELD] for _, f in await client.xrange(keys[1])] == ["t0", "t1", "t2", "end"]
+    assert await client.hmget(keys[0], "status", "finish_reason", "completion_tokens", "finished_at", "text",
+                              "reused_tokens", "error") == ["done", "length", "3", "9.5", "abc", "0", None]
+    assert 0 < await client.ttl(keys[0]) <= 600 and 0 < await client.ttl(keys[1]) <= 600
+
+
 async def case_requeue_release(client, prefix):
     stream = await _lane(client, prefix, "0:a", 1)
     [[_, [(entry_id, _)]]] = await client.xreadgroup(WORKER_GROUP, redis_keys.RECLAIMER, {stream: ">"})

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from shared import redis_keys
-from shared.messages import FinalEvent, RequestPayload, TokenEvent, decode_event, now
-from shared.store import RequestStore
+from shared.messages import FinalEvent, RequestPayload, decode_event, now
+from shared.store import RequestStore, delivered_tokens
 from worker.engine.backend import Backend
 from worker.engine.sequence import refused
 from worker.service.metrics import WorkerMetrics
@@ -65,7 +65,8 @@ class Claims:
         if any(isinstance(e, FinalEvent) for e in delivered):
             await self._ack(stream, entry_id)
             return None
-        resumed = [e for e in delivered if isinstance(e, TokenEvent)]
+        # By index, not by entry: a retried publish may have logged a token twice.
+        resumed = delivered_tokens(delivered)
         log.info("request %s started", payload.id, extra={
             "request_id": payload.id, "worker": self.name, "tenant": payload.tenant,
             "queue_s": round(now() - payload.created_at, 4), "prompt_tokens": payload.num_prompt_tokens,

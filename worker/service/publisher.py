@@ -1,69 +1,98 @@
-"""Publish one step's results: every event of the step in ONE Redis pipeline."""
+"""Publish one step's results: every event of the step in ONE Redis pipeline, each request's part
+written by a script (shared/lua/publisher_publish.lua) only while the request is still this
+worker's, so a worker that lost a request to a takeover adds nothing to its token log."""
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
-from shared import redis_keys
+from shared import redis_keys, scripts
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
-from shared.redis_keys import EVENT_FIELD
-from shared.request_record import RecordField
-from worker.engine.sequence import StepOutput
+from worker.engine.sequence import RequestEnd, StepOutput
 
 
 class Publisher:
-    def __init__(self, redis: Redis, queue: RequestQueue):
+    def __init__(self, redis: Redis, queue: RequestQueue, worker: str):
         self.redis = redis
         self.prefix = queue.prefix
         self.queue = queue
+        self.worker = worker  # the name its claims wrote in the records: what the script checks
         self.entries: dict[str, str] = {}  # request id -> its queue entry, acked when the request ends
+        self._script = scripts.register(redis, "publisher_publish")
 
     def taken(self, request_id: str, entry_id: str) -> None:
         """A request the backend now runs, from this queue entry."""
         self.entries[request_id] = entry_id
 
-    async def publish(self, outputs: list[StepOutput]) -> None:
-        """Token log XADD + SPUBLISH for each new token; on finish the record, final event and XACK."""
+    async def publish(self, outputs: list[StepOutput]) -> list[str]:
+        """Token log XADD + SPUBLISH for each new token; on finish the record, final event and XACK.
+        Returns the requests it wrote nothing for: no longer this worker's (another took them over)."""
         if not outputs:
-            return
+            return []
         stamp = now()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for out in outputs:
-                rid = out.request_id
-                log, channel = redis_keys.token_log(self.prefix, rid), redis_keys.request_channel(self.prefix, rid)
-                if out.token is not None:
-                    data = encode_event(out.token)
-                    pipe.xadd(log, {EVENT_FIELD: data})
-                    pipe.execute_command("SPUBLISH", channel, data)
-                    if out.token.index == 0:
-                        first = {RecordField.FIRST_TOKEN_AT: stamp}
-                        if out.scheduled_at:  # when its first step began (a backend may not say)
-                            first[RecordField.SCHEDULED_AT] = out.scheduled_at
-                        pipe.hset(redis_keys.request_record(self.prefix, rid), mapping=first)
-                if out.finished:
-                    self._finish(pipe, out, log, channel, stamp)
-            await pipe.execute()
-        for out in outputs:  # only once published: a retried publish acks them again
-            if out.finished:
-                self.entries.pop(out.request_id, None)
+        calls = {rid: self._args(rid, outs, stamp) for rid, outs in _by_request(outputs).items()}
+        written = await self._run(calls)
+        ended = [out for out in outputs if out.finished and out.request_id in self.entries]
+        if ended:
+            # Outside the script (the lane lies in another slot); an entry already taken back is acked: a no-op.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for out in ended:
+                    pipe.xack(self.queue.lane_stream(out.lane), redis_keys.WORKER_GROUP, self.entries[out.request_id])
+                await pipe.execute()
+        for out in ended:  # only once published: a retried publish acks them again
+            self.entries.pop(out.request_id, None)
+        return [rid for rid in calls if not written[rid]]
 
-    def _finish(self, pipe, out: StepOutput, log: str, channel: str, stamp: float) -> None:
-        end = out.end
-        record = redis_keys.request_record(self.prefix, out.request_id)
-        usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
-                      cached_tokens=min(end.reused_tokens, end.prompt_tokens))
-        status = STATUS_OF_FINISH[end.finish_reason]
-        pooled = list(end.pooled) if end.pooled is not None else None
-        final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error,
-                                        pooled=pooled))
-        fields = {RecordField.STATUS: status.value, RecordField.FINISH_REASON: end.finish_reason.value,
-                  RecordField.COMPLETION_TOKENS: usage.completion_tokens, RecordField.FINISHED_AT: stamp,
-                  RecordField.TEXT: end.text, RecordField.REUSED_TOKENS: end.reused_tokens}
-        if end.error:
-            fields[RecordField.ERROR] = end.error
-        pipe.hset(record, mapping=fields)
-        pipe.xadd(log, {EVENT_FIELD: final})
-        pipe.execute_command("SPUBLISH", channel, final)
-        pipe.xack(self.queue.lane_stream(out.lane), redis_keys.WORKER_GROUP, self.entries[out.request_id])
-        pipe.expire(record, redis_keys.RESULT_TTL_S)
-        pipe.expire(log, redis_keys.RESULT_TTL_S)
+    async def _run(self, calls: dict[str, list]) -> dict[str, bool]:
+        """Each request's script call in one pipeline; those Redis had lost the script for, again once loaded."""
+        written: dict[str, bool] = {}
+        while calls:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for args in calls.values():
+                    pipe.evalsha(self._script.sha, 3, *args)
+                results = await pipe.execute(raise_on_error=False)
+            lost = {}
+            for (rid, args), result in zip(calls.items(), results, strict=True):
+                if isinstance(result, NoScriptError):  # Redis restarted or flushed: nothing of it was written
+                    lost[rid] = args
+                elif isinstance(result, Exception):
+                    raise result
+                else:
+                    written[rid] = bool(result)
+            if lost:
+                await self.redis.script_load(self._script.script)
+            calls = lost
+        return written
+
+    def _args(self, rid: str, outs: list[StepOutput], stamp: float) -> list:
+        """The script's KEYS and ARGV for one request's outputs of a step (its header says them)."""
+        tokens = [encode_event(out.token) for out in outs if out.token is not None]
+        first = next((out for out in outs if out.token is not None and out.token.index == 0), None)
+        # When its first step began, where a backend says.
+        begun = first.scheduled_at if first is not None and first.scheduled_at else ""
+        end = next((out.end for out in outs if out.finished), None)
+        keys = [redis_keys.request_record(self.prefix, rid), redis_keys.token_log(self.prefix, rid),
+                redis_keys.request_channel(self.prefix, rid)]
+        return [*keys, self.worker, len(tokens), *tokens, stamp if first is not None else "", begun,
+                *(_end(end, stamp) if end is not None else [""])]
+
+
+def _end(end: RequestEnd, stamp: float) -> list:
+    """The final event and the record's values of the end, as the script takes them."""
+    usage = Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens,
+                  cached_tokens=min(end.reused_tokens, end.prompt_tokens))
+    status = STATUS_OF_FINISH[end.finish_reason]
+    pooled = list(end.pooled) if end.pooled is not None else None
+    final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error,
+                                    pooled=pooled))
+    return [final, status.value, end.finish_reason.value, usage.completion_tokens, stamp, end.text,
+            end.reused_tokens, end.error or "", redis_keys.RESULT_TTL_S]
+
+
+def _by_request(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:
+    """The step's outputs of each request, in order (a speculative step emits several of one)."""
+    grouped: dict[str, list[StepOutput]] = {}
+    for out in outputs:
+        grouped.setdefault(out.request_id, []).append(out)
+    return grouped

@@ -33,6 +33,7 @@ from shared.redis_client import REDIS_DOWN, until_redis_answers
 from shared.settings import WorkerSettings
 from shared.store import RequestStore
 from worker.engine.backend import Backend
+from worker.engine.sequence import StepOutput
 from worker.service.cancel_listener import CancelListener
 from worker.service.claims import Claims
 from worker.service.intake import Intake, Taken
@@ -54,7 +55,7 @@ class WorkerService:
         self.name = settings.worker_name
         self.queue = RequestQueue(redis, settings.prefix, model)
         self.store = RequestStore(redis, settings.prefix)
-        self.publisher = Publisher(redis, self.queue)
+        self.publisher = Publisher(redis, self.queue, self.name)
         self._stopping = asyncio.Event()
         self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s,
                              settings.prefix_affinity_wait_ms if settings.prefix_affinity else None)
@@ -180,9 +181,19 @@ class WorkerService:
         # Until it is published, a step's tokens exist only here: retry until Redis takes them.
         # A retried pipeline may log a token twice; readers keep the first of each index.
         published, wall = time.perf_counter(), time.time()
-        await self._retry("publish", lambda: self.publisher.publish(outputs))
+        lost = await self._retry("publish", lambda: self.publisher.publish(outputs))
         self.metrics.published(time.perf_counter() - published)
         self.spans.published(outputs, wall)
+        self._drop_lost(lost, outputs)
+
+    def _drop_lost(self, lost: list[str], outputs: list[StepOutput]) -> None:
+        """Stop the requests another worker took over while this one was paused past its heartbeat's
+        TTL: nothing of theirs was written, and running them on would only hold KV blocks."""
+        ended = {out.request_id for out in outputs if out.finished}
+        for request_id in lost:
+            if request_id not in ended:
+                log.warning("request %s was taken over by another worker; this one stops it", request_id)
+                self.backend.cancel(request_id)
 
     async def _intake(self, block: bool) -> None:
         """Take this worker's share of the queued requests, spread over the lanes; with no free
