@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.messages import RequestStatus
+from shared import redis_keys
+from shared.messages import FinalEvent, RequestStatus, decode_event
+from shared.redis_keys import EVENT_FIELD
 from shared.tokenizer import Tokenizer
 from streamq.stack import live_workers
 from tests.e2e.helpers import events_of, hf_greedy
@@ -150,6 +152,40 @@ def test_a_worker_whose_heartbeat_lapsed_takes_its_own_request_back_and_finishes
     assert [int(e["id"]) for e in tokens] == list(range(120))
     assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_llama, Tokenizer(tiny_llama).encode("Once"), 120,
                                                                 ignore_eos=True)
+
+
+def test_a_paused_worker_resumed_after_a_takeover_adds_nothing_to_the_stream(redis_url, tiny_llama, tmp_path):
+    """SIGSTOP the worker running a request past its heartbeat's TTL; the other worker takes it over;
+    then the paused one goes on (SIGCONT), the request still in its batch, a step's tokens ready. Its
+    late tokens and its final event are refused and it stops the request: the client sees each
+    index once and one continuation, which is the token log's (no index twice there either) and the
+    record's. Sampled without a seed, so the two workers' continuations differ."""
+    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1"}
+    body = {"prompt": "Once", "max_tokens": 120, "temperature": 1.0, "ignore_eos": True, "stream": True}
+    with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=True, env=env) as stack:
+        held = hold_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
+        rid, victim = held.request_id, held.record.worker
+        other = next(name for name in stack.slots if name != victim)
+        stack.resume_worker(other)
+        until_sync(lambda: stack.record(rid).worker == other, 60, "the request taken over by the other worker")
+        stack.resume_worker(victim)
+        events = held.events()
+
+        def victim_holds_nothing() -> bool:  # its heartbeat, written after it resumed, says so
+            beat = next((w for w in live_workers(stack.url) or [] if w["worker"] == victim), None)
+            return beat is not None and beat["running"] == beat["waiting"] == 0
+        until_sync(victim_holds_nothing, 60, "the resumed worker done with the request")
+        record = stack.record(rid)
+        with stack.redis() as client:
+            logged = [decode_event(f[EVENT_FIELD]) for _, f in client.xrange(redis_keys.token_log(stack.prefix, rid))]
+        logs = stack.logs()
+    tokens = [e for e in events if e["event"] == "token"]
+    assert [int(e["id"]) for e in tokens] == list(range(120))  # none twice, none lost
+    assert [e.index for e in logged[:-1]] == list(range(120)) and isinstance(logged[-1], FinalEvent), logs
+    assert [e["data"]["token_id"] for e in tokens] == [e.token_id for e in logged[:-1]]
+    assert (record.status, record.worker, record.completion_tokens) == (RequestStatus.DONE, other, 120)
+    assert record.text == "".join(e["data"]["text"] for e in tokens)
+    assert f"request {rid} was taken over by another worker" in logs
 
 
 def test_a_replaced_worker_can_itself_be_paused_killed_and_replaced(redis_url, tiny_llama, tmp_path):

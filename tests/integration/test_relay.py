@@ -92,6 +92,28 @@ async def test_a_missed_live_message_is_filled_from_the_log(redis, prefix, relay
     assert [e.index for e in events[:-1]] == [0, 1, 2, 3]
 
 
+async def test_an_index_logged_or_published_twice_is_sent_once_as_first_logged(redis, prefix, relay):
+    """A takeover's log may hold an index twice (a retried publish of the worker that ran it, a
+    token of the paused one written before the claim): each index reaches the client once, the
+    first logged, from the log, live, or in the catch-up that fills a gap."""
+    await _emit(redis, prefix, _token(0), publish=False)
+    for _ in range(2):
+        await _emit(redis, prefix, _token(1), publish=False)
+    task = asyncio.create_task(_collect(relay))
+    await _subscribed(redis, prefix)
+    await _emit(redis, prefix, TokenEvent(index=1, token_id=901, text="late "))  # an index it has, live
+    await _emit(redis, prefix, _token(2), publish=False)  # lost live: the next one's gap brings it from the log
+    await _emit(redis, prefix, TokenEvent(index=0, token_id=900, text="late "), publish=False)
+    await _emit(redis, prefix, _token(3))
+    await _emit(redis, prefix, TokenEvent(index=3, token_id=903, text="late "))
+    await _emit(redis, prefix, _final(4))
+    events = await asyncio.wait_for(task, 10)
+    assert [(e.index, e.token_id) for e in events[:-1]] == [(i, 100 + i) for i in range(4)]
+    assert isinstance(events[-1], FinalEvent)
+    resumed = await asyncio.wait_for(_collect(relay, after=1), 10)  # Last-Event-ID: 1, on any replica
+    assert [(e.index, e.token_id) for e in resumed[:-1]] == [(2, 102), (3, 103)]
+
+
 async def test_many_streams_share_the_hub_connection(redis, prefix, relay):
     tasks = [asyncio.create_task(_collect(relay)) for _ in range(20)]
     await _subscribed(redis, prefix)
