@@ -2,17 +2,37 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from shared import redis_keys
 from shared.messages import FINISHED, KeptResponse, RequestPayload, RequestStatus, now
-from shared.queue import RequestQueue
+from shared.queue import RequestQueue, queued_models
 from shared.request_record import RecordField
 from shared.store import RequestStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelQueues:
+    """The models whose queues the jobs tend: every model with a request queue (the api makes one at
+    a model's first request; it outlives that model's workers), and the scheduler's own. The queues
+    are found by a SCAN of the keyspace, so at most once every `rescan_s` seconds."""
+
+    own: str
+    rescan_s: float
+    found: set[str] = field(default_factory=set)
+    next_scan: float = 0.0
+
+    async def models(self, redis: Redis, prefix: str) -> list[str]:
+        if time.monotonic() >= self.next_scan:
+            self.found = await queued_models(redis, prefix)
+            self.next_scan = time.monotonic() + self.rescan_s
+        return sorted(self.found | {self.own})
 
 
 async def trim_request_stream(redis: Redis, prefix: str, model: str) -> int:

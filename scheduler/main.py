@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections import Counter
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from shared.arq_cluster import ArqSlot, parse_cluster_url, redis_settings
 from shared.redis_client import BACKOFF, connect, until_redis_answers
 
 from scheduler.batches import run_batch as run_batch_job
-from scheduler.jobs import expire_waiting, keep_responses, trim_request_stream
+from scheduler.jobs import ModelQueues, expire_waiting, keep_responses, trim_request_stream
 from shared.reclaim import reclaim_dead_workers
 from shared import redis_keys
 from shared.model_source import served_name
@@ -31,18 +32,25 @@ HEALTHY_RUN_S = 60.0
 
 async def trim(ctx: dict[str, Any]) -> int:
     settings: SchedulerSettings = ctx["settings"]
-    return await trim_request_stream(ctx["streamq_redis"], settings.prefix, served_name(settings))
+    redis = ctx["streamq_redis"]
+    return sum([await trim_request_stream(redis, settings.prefix, model)
+                for model in await ctx["queues"].models(redis, settings.prefix)])
 
 
 async def reclaim(ctx: dict[str, Any]) -> dict[str, int]:
     settings: SchedulerSettings = ctx["settings"]
-    return await reclaim_dead_workers(ctx["streamq_redis"], settings.prefix, served_name(settings),
-                                      settings.heartbeat_ttl_s, settings.max_attempts)
+    redis, outcomes = ctx["streamq_redis"], Counter()
+    for model in await ctx["queues"].models(redis, settings.prefix):
+        outcomes.update(await reclaim_dead_workers(redis, settings.prefix, model, settings.heartbeat_ttl_s,
+                                                   settings.max_attempts))
+    return dict(outcomes)
 
 
 async def expire(ctx: dict[str, Any]) -> int:
     settings: SchedulerSettings = ctx["settings"]
-    return await expire_waiting(ctx["streamq_redis"], settings.prefix, served_name(settings))
+    redis = ctx["streamq_redis"]
+    return sum([await expire_waiting(redis, settings.prefix, model)
+                for model in await ctx["queues"].models(redis, settings.prefix)])
 
 
 async def keep(ctx: dict[str, Any]) -> int:
@@ -62,6 +70,8 @@ def worker_settings(settings: SchedulerSettings) -> type:
     async def on_startup(ctx: dict[str, Any]) -> None:
         ctx["settings"] = settings
         ctx["streamq_redis"] = connect(settings.redis_url)
+        # arq hands each job a copy of ctx: the models found are kept in this one object.
+        ctx["queues"] = ModelQueues(served_name(settings), settings.trim_interval_s)
 
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["streamq_redis"].aclose()

@@ -92,3 +92,11 @@ class RequestQueue:
         waiting, taken = await self._backlog(keys=[self.lanes_key],
                                              args=[self.stream_prefix, redis_keys.WORKER_GROUP])
         return int(waiting), int(taken)
+
+
+async def queued_models(redis: Redis, prefix: str) -> set[str]:
+    """Every model that has a request queue (a lanes set): the api's first request for a model
+    makes one, and it stays while anything of it is queued or pending, whether or not a worker
+    of that model is alive."""
+    return {redis_keys.model_of_lanes(prefix, key)
+            async for key in redis.scan_iter(match=redis_keys.request_lanes_pattern(prefix), count=1000, _type="set")}

@@ -37,6 +37,16 @@ def request_lanes(prefix: str, model: str) -> str:
     return f"{prefix}:lanes:{{{model}}}"
 
 
+def request_lanes_pattern(prefix: str) -> str:
+    """SCAN pattern matching every model's request_lanes set (not the doorbells, which end `:new`)."""
+    return f"{prefix}:lanes:{{*}}"
+
+
+def model_of_lanes(prefix: str, key: str) -> str:
+    """The model whose request_lanes set `key` is."""
+    return key[len(f"{prefix}:lanes:{{"):-1]
+
+
 def lane_doorbell(prefix: str, model: str) -> str:
     """Stream with one entry per new lane, read without a group (XREAD), so every worker
     waiting on the lanes it knew wakes up and reads the new one at once."""

@@ -7,9 +7,10 @@ import time
 import httpx
 import pytest
 
+from shared.messages import RequestStatus
 from shared.tokenizer import Tokenizer
 from tests.e2e.helpers import hf_greedy, submit, wait_done
-from tests.stack import Stack
+from tests.stack import Stack, hold_mid_stream
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +18,15 @@ def two_models(redis_url, tiny_llama, tiny_opt, tmp_path_factory):
     # The api is configured with the llama model only; the second worker serves OPT.
     with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("multi"), workers=2,
                worker_envs=[{}, {"STREAMQ_MODEL": str(tiny_opt)}]) as stack:
-        deadline = time.monotonic() + 120
-        while {tiny_llama.name, tiny_opt.name} - _listed(stack):
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.2)  # start-up polling only
+        _wait_listed(stack, {tiny_llama.name, tiny_opt.name})
         yield stack
+
+
+def _wait_listed(stack: Stack, models: set[str]) -> None:
+    deadline = time.monotonic() + 120
+    while models - _listed(stack):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)  # start-up polling only
 
 
 def _listed(stack: Stack) -> set[str]:
@@ -64,3 +69,31 @@ def _token_ids(client: httpx.Client, api: str, rid: str) -> list[int]:
     from tests.e2e.helpers import events_of, token_ids
 
     return token_ids(events_of(client, api, rid))
+
+
+def test_the_scheduler_takes_back_a_request_of_a_model_it_was_not_started_with(redis_url, tiny_llama, tiny_opt,
+                                                                                 tmp_path):
+    """The scheduler and the api name the llama model; the only OPT worker dies mid-request. No worker
+    of OPT is left to reclaim it (the llama worker looks at its own model's queue only): the
+    scheduler puts it back, and the next OPT worker finishes it, the stream undisturbed."""
+    env = {"STREAMQ_HEARTBEAT_INTERVAL_S": "0.25", "STREAMQ_HEARTBEAT_TTL_S": "1", "STREAMQ_RECLAIM_INTERVAL_S": "1",
+           "STREAMQ_TRIM_INTERVAL_S": "1"}
+    body = {"model": tiny_opt.name, "prompt": "a b c", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with Stack(redis_url, tiny_llama, tmp_path, workers=2, scheduler=True, env=env,
+               worker_envs=[{}, {"STREAMQ_MODEL": str(tiny_opt)}]) as stack:
+        _wait_listed(stack, {tiny_llama.name, tiny_opt.name})
+        held = hold_mid_stream(stack, f"{stack.url}/v1/requests", body)
+        victim = held.record.worker
+        assert victim == stack.worker_name(1)
+        stack.kill_paused_worker(victim)
+        stack.wait_for_record(lambda r: r.model == tiny_opt.name and r.attempts == 1
+                              and r.status == RequestStatus.QUEUED)  # by the scheduler: no OPT worker lives
+        successor = stack.replace_worker(victim)
+        events = held.events()
+        record = stack.record(held.request_id)
+    tokens = [e for e in events if e["event"] == "token"]
+    assert record.status == RequestStatus.DONE and record.worker == successor and record.attempts == 1
+    assert [int(e["id"]) for e in tokens] == list(range(60))
+    assert [e["data"]["token_id"] for e in tokens] == hf_greedy(tiny_opt, Tokenizer(tiny_opt).encode("a b c"), 60,
+                                                                ignore_eos=True)

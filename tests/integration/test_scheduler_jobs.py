@@ -1,6 +1,7 @@
 """Scheduler jobs against a real Redis stream and consumer group."""
 import asyncio
 import dataclasses
+import uuid
 
 from scheduler.jobs import expire_waiting
 from shared.reclaim import reclaim_dead_workers
@@ -10,7 +11,9 @@ from shared.request_record import RecordField
 from shared.sampling import SamplingParams
 from shared.store import EVENT_FIELD, RequestStore
 from scheduler.jobs import trim_request_stream
-from scheduler.main import trim, worker_settings
+from scheduler.jobs import ModelQueues
+from scheduler.main import expire, reclaim, trim, worker_settings
+from shared.queue import queued_models
 from shared import redis_keys
 from shared.settings import SchedulerSettings
 
@@ -39,10 +42,17 @@ async def test_trim_of_a_missing_stream_does_nothing(redis, prefix):
     assert await trim_request_stream(redis, prefix, "nobody") == 0
 
 
+def _context(settings: SchedulerSettings, redis) -> dict:
+    """The jobs' ctx, as the scheduler's on_startup fills it."""
+    return {"settings": settings, "streamq_redis": redis,
+            "queues": ModelQueues(settings.served_model_name, settings.trim_interval_s)}
+
+
 async def test_cron_job_reads_settings_from_the_context(redis, redis_url, prefix):
-    settings = SchedulerSettings(redis_url=redis_url, prefix=prefix, served_model_name="m")
+    # The scheduler names another model: it trims "m" because "m" has a queue.
+    settings = SchedulerSettings(redis_url=redis_url, prefix=prefix, served_model_name="own")
     stream, ids = await _setup(redis, prefix)
-    assert await trim({"settings": settings, "streamq_redis": redis}) == 2
+    assert await trim(_context(settings, redis)) == 2
     cls = worker_settings(settings)
     assert cls.queue_name == redis_keys.arq_queue(prefix)
     assert [job.coroutine.__name__ for job in cls.cron_jobs] == ["trim", "reclaim", "expire", "keep"]
@@ -244,3 +254,27 @@ async def test_keep_responses_keeps_a_finished_request_as_long_as_its_response(r
     await redis.hset(redis_keys.request_record(prefix, "running"), RecordField.STATUS, RequestStatus.CANCELLED)
     assert await keep_responses(redis, prefix) == 1 and await redis.zcard(kept) == 0
     assert await redis.ttl(redis_keys.token_log(prefix, "running")) > day + 3600
+
+
+async def test_every_model_with_a_queue_is_found(redis, prefix):
+    for model in ("m", "other/model-1"):
+        await RequestStore(redis, prefix).submit(RequestPayload(id=str(uuid.uuid4()), model=model,
+                                                                prompt_token_ids=[1], params=SamplingParams(max_tokens=2)))
+    await redis.sadd(redis_keys.request_lanes("elsewhere", "x"), LANE)  # another deployment's prefix
+    assert await queued_models(redis, prefix) == {"m", "other/model-1"}
+
+
+async def test_the_jobs_tend_a_model_the_scheduler_was_not_started_with(redis, redis_url, prefix):
+    """A scheduler started for "own" reclaims and expires the requests of "m", whose only worker died."""
+    settings = SchedulerSettings(redis_url=redis_url, prefix=prefix, served_model_name="own")
+    store, stream, payload, entry_id = await _running_request(redis, prefix)
+    # Pending for a minute on the dead worker: past any heartbeat TTL, without waiting one.
+    await redis.xclaim(stream, redis_keys.WORKER_GROUP, "w-dead", 0, [entry_id], idle=60_000, justid=True)
+    late = RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1], params=SamplingParams(max_tokens=2), expires_at=now() - 10)
+    await store.submit(late)
+    ctx = _context(settings, redis)
+    assert await reclaim(ctx) == {"requeued": 1}
+    record = await store.record(payload.id)
+    assert record.status == "queued" and record.attempts == 1
+    assert await expire(ctx) == 1
+    assert (await store.record(late.id)).status == "expired"
