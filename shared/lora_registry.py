@@ -1,6 +1,7 @@
 """The LoRA adapters an operator loads at run time (/v1/load_lora_adapter), per model, in Redis:
-the api writes them, every worker of the model reads them at its heartbeat and loads one on its
-first request. An entry may name the tenants allowed to use the adapter (none: every tenant)."""
+the api writes them, every worker of the model reads them at its heartbeat (to list them) and when
+it takes a request of one (to run the entry's revision). An entry may name the tenants allowed to
+use the adapter (none: every tenant)."""
 from __future__ import annotations
 
 from pydantic import ConfigDict
@@ -17,6 +18,9 @@ class AdapterEntry(Versioned):
 
     path: str
     tenants: tuple[str, ...] | None = None  # who may use it (None: everyone)
+    # Bumped by every load of the model's adapters (register): a load under a name already loaded
+    # gets a new one, so workers run its weights, not those they hold (0: written before revisions).
+    revision: int = 0
 
     def allows(self, tenant: str) -> bool:
         return self.tenants is None or tenant in self.tenants
@@ -27,8 +31,12 @@ class LoraRegistry:
         self.redis = redis
         self.prefix = prefix
 
-    async def register(self, model: str, name: str, entry: AdapterEntry) -> None:
+    async def register(self, model: str, name: str, entry: AdapterEntry) -> AdapterEntry:
+        """Write `entry` under `name` with a revision no entry of the model had (the one written)."""
+        revision = await self.redis.incr(redis_keys.lora_revision(self.prefix, model))
+        entry = entry.model_copy(update={"revision": revision})
         await self.redis.hset(redis_keys.lora_adapters(self.prefix, model), name, entry.encode())
+        return entry
 
     async def unregister(self, model: str, name: str) -> bool:
         return bool(await self.redis.hdel(redis_keys.lora_adapters(self.prefix, model), name))

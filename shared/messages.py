@@ -164,6 +164,11 @@ class RequestPayload(Versioned):
     trace: dict[str, str] | None = Field(None, max_length=4)
     # The LoRA adapter to run it with, by the name the worker serves it under (None: the base model)
     adapter: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\s,=]+$")
+    # Where the adapter was loaded at run time: the registry entry's revision and folder
+    # (shared/lora_registry.py), set by the worker that claims the request from the registry then, so
+    # a load under the same name since is never run on the weights loaded before (None: the api's)
+    adapter_revision: int | None = Field(None, ge=0)
+    adapter_path: str | None = Field(None, min_length=1, max_length=4096)
     pool: PoolSpec | None = None  # an embeddings or rerank request (None: a generation)
 
     @model_validator(mode="after")
@@ -231,6 +236,9 @@ class FinalEvent(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     error: str | None = None
+    # The error's kind where the api answers it other than as a failure (500): "model_not_found",
+    # the request's LoRA adapter was unloaded before a worker ran it (a 404, as a request sent then gets)
+    code: Literal["model_not_found"] | None = None
     # A pooling request's results, one per input: base64 of little-endian float32 values (a
     # vector for embed, one score for score)
     pooled: list[str] | None = None

@@ -87,6 +87,14 @@ def lora_adapters(prefix: str, model: str) -> str:
     return f"{prefix}:lora:{{{model}}}"
 
 
+def lora_revision(prefix: str, model: str) -> str:
+    """String: a counter bumped by every /v1/load_lora_adapter of the model, its value the loaded
+    entry's revision, so a worker tells a load under a name apart from the one before it (its
+    weights are loaded again). Same slot as lora_adapters; no TTL, and never reset by an unload: a
+    revision is never given twice."""
+    return f"{prefix}:lora:{{{model}}}:revision"
+
+
 def model_commit(prefix: str, repo: str, revision: str) -> str:
     """String: the commit a hub model's revision (a branch or tag) resolved to, set once (SET NX)
     by the first process of the deployment, so the api and every worker load one snapshot. No

@@ -23,7 +23,9 @@ class Choice:
 
 def finish_reason(final: FinalEvent) -> str:
     """The reply's finish reason (vLLM's "abort" for a cancelled one); a failed or expired request
-    is an ApiError (500, 503)."""
+    is an ApiError (500, 503; 404 where its LoRA adapter was unloaded before it ran)."""
+    if final.finish_reason == FinishReason.ERROR and final.code == "model_not_found":
+        raise ApiError(404, final.error or "the model is not served here", param="model", code="model_not_found")
     if final.finish_reason == FinishReason.ERROR:
         raise ApiError(500, f"generation failed: {final.error}")
     if final.finish_reason == FinishReason.EXPIRED:

@@ -14,7 +14,8 @@ from api.admin.answers import AdapterLoaded, AdapterUnloaded
 from api.openai.answers import Completion, ModelList
 from shared.tokenizer import Tokenizer
 from streamq.testing.lora_adapters import make_adapter, merged_greedy
-from tests.stack import ROOT, Stack
+from shared.messages import RequestStatus
+from tests.stack import ROOT, Stack, hold_mid_stream
 from tests.waiting import until_sync
 
 NEW = 16
@@ -31,7 +32,9 @@ def adapters(tiny_llama, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def lora_stack(redis_url, tiny_llama, adapters, tmp_path_factory):
-    env = {"STREAMQ_LORA_MODULES": f"qv={adapters['qv']},all={adapters['all']}", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25"}
+    # A long heartbeat TTL: a worker paused by a test stays live, its adapters accepted meanwhile.
+    env = {"STREAMQ_LORA_MODULES": f"qv={adapters['qv']},all={adapters['all']}", "STREAMQ_HEARTBEAT_INTERVAL_S": "0.25",
+           "STREAMQ_HEARTBEAT_TTL_S": "120"}
     with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("lora-stack"), env=env) as stack:
         yield stack
 
@@ -93,6 +96,66 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(lora_stack, tiny_
     assert _completion(url, "late").status_code == 404
     gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=30)
     assert gone.status_code == 404  # a configured adapter stays with its workers
+
+
+HELD = 48  # tokens of a request held mid-stream
+
+
+def _load(url: str, name: str, path) -> None:
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=30)
+    assert loaded.status_code == 200, loaded.text
+
+
+def _hold(stack: Stack, name: str):
+    """A native stream of adapter `name`, every worker paused while it runs (hold_mid_stream)."""
+    body = {"model": name, "prompt": PROMPT, "max_tokens": HELD, "temperature": 0, "ignore_eos": True, "stream": True}
+    return hold_mid_stream(stack, f"{stack.urls[0]}/v1/requests", body)
+
+
+def _queue_completion(stack: Stack, name: str) -> tuple[threading.Thread, dict]:
+    """A completion of adapter `name` sent while the workers are paused: back once it is in the queue."""
+    reply: dict = {}
+    call = threading.Thread(target=lambda: reply.__setitem__(0, _completion(stack.urls[0], name)))
+    call.start()
+    stack.wait_for_record(lambda r: r.status == RequestStatus.QUEUED)
+    return call, reply
+
+
+def _held_tokens(held) -> list[int]:
+    return [e["data"]["token_id"] for e in held.events() if e["event"] == "token"]
+
+
+def test_a_load_under_a_loaded_name_runs_the_new_weights_while_a_running_request_ends_on_the_old(
+        lora_stack, tiny_llama, adapters):
+    url, ids = lora_stack.urls[0], Tokenizer(tiny_llama).encode(PROMPT)
+    text = {k: Tokenizer(tiny_llama).decode(merged_greedy(tiny_llama, adapters[k], ids, NEW)) for k in ("qv", "all")}
+    _load(url, "again", adapters["qv"])
+    until_sync(lambda: "again" in _models(url), what="the workers list the adapter")
+    assert _completion(url, "again").json()["choices"][0]["text"] == text["qv"]
+    held = _hold(lora_stack, "again")  # runs on the first load's weights, its worker paused
+    _load(url, "again", adapters["all"])  # the same name, other weights
+    call, reply = _queue_completion(lora_stack, "again")
+    lora_stack.resume_workers()
+    call.join(120)
+    assert reply[0].status_code == 200 and reply[0].json()["choices"][0]["text"] == text["all"], reply[0].text
+    assert _held_tokens(held) == merged_greedy(tiny_llama, adapters["qv"], ids, HELD)
+    assert _completion(url, "again").json()["choices"][0]["text"] == text["all"]
+
+
+def test_an_unload_lets_running_requests_end_and_ends_queued_ones_with_a_404(lora_stack, tiny_llama, adapters):
+    url, ids = lora_stack.urls[0], Tokenizer(tiny_llama).encode(PROMPT)
+    _load(url, "going", adapters["all"])
+    until_sync(lambda: "going" in _models(url), what="the workers list the adapter")
+    held = _hold(lora_stack, "going")  # it runs, its worker paused
+    call, reply = _queue_completion(lora_stack, "going")  # it waits in the queue
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "going"}, timeout=30)
+    assert unloaded.status_code == 200
+    lora_stack.resume_workers()
+    call.join(120)
+    error = reply[0].json()["error"]
+    assert reply[0].status_code == 404 and error["code"] == "model_not_found", reply[0].text
+    assert "'going'" in error["message"] and "unloaded" in error["message"]
+    assert _held_tokens(held) == merged_greedy(tiny_llama, adapters["all"], ids, HELD)  # the adapter's, to the end
 
 
 def test_an_adapter_kept_to_its_tenants(redis_url, tiny_llama, adapters, tmp_path):

@@ -84,6 +84,29 @@ def test_the_registry_loads_known_adapters_on_use_and_keeps_those_in_use(tiny_ll
         adapters.acquire("nope", "r4")
 
 
+def test_a_load_under_a_loaded_name_runs_beside_the_one_still_held_which_goes_once_released(
+        tiny_llama, model, tmp_path):
+    first, second = (make_adapter(tiny_llama, tmp_path / name, seed=i) for i, name in enumerate("ab"))
+    adapters = Adapters(model, 4, 16)
+    old = adapters.acquire("x", "r1", 1, first)
+    new = adapters.acquire("x", "r2", 2, second)  # loaded again while r1 runs: r2 gets the new weights
+    assert (old.revision, new.revision) == (1, 2) and old.root != new.root
+    assert new.root == load_adapter("x", second, model, 16).root and adapters.names() == ["x"]
+    chunks = [SimpleNamespace(seq=SimpleNamespace(adapter="x", adapter_revision=r), length=2) for r in (1, 2)]
+    assert [adapter for adapter, _ in StepLora.of(chunks, adapters, CPU).groups] == [old, new]
+    adapters.release("r1")  # the old load runs no more: gone
+    assert adapters.get(("x", 2)) is new
+    with pytest.raises(KeyError):
+        adapters.get(("x", 1))
+    adapters.release("r2")
+    third = adapters.acquire("x", "r3", 3, first)  # an idle earlier load goes when a later one loads
+    assert adapters.get(("x", 3)) is third
+    with pytest.raises(KeyError):
+        adapters.get(("x", 2))
+    with pytest.raises(ValueError, match="adapter 'y' is not loaded on this worker"):
+        adapters.acquire("y", "r4")  # run-time adapters come with their load (RequestPayload.adapter_revision)
+
+
 def test_each_row_gets_its_own_adapters_delta_and_a_base_row_none(tiny_llama, model, tmp_path):
     adapters = Adapters(model, 4, 16)
     one = adapters.load("one", make_adapter(tiny_llama, tmp_path / "one", r=4, modules=["q_proj", "v_proj"], seed=1))
@@ -171,7 +194,7 @@ def test_a_small_step_stacks_its_adapters_and_adds_what_the_gathered_products_do
     adapters = Adapters(model, 4, 16)
     for i, (name, targets) in enumerate((("one", ["q_proj", "up_proj"]), ("two", None))):
         adapters.load(name, make_adapter(tiny_llama, tmp_path / name, r=4 * (i + 1), modules=targets, seed=i))
-    chunks = [SimpleNamespace(seq=SimpleNamespace(adapter=name), length=n)
+    chunks = [SimpleNamespace(seq=SimpleNamespace(adapter=name, adapter_revision=0), length=n)
               for name, n in (("two", 3), (None, 1), ("one", 2), ("two", 1))]
     stacked = StepLora.of(chunks, adapters, CPU)
     assert stacked.stack is not None and stacked.owner.tolist() == [1, 1, 1, -1, 0, 0, 1]

@@ -149,7 +149,7 @@ class VllmBackend(Backend):
         self._events: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._configured = lora  # STREAMQ_LORA_MODULES, where LoRA is on
         self._known = dict(lora or {})  # and the adapters loaded at run time: name -> folder
-        self._lora_ids: dict[str, int] = {}  # vLLM's id of each adapter name, from 1
+        self._lora_ids: dict[tuple[str, int], int] = {}  # vLLM's id of each adapter load (name, revision), from 1
         self.scope = scope
 
     @staticmethod
@@ -255,17 +255,24 @@ class VllmBackend(Backend):
     def learn_adapters(self, runtime: dict[str, Path]) -> None:
         self._known = {**runtime, **(self._configured or {})}
 
-    def _lora_request(self, name: str | None):
-        """vLLM's LoRARequest for the adapter `name` (None for the base model); a ValueError naming
-        it where this worker does not serve it."""
+    def _lora_request(self, seq: Sequence):
+        """vLLM's LoRARequest for the request's adapter (None for the base model); a ValueError naming
+        it where this worker does not serve it. An adapter loaded at run time runs the load its
+        request was claimed with (RequestPayload.adapter_revision): each load its own id and name in
+        vLLM, which keys its loaded adapters by them, so a load under a name since runs the new weights."""
+        name = seq.adapter
         if name is None:
             return None
-        if name not in self._known:
+        if name not in (self._configured or {}) and seq.adapter_path is not None:
+            key, path = (name, seq.adapter_revision or 0), seq.adapter_path
+        elif name in self._known:
+            key, path = (name, 0), str(self._known[name])
+        else:
             raise ValueError(f"adapter {name!r} is not served by this worker (served: {sorted(self._known) or 'none'})")
         from vllm.lora.request import LoRARequest  # only with backend=vllm
 
-        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
-        return LoRARequest(name, lora_id, str(self._known[name]))
+        lora_id = self._lora_ids.setdefault(key, len(self._lora_ids) + 1)
+        return LoRARequest(name if key[1] == 0 else f"{name}@{key[1]}", lora_id, path)
 
     async def close(self) -> None:
         for _, task in list(self._active.values()):
@@ -283,7 +290,7 @@ class VllmBackend(Backend):
                 kwargs["structured_outputs"] = self._structured_class(**kwargs["structured_outputs"])
             params = self._params_class(output_kind=self._delta, **kwargs)
             async for out in self.engine.generate(self._prompt_class(**prompt_fields(seq, self.scope)), params,
-                                                  seq.id, lora_request=self._lora_request(seq.adapter)):
+                                                  seq.id, lora_request=self._lora_request(seq)):
                 completion = out.outputs[0]
                 for i, token in enumerate(completion.token_ids):
                     text = seq.accept(token, eos, context)

@@ -253,7 +253,9 @@ class Engine(BaseEngine):
         adapters = self.runner.adapters
         if adapters is None:
             raise ValueError(f"adapter {seq.adapter!r}: this worker serves no LoRA adapters (STREAMQ_LORA_MODULES)")
-        return adapters.acquire(seq.adapter, seq.id).root
+        adapter = adapters.acquire(seq.adapter, seq.id, seq.adapter_revision, seq.adapter_path)
+        seq.adapter_revision = adapter.revision
+        return adapter.root
 
     def _fetch_prefix(self, seq: Sequence) -> None:
         """The blocks of the request's prefix that this worker's cache lacks, from the shared tier

@@ -45,7 +45,9 @@ class Sequence:
     arrival: int = -1  # order of first arrival at the batcher (a preempted request keeps it)
     scheduled_at: float | None = None  # wall clock of the first step that ran it here (not when claimed)
     adapter: str | None = None  # its LoRA adapter's name (None: the base model)
-    kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in
+    adapter_revision: int | None = None  # which of its loads: the registry's, claimed with; the held one's once held
+    adapter_path: str | None = None  # that load's folder (None: a configured adapter's)
+    kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in (worker/model/lora.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -54,7 +56,8 @@ class Sequence:
     @classmethod
     def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> Sequence:
         return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.tenant,
-                   payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter)
+                   payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter,
+                   adapter_revision=payload.adapter_revision, adapter_path=payload.adapter_path)
 
     @property
     def finished(self) -> bool:
@@ -125,6 +128,7 @@ class RequestEnd:
     completion_tokens: int
     reused_tokens: int = 0  # tokens (prompt, and on a continuation those delivered before) taken from a cache
     pooled: tuple[str, ...] | None = None  # a pooling request's results (FinalEvent.pooled)
+    code: str | None = None  # the error's kind (FinalEvent.code)
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ def step_output(seq: Sequence, token: TokenEvent | None, finished: bool) -> Step
     return StepOutput(seq.id, token, finished, seq.created_at, seq.scheduled_at, seq.lane, end)
 
 
-def refused(payload: RequestPayload, error: str) -> StepOutput:
-    """The end of a request its worker cannot run at all (its backend lacks what it asks for)."""
-    end = RequestEnd(FinishReason.ERROR, error, "", payload.num_prompt_tokens, 0)
+def refused(payload: RequestPayload, error: str, code: str | None = None) -> StepOutput:
+    """The end of a request its worker cannot run at all (its backend lacks what it asks for, its
+    adapter was unloaded: `code` says so)."""
+    end = RequestEnd(FinishReason.ERROR, error, "", payload.num_prompt_tokens, 0, code=code)
     return StepOutput(payload.id, None, True, payload.created_at, None, lane_of(payload), end)

@@ -13,11 +13,15 @@ from worker.model.lora_step import StepLora
 
 
 class ChunkRequest(Protocol):
-    """What the forward reads of a chunk's request: its LoRA adapter (None: the base model). The
-    engine's request (worker/engine/sequence.py Sequence) is one; this package does not import it."""
+    """What the forward reads of a chunk's request: its LoRA adapter (None: the base model) and the
+    revision of it the request holds. The engine's request (worker/engine/sequence.py Sequence) is
+    one; this package does not import it."""
 
     @property
     def adapter(self) -> str | None: ...
+
+    @property
+    def adapter_revision(self) -> int | None: ...
 
 
 R = TypeVar("R", bound=ChunkRequest)

@@ -9,7 +9,7 @@ at load with a ValueError naming it (DoRA, biases, modules_to_save, embedding ta
 
 `Adapters` is the worker's registry: at most `max_loras` loaded at once, each request holding
 its adapter (acquire/release) from when the engine takes it in to its end, so an adapter in use is
-never evicted.
+never evicted; two loads under one name (revisions) are two adapters while requests hold each.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ class LoraAdapter:
     modules: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: module -> (A [r, in], scale B [out, r])
     fused: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: fused projection -> (A [R, in], B [out, R])
     root: int  # the prefix cache's chain root for its requests (worker/engine/block_manager.py), from its contents
+    revision: int = 0  # the load it is (Adapters: 0 for a configured adapter)
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -151,12 +152,16 @@ def _fuse(layer: torch.nn.Module, parts: dict[str, tuple[torch.Tensor, torch.Ten
 
 
 STACKS = 4  # sets of adapters whose stacked deltas Adapters keeps
+Key = tuple[str, int]  # an adapter's name and the revision of its load (0: configured, or before revisions)
 
 
 class Adapters:
-    """The worker's LoRA adapters: name -> LoraAdapter, at most `max_loras` loaded at once.
-    `known`: name -> folder (STREAMQ_LORA_MODULES), loaded on a request's first use when not
-    loaded already. Used from the model thread; names() may be read from any thread."""
+    """The worker's LoRA adapters: (name, revision) -> LoraAdapter, at most `max_loras` loaded at
+    once. `configured`: name -> folder (STREAMQ_LORA_MODULES), loaded on a request's first use when
+    not loaded already; an adapter loaded at run time comes with its request's revision and folder
+    (RequestPayload.adapter_revision), so a load under its name since runs the new weights while
+    the requests holding the old ones end on them. Used from the model thread; names() and
+    servable() may be read from any thread."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int,
                  known: dict[str, Path] | None = None, tile: int = 0, kernels=None):
@@ -168,12 +173,12 @@ class Adapters:
         self.model, self.max_loras, self.max_rank, self.tile = model, max_loras, max_rank, tile
         self.configured = dict(known or {})  # STREAMQ_LORA_MODULES: always served
         self.known = dict(self.configured)  # and those loaded at run time (learn): name -> folder
-        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently acquired first
-        self._holders: dict[str, str] = {}  # holder (a request id) -> the adapter it holds
-        self._stacks: OrderedDict[tuple[str, ...], list[dict]] = OrderedDict()  # stacked(): the last few sets
+        self._loaded: OrderedDict[Key, LoraAdapter] = OrderedDict()  # least recently acquired first
+        self._holders: dict[str, Key] = {}  # holder (a request id) -> the adapter it holds
+        self._stacks: OrderedDict[tuple[Key, ...], list[dict]] = OrderedDict()  # stacked(): the last few sets
 
     def names(self) -> list[str]:
-        return sorted(self._loaded)
+        return sorted({name for name, _ in list(self._loaded)})  # list(): one copy, taken whole
 
     def servable(self) -> list[str]:
         """Every adapter this worker serves: configured, or loaded at run time (learn)."""
@@ -181,22 +186,22 @@ class Adapters:
 
     def learn(self, runtime: dict[str, Path]) -> None:
         """The adapters loaded at run time (shared/lora_registry.py), read at each heartbeat on the
-        event loop: one name -> folder map swapped in whole, which the model thread reads on a
-        request's first use. A configured adapter keeps its own folder."""
+        event loop, for the heartbeat's list: one name -> folder map swapped in whole. A configured
+        adapter keeps its own folder."""
         self.known = {**runtime, **self.configured}
 
-    def get(self, name: str) -> LoraAdapter:
-        return self._loaded[name]
+    def get(self, key: Key) -> LoraAdapter:
+        return self._loaded[key]
 
-    def stacked(self, names: tuple[str, ...]) -> list[dict[str, tuple[Weight, Weight, torch.Tensor]]]:
-        """Per layer, each fused projection's deltas of adapters `names` side by side, as Weights (on
+    def stacked(self, keys: tuple[Key, ...]) -> list[dict[str, tuple[Weight, Weight, torch.Tensor]]]:
+        """Per layer, each fused projection's deltas of adapters `keys` side by side, as Weights (on
         the kernels' panels where they run: a small matmul through the library cost 25-35 us a call
-        here, most of it overhead): (A [sum R, in], B [out, sum R], the index in `names` of each of the
+        here, most of it overhead): (A [sum R, in], B [out, sum R], the index in `keys` of each of the
         sum R columns). Kept for the last
-        STACKS sets of names a step held (a batch keeps its set for many steps)."""
-        stack = self._stacks.get(names)
+        STACKS sets of keys a step held (a batch keeps its set for many steps)."""
+        stack = self._stacks.get(keys)
         if stack is None:
-            held = [self._loaded[n] for n in names]
+            held = [self._loaded[k] for k in keys]
             stack, owners = [], {}  # owners: one tensor per column layout, shared by the layers alike
             for i in range(len(self.model.model.layers)):
                 layer = {}
@@ -212,49 +217,72 @@ class Adapters:
                         layer[projection] = (Weight(a, None, a.device, self.kernels),
                                              Weight(b, None, b.device, self.kernels), owner)
                 stack.append(layer)
-            self._stacks[names] = stack
+            self._stacks[keys] = stack
             while len(self._stacks) > STACKS:
                 self._stacks.popitem(last=False)
         return stack
 
-    def load(self, name: str, path: str | Path) -> LoraAdapter:
-        """Load (or reload) adapter `name` from `path`; an idle adapter is unloaded to make room
-        where max_loras are loaded. A ValueError where it cannot be served or there is no room."""
-        if name in self._loaded and self._in_use(name):
+    def load(self, name: str, path: str | Path, revision: int = 0) -> LoraAdapter:
+        """Load (or reload) revision `revision` of adapter `name` from `path`; an idle adapter is
+        unloaded to make room where max_loras are loaded, and the earlier revisions of `name` no
+        request holds are dropped (never run again). A ValueError where it cannot be served or there
+        is no room."""
+        key = (name, revision)
+        if key in self._loaded and self._in_use(key):
             raise ValueError(f"adapter {name!r} is in use by running requests: it cannot be reloaded now")
         adapter = load_adapter(name, path, self.model, self.max_rank)
-        self._loaded.pop(name, None)
+        adapter.revision = revision
+        self._loaded.pop(key, None)
+        for old in [k for k in self._loaded if k[0] == name and k[1] < revision and not self._in_use(k)]:
+            del self._loaded[old]
         if len(self._loaded) >= self.max_loras:
-            idle = next((n for n in self._loaded if not self._in_use(n)), None)
+            idle = next((k for k in self._loaded if not self._in_use(k)), None)
             if idle is None:
                 raise ValueError(f"adapter {name!r}: max_loras={self.max_loras} adapters are loaded and all in use")
             del self._loaded[idle]
-        self._loaded[name] = adapter
+        self._loaded[key] = adapter
         self._stacks.clear()
         return adapter
 
     def unload(self, name: str) -> None:
-        if self._in_use(name):
+        keys = [k for k in self._loaded if k[0] == name]
+        if any(self._in_use(k) for k in keys):
             raise ValueError(f"adapter {name!r} is in use by running requests: it cannot be unloaded now")
-        self._loaded.pop(name, None)
+        for key in keys:
+            del self._loaded[key]
         self._stacks.clear()
 
-    def acquire(self, name: str, holder: str) -> LoraAdapter:
-        """Adapter `name` for request `holder`, loaded from its known folder if need be; it stays
-        loaded until released. A ValueError naming the adapter where it is unknown or cannot load."""
-        adapter = self._loaded.get(name)
+    def acquire(self, name: str, holder: str, revision: int | None = None, path: str | Path | None = None) -> LoraAdapter:
+        """Adapter `name` for request `holder`, loaded if need be; it stays loaded until released.
+        A configured adapter runs on its own folder; one loaded at run time on `path`, the folder of
+        its load `revision` (shared/lora_registry.py). A ValueError naming the adapter where it is
+        unknown or cannot load."""
+        if name in self.configured:
+            key, folder = (name, 0), self.configured[name]
+        elif revision is not None and path is not None:
+            key, folder = (name, revision), Path(path)
+        else:  # only one loaded by hand (load) runs
+            key, folder = (name, 0), None
+        adapter = self._loaded.get(key)
         if adapter is None:
-            if name not in self.known:
-                served = ", ".join(sorted(self.known)) or "none"
+            if folder is None:
+                served = ", ".join(sorted(self.configured)) or "none"
                 raise ValueError(f"adapter {name!r} is not loaded on this worker and no folder is known for it "
-                                 f"(STREAMQ_LORA_MODULES; served: {served})")
-            adapter = self.load(name, self.known[name])
-        self._loaded.move_to_end(name)
-        self._holders[holder] = name
+                                 f"(STREAMQ_LORA_MODULES, or /v1/load_lora_adapter; configured: {served})")
+            adapter = self.load(name, folder, key[1])
+        self._loaded.move_to_end(key)
+        self._holders[holder] = key
         return adapter
 
     def release(self, holder: str) -> None:
-        self._holders.pop(holder, None)
+        """`holder` ends: its adapter stays loaded, unless a later revision of it is loaded and no
+        other request holds this one (it would never run again)."""
+        key = self._holders.pop(holder, None)
+        if key is None or self._in_use(key):
+            return
+        if any(k[0] == key[0] and k[1] > key[1] for k in self._loaded):
+            self._loaded.pop(key, None)
+            self._stacks.clear()
 
-    def _in_use(self, name: str) -> bool:
-        return name in self._holders.values()
+    def _in_use(self, key: Key) -> bool:
+        return key in self._holders.values()

@@ -46,26 +46,27 @@ class StepLora:
     def of(cls, chunks: list, adapters: Adapters | None, device: torch.device) -> StepLora | None:
         """The step's adapter rows, chunk by chunk (a chunk's tokens are consecutive rows, proposed
         tokens included); None where every row is the base model's."""
-        rows: dict[str, list[int]] = {}
+        rows: dict[tuple[str, int], list[int]] = {}  # by adapter and revision: a reload's rows beside the old one's
         first = 0
         for chunk in chunks:
-            name = chunk.seq.adapter if chunk.seq is not None else None
-            if name is not None:
-                rows.setdefault(name, []).extend(range(first, first + chunk.length))
+            seq = chunk.seq
+            if seq is not None and seq.adapter is not None:
+                key = (seq.adapter, seq.adapter_revision or 0)
+                rows.setdefault(key, []).extend(range(first, first + chunk.length))
             first += chunk.length
         if not rows:
             return None
         if adapters is None:
-            raise ValueError(f"adapters {sorted(rows)} asked for on a runner that serves none")
-        names = tuple(sorted(rows))
-        groups = [(adapters.get(name), None if len(rows[name]) == first else torch.tensor(rows[name], device=device))
-                  for name in names]
+            raise ValueError(f"adapters {sorted(name for name, _ in rows)} asked for on a runner that serves none")
+        keys = tuple(sorted(rows))
+        groups = [(adapters.get(key), None if len(rows[key]) == first else torch.tensor(rows[key], device=device))
+                  for key in keys]
         if first > STACK_ROWS or adapters.tile or groups[0][1] is None:
             return cls(groups, adapters.tile)
         owner = torch.full((first,), -1)
-        for j, name in enumerate(names):
-            owner[rows[name]] = j
-        return cls(groups, 0, adapters.stacked(names), owner.to(device))
+        for j, key in enumerate(keys):
+            owner[rows[key]] = j
+        return cls(groups, 0, adapters.stacked(keys), owner.to(device))
 
     def layers(self, fused: list[FusedLayer]) -> list[FusedLayer]:
         """The fused layers with each targeted projection adding this step's deltas."""

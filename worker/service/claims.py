@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from shared import redis_keys
+from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, decode_event, now
 from shared.store import RequestStore, delivered_tokens
 from worker.engine.backend import Backend
@@ -28,10 +29,13 @@ log = logging.getLogger(__name__)
 
 class Claims:
     def __init__(self, redis: Redis, store: RequestStore, backend: Backend, publisher: Publisher,
-                 metrics: WorkerMetrics, spans: RequestSpans, name: str, held: Callable[[], list[str]]):
+                 metrics: WorkerMetrics, spans: RequestSpans, name: str, held: Callable[[], list[str]],
+                 configured: frozenset[str] = frozenset()):
+        """`configured`: the LoRA adapters of this worker's STREAMQ_LORA_MODULES (run on their own folders)."""
         self.redis, self.store, self.backend, self.publisher = redis, store, backend, publisher
         self.metrics, self.spans, self.name = metrics, spans, name
         self._held = held  # the ids of the requests this worker holds now
+        self._configured = configured
 
     async def claim(self, stream: str, entry_id: str, fields: dict[str, str]) -> RequestPayload | None:
         """Hand a taken entry's request to the backend; None when it is not to run (malformed,
@@ -77,8 +81,12 @@ class Claims:
         if (error := self.cannot_run(payload)) is not None:  # queued for this backend by hand
             await self.publisher.publish([refused(payload, error)])
             return None
-        self.backend.add(payload, resumed)
-        return payload
+        loaded = await self._with_adapter_load(payload)
+        if isinstance(loaded, str):
+            await self.publisher.publish([refused(payload, loaded, code="model_not_found")])
+            return None
+        self.backend.add(loaded, resumed)
+        return loaded
 
     def cannot_run(self, payload: RequestPayload) -> str | None:
         """Why this worker's backend cannot run the request (None: it can)."""
@@ -88,6 +96,19 @@ class Claims:
             return (f"LoRA adapter {payload.adapter!r}: this worker serves no adapters (the paged engine with "
                     "STREAMQ_ENABLE_LORA or STREAMQ_LORA_MODULES does)")
         return None
+
+    async def _with_adapter_load(self, payload: RequestPayload) -> RequestPayload | str:
+        """The request with its adapter's load as the registry holds it now (revision and folder),
+        where the adapter was loaded at run time: a load under its name since the api took it runs
+        the new weights. Why it cannot run where the adapter was unloaded meanwhile."""
+        name = payload.adapter
+        if name is None or name in self._configured:
+            return payload
+        entry = await LoraRegistry(self.redis, self.store.prefix).entry(payload.model, name)
+        if entry is None:
+            return (f"model {name!r} is not served here: the LoRA adapter was unloaded "
+                    "(/v1/unload_lora_adapter) before this request ran")
+        return payload.model_copy(update={"adapter_revision": entry.revision, "adapter_path": entry.path})
 
     async def _ack(self, stream: str, entry_id: str) -> None:
         await self.redis.xack(stream, redis_keys.WORKER_GROUP, entry_id)

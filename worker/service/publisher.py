@@ -85,7 +85,7 @@ def _end(end: RequestEnd, stamp: float) -> list:
     status = STATUS_OF_FINISH[end.finish_reason]
     pooled = list(end.pooled) if end.pooled is not None else None
     final = encode_event(FinalEvent(status=status, finish_reason=end.finish_reason, usage=usage, error=end.error,
-                                    pooled=pooled))
+                                    code=end.code, pooled=pooled))
     return [final, status.value, end.finish_reason.value, usage.completion_tokens, stamp, end.text,
             end.reused_tokens, end.error or "", redis_keys.RESULT_TTL_S]
 

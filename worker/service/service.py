@@ -72,7 +72,7 @@ class WorkerService:
         self.metrics.plan.labels(**self._plan.labels()).set(1)
         self.spans = RequestSpans(self.name)  # where tracing is on (worker/service/tracing.py)
         self.claims = Claims(redis, self.store, backend, self.publisher, self.metrics, self.spans, self.name,
-                             self._held)
+                             self._held, configured=frozenset(settings.lora.paths))
         self.cancels = CancelListener(redis, settings.prefix, self.store, backend, self._held)
         self.metrics_port: int | None = None
         self._progress = time.monotonic()  # last time the loop went round: a stuck step stops it
