@@ -61,7 +61,7 @@ async def keep(ctx: dict[str, Any]) -> int:
 async def run_batch(ctx: dict[str, Any], batch_id: str) -> dict[str, Any]:
     settings: SchedulerSettings = ctx["settings"]
     return await run_batch_job(ctx["streamq_redis"], settings.prefix, served_name(settings), batch_id,
-                               settings.batch_concurrency)
+                               settings.batch_concurrency, settings.files_ttl_s, settings.queue_timeout_s + 3600)
 
 
 def worker_settings(settings: SchedulerSettings) -> type:
@@ -84,7 +84,8 @@ def worker_settings(settings: SchedulerSettings) -> type:
     return type("StreamqScheduler", (), {
         "redis_settings": redis_settings(settings.redis_url),  # None on a cluster: supervise() gives a pool
         "queue_name": redis_keys.arq_queue(settings.prefix),
-        "functions": [func(run_batch, timeout=24 * 3600, max_tries=3, keep_result=3600)],
+        # An hour past the longest completion window (24h): the job itself ends the batch at its window's end.
+        "functions": [func(run_batch, timeout=25 * 3600, max_tries=3, keep_result=3600)],
         "cron_jobs": [every(trim, settings.trim_interval_s), every(reclaim, settings.reclaim_interval_s),
                       every(expire, settings.reclaim_interval_s), every(keep, settings.trim_interval_s)],
         "on_startup": on_startup,

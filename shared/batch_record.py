@@ -29,6 +29,23 @@ class BatchStatus(enum.StrEnum):
     VALIDATING = "validating"  # written by the api; the scheduler's job has not started it yet
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"  # every request ended, each counted completed or failed
+    EXPIRED = "expired"  # its completion window passed first: the unfinished requests ended batch_expired
+
+    @property
+    def finished(self) -> bool:
+        return self in (BatchStatus.COMPLETED, BatchStatus.EXPIRED)
+
+
+# The completion windows a batch may ask for: 1h to 24h, whole hours (OpenAI takes 24h only).
+WINDOW_PATTERN = r"^([1-9]|1[0-9]|2[0-4])h$"
+DEFAULT_WINDOW = "24h"
+# The error code of a request its batch's window ended before it finished, OpenAI's.
+EXPIRED_CODE = "batch_expired"
+
+
+def window_seconds(window: str) -> int:
+    """Seconds of a completion window such as "24h" (one WINDOW_PATTERN matches)."""
+    return int(window.removesuffix("h")) * 3600
 
 
 class BatchField(enum.StrEnum):
@@ -47,6 +64,12 @@ class BatchField(enum.StrEnum):
     METADATA = "metadata"  # the caller's metadata, as JSON
     STARTED_AT = "started_at"  # when the scheduler's job began it (seconds since the epoch, a float)
     COMPLETED_AT = "completed_at"  # when its last request ended
+    WINDOW = "completion_window"  # as asked, e.g. "24h" (absent on batches written before windows: 24h)
+    EXPIRES_AT = "expires_at"  # created_at plus the window: the job ends what is unfinished then
+    EXPIRED_AT = "expired_at"  # when the job ended it so
+    INPUT_FILE_ID = "input_file_id"  # the Files API file its requests came from ("" when inline)
+    OUTPUT_FILE_ID = "output_file_id"  # the file of its results with a response, once it ended
+    ERROR_FILE_ID = "error_file_id"  # the file of its results with an error, once it ended
 
 
 @dataclass(frozen=True)
@@ -63,13 +86,20 @@ class BatchRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     started_at: float | None = None
     completed_at: float | None = None
+    window: str | None = None  # None: a batch written before windows, read as DEFAULT_WINDOW
+    expires_at: int | None = None  # likewise: its created_at plus 24h
+    expired_at: float | None = None
+    input_file_id: str = ""
+    output_file_id: str = ""
+    error_file_id: str = ""
 
     @classmethod
     def created(cls, endpoint: str, tenant: str, created_at: int, total: int,
-                metadata: dict[str, str] | None) -> BatchRecord:
+                metadata: dict[str, str] | None, window: str = DEFAULT_WINDOW, input_file_id: str = "") -> BatchRecord:
         """The record the api writes as it hands the batch to the scheduler."""
         return cls(status=BatchStatus.VALIDATING, endpoint=endpoint, tenant=tenant, created_at=created_at,
-                   total=total, metadata=metadata or {})
+                   total=total, metadata=metadata or {}, window=window,
+                   expires_at=created_at + window_seconds(window), input_file_id=input_file_id)
 
     @classmethod
     def of(cls, fields: dict[str, str]) -> BatchRecord | None:
@@ -81,12 +111,26 @@ class BatchRecord:
 
         def stamp(name: BatchField) -> float | None:
             return float(get(name)) if get(name) else None
+        expires_at = get(BatchField.EXPIRES_AT)
         return cls(
             status=BatchStatus(fields[BatchField.STATUS]), endpoint=get(BatchField.ENDPOINT, ""),
             tenant=get(BatchField.TENANT, ""), created_at=int(get(BatchField.CREATED_AT) or 0),
             total=int(get(BatchField.TOTAL) or 0), completed=int(get(BatchField.COMPLETED) or 0),
             failed=int(get(BatchField.FAILED) or 0), metadata=json.loads(get(BatchField.METADATA) or "{}"),
-            started_at=stamp(BatchField.STARTED_AT), completed_at=stamp(BatchField.COMPLETED_AT))
+            started_at=stamp(BatchField.STARTED_AT), completed_at=stamp(BatchField.COMPLETED_AT),
+            window=get(BatchField.WINDOW), expires_at=int(expires_at) if expires_at else None,
+            expired_at=stamp(BatchField.EXPIRED_AT), input_file_id=get(BatchField.INPUT_FILE_ID, ""),
+            output_file_id=get(BatchField.OUTPUT_FILE_ID, ""), error_file_id=get(BatchField.ERROR_FILE_ID, ""))
+
+    @property
+    def completion_window(self) -> str:
+        return self.window or DEFAULT_WINDOW
+
+    @property
+    def deadline(self) -> int:
+        """When the window ends (seconds since the epoch)."""
+        return self.expires_at if self.expires_at is not None else \
+            self.created_at + window_seconds(self.completion_window)
 
     def fields(self) -> dict[str, str]:
         """The hash as Redis keeps it: every field that is set (the counts even at 0, the tenant even
@@ -95,9 +139,19 @@ class BatchRecord:
                BatchField.CREATED_AT.value: repr(self.created_at), BatchField.TOTAL.value: repr(self.total),
                BatchField.COMPLETED.value: repr(self.completed), BatchField.FAILED.value: repr(self.failed),
                BatchField.METADATA.value: json.dumps(self.metadata), BatchField.TENANT.value: self.tenant}
-        for name, at in ((BatchField.STARTED_AT, self.started_at), (BatchField.COMPLETED_AT, self.completed_at)):
+        if self.window is not None:
+            out[BatchField.WINDOW.value] = self.window
+        if self.expires_at is not None:
+            out[BatchField.EXPIRES_AT.value] = repr(self.expires_at)
+        for name, at in ((BatchField.STARTED_AT, self.started_at), (BatchField.COMPLETED_AT, self.completed_at),
+                         (BatchField.EXPIRED_AT, self.expired_at)):
             if at is not None:
                 out[name.value] = repr(at)
+        for name, file_id in ((BatchField.INPUT_FILE_ID, self.input_file_id),
+                              (BatchField.OUTPUT_FILE_ID, self.output_file_id),
+                              (BatchField.ERROR_FILE_ID, self.error_file_id)):
+            if file_id:
+                out[name.value] = file_id
         return out
 
 

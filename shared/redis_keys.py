@@ -187,6 +187,18 @@ def batch_results(prefix: str, batch_id: str) -> str:
     return f"{prefix}:batch:{{{batch_id}}}:results"
 
 
+def file_record(prefix: str, file_id: str) -> str:
+    """Hash: one file of the Files API, its metadata and its bytes in one key, so one TTL ends both;
+    its fields are named in shared/files.py."""
+    return f"{prefix}:file:{{{file_id}}}"
+
+
+def tenant_files(prefix: str, tenant: str) -> str:
+    """Sorted set: a tenant's file ids by creation time (GET /v1/files); an id whose file expired is
+    dropped when the list is read."""
+    return f"{prefix}:files:{{{tenant}}}"
+
+
 # arq's keys: the queue (a sorted set) and `<queue>:health-check`; per job `arq:job:<id>`,
 # `arq:in-progress:<id>`, `arq:result:<id>`, `arq:retry:<id>`; and its fixed abort set
 # `arq:abort`, which every job's finishing MULTI touches (even with aborts off). Its MULTIs and

@@ -51,6 +51,9 @@ class CommonSettings(BaseSettings):
                                   description="Where converted models and tokenizers are kept.")
     queue_timeout_s: float = Field(300.0, gt=0, le=86_400,
                                    description="A request not started this long after it was accepted expires.")
+    files_ttl_s: int = Field(30 * 24 * 3600, ge=3600, le=366 * 24 * 3600,
+                             description="How long a file of /v1/files (an upload, a batch's output or error file) "
+                                         "is kept after it is written; then Redis frees it.")
     heartbeat_ttl_s: float = Field(6.0, gt=0, le=600,
                                    description="Heartbeat lifetime; a worker silent this long counts as dead.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Least severe level logged.")
@@ -92,6 +95,8 @@ class ApiSettings(CommonSettings):
     sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
     max_body_bytes: int = Field(1_000_000, ge=1024, le=100_000_000,
                                 description="Largest request body accepted (413 past it).")
+    files_max_bytes: int = Field(50_000_000, ge=1024, le=512_000_000,
+                                 description="Largest file POST /v1/files accepts (413 past it); kept in Redis.")
     max_tokens_cap: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_pooling_inputs: int = Field(MAX_POOL_INPUTS, ge=1, le=MAX_POOL_INPUTS,
                                     description="Most inputs (embeddings) or documents (rerank) in one request (413 past it).")

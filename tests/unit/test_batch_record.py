@@ -17,7 +17,9 @@ from shared.sampling import SamplingParams
 
 FULL = BatchRecord(status=BatchStatus.COMPLETED, endpoint="/v1/chat/completions", tenant="acme",
                    created_at=1712000000, total=3, completed=2, failed=1, metadata={"run": "nightly"},
-                   started_at=1712000001.25, completed_at=1712000042.5)
+                   started_at=1712000001.25, completed_at=1712000042.5, window="2h", expires_at=1712007200,
+                   expired_at=1712007200.5, input_file_id="file-in", output_file_id="file-out",
+                   error_file_id="file-err")
 
 
 def test_every_field_is_named_once_and_every_name_is_a_field():
@@ -35,7 +37,8 @@ def test_a_new_batch_keeps_the_names_and_values_batches_had():
     record = BatchRecord.created("/v1/completions", "acme", 1712000000, 2, {"a": "é"})
     assert record.fields() == {
         "status": "validating", "endpoint": "/v1/completions", "created_at": "1712000000", "total": "2",
-        "completed": "0", "failed": "0", "metadata": '{"a": "\\u00e9"}', "owner": "acme"}
+        "completed": "0", "failed": "0", "metadata": '{"a": "\\u00e9"}', "owner": "acme",
+        "completion_window": "24h", "expires_at": "1712086400"}
     assert BatchRecord.created("/v1/completions", "", 1712000000, 2, None).fields()["metadata"] == "{}"
 
 
@@ -49,6 +52,7 @@ def test_a_hash_an_earlier_version_left_reads_back():
         BatchStatus.COMPLETED, "", 3, 2, 1)
     assert (record.metadata, record.started_at, record.completed_at) == ({"run": "nightly"}, 1712000001.25, 1712000042.5)
     assert record.fields() == raw
+    assert (record.completion_window, record.deadline) == ("24h", 1712000000 + 24 * 3600)  # before windows: 24h
 
 
 def test_a_hash_without_an_owner_or_metadata_reads_as_the_route_read_it():
