@@ -219,9 +219,12 @@ async def test_requests_follow_the_worker_that_ran_their_prefix(redis, redis_url
     other = await _service(redis, redis_url, prefix, HOUR_MS)
     await _idle(redis, prefix, [holder, other])
     # Both idle; the other wakes on each entry too, and reads as often: it leaves them all.
-    burst = [await _routed(redis, prefix, _payload(tenant=t)) for t in ("a", "b") for _ in range(3)]
+    burst = [await _routed(redis, prefix, _payload()) for _ in range(6)]
     assert {p.affinity for p in burst} == {holder[0].name}
     assert await _workers_of(store, burst) == [holder[0].name] * 6
+    # Another tenant's same prompt is not routed by this tenant's prefix (shared/prefix_scope.py).
+    stranger = await _routed(redis, prefix, _payload(tenant="b"))
+    assert stranger.affinity is None
     await _stop([holder, other])
 
 

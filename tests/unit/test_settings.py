@@ -86,7 +86,8 @@ def test_the_configuration_page_names_every_setting():
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     missing = sorted({f"STREAMQ_{(field.alias or name).upper()}"
-                      for cls in (settings.ApiSettings, settings.WorkerSettings, settings.SchedulerSettings)
+                      for cls in (settings.ApiSettings, settings.WorkerSettings, settings.SchedulerSettings,
+                                  settings.ServeSettings)
                       for name, field in cls.model_fields.items()
                       if f"STREAMQ_{(field.alias or name).upper()}" not in page})
     assert not missing, f"docs/configuration.md does not name {missing}"
@@ -131,7 +132,7 @@ def _setting_names() -> set[str]:
     from shared import settings
 
     names = set()
-    for cls in (settings.ApiSettings, settings.WorkerSettings, settings.SchedulerSettings):
+    for cls in (settings.ApiSettings, settings.WorkerSettings, settings.SchedulerSettings, settings.ServeSettings):
         for name, field in cls.model_fields.items():
             names.add(f"STREAMQ_{(field.alias or name).upper()}")
             if isinstance(field.validation_alias, AliasChoices):

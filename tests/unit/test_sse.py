@@ -153,7 +153,7 @@ async def test_native_stream_bytes_ids_and_keepalive():
         'id: 5\nevent: token\ndata: {"index": 5, "token_id": 8, "text": "é😀", "logprob": -0.5, '
         '"top_logprobs": [[8, -0.5], [9, -1.25]]}\n\n'
         'event: final\ndata: {"status": "done", "finish_reason": "length", '
-        '"usage": {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1}, "error": null}\n\n')
+        '"usage": {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1}, "error": null, "code": null}\n\n')
 
 
 async def test_submitted_stream_names_its_request_and_leaving_cancels_it():
