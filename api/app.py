@@ -10,6 +10,7 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.arq_cluster import arq_pool
 from shared.redis_client import REDIS_DOWN, connect, refuse_cluster
@@ -29,7 +30,7 @@ from api.core.openapi import errors
 from api.core.parsers import registry
 from api.anthropic import messages
 from api.native import requests, seed
-from api.openai import batches, chat, completions, models
+from api.openai import batches, chat, completions, files, models
 from api.openai.answers import OpenAIError
 from api.openai.errors import OPENAI_PATHS, openai_error
 from api.openai.pooling import routes as pooling
@@ -67,11 +68,14 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> Fas
         return metrics.response()
 
     for router in (requests.router, models.router, completions.router, chat.router, responses.router,
-                   messages.router, pooling.router, seed.router, batches.router, health.router, playground.router):
+                   messages.router, pooling.router, seed.router, batches.router, files.router, health.router,
+                   playground.router):
         app.include_router(router)
     # The adapter routes answer errors in OpenAI's body (OPENAI_FAMILY), as vLLM's do.
     app.include_router(lora.router, responses=errors(OpenAIError, "OpenAI's error body."))
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error)
+    # An upload to /v1/files may be as large as a file may be, with room for its multipart framing.
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, error=_error,
+                       paths={"/v1/files": settings.files_max_bytes + 64 * 1024})
     app.add_middleware(HostCheck, names=hosts, error=_error)  # outermost: nothing runs for a refused Host
     _handle_errors(app)
     return app
@@ -140,6 +144,12 @@ def _handle_errors(app: FastAPI) -> None:
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         message = f"the queue (Redis) is unavailable ({exc}); retry shortly"
         return _error(request.url.path, 503, message, headers={"Retry-After": "1"})
+
+    @app.exception_handler(RedisOutOfMemoryError)
+    async def redis_full(request: Request, exc: Exception) -> JSONResponse:
+        # maxmemory with noeviction: Redis refuses new writes rather than lose queued work.
+        message = "the server is full: the queue (Redis) reached its memory limit and takes no new requests; retry later"
+        return _error(request.url.path, 503, message, code="overloaded", headers={"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,6 +1,7 @@
 """Start a private redis-server on a free port (for `streamq serve` and the tests)."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,12 @@ INSTALL_HINT = ("redis-server is not installed. Install it (Debian/Ubuntu: `sudo
                 "`make run` and `make test` do this when run as root), or set REDIS_URL to a Redis you run.")
 
 
+def default_maxmemory_mb() -> int:
+    """A private Redis's memory limit when none is set: a quarter of the machine's RAM, at least 256 MiB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(256, total // 4 // 2**20)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,10 +30,14 @@ class RedisServer:
     """A redis-server child process bound to 127.0.0.1, with its files in `folder`."""
 
     def __init__(self, folder: Path, appendonly: bool = False, appendfsync: str = "everysec",
-                 own_session: bool = False, extra_args: list[str] | None = None):
-        """`extra_args`: more redis-server options (a cluster node's, in the tests)."""
+                 own_session: bool = False, extra_args: list[str] | None = None, maxmemory_mb: int | None = None):
+        """`extra_args`: more redis-server options (a cluster node's, in the tests). `maxmemory_mb`:
+        its memory limit, with noeviction (a write past it is refused; nothing stored is evicted)."""
         self.folder = folder
         self.extra_args = extra_args or []
+        self.maxmemory_mb = maxmemory_mb
+        if maxmemory_mb is not None:
+            self.extra_args += ["--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
         # own_session: out of the terminal's process group, so a Ctrl-C reaches only the process
         # that stops it last (after the workers have finished with it); it still dies with that one.
         self.own_session = own_session

@@ -24,6 +24,11 @@ def _default_cache_dir() -> Path:
     return Path(base) / "streamq" / "models"
 
 
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "streamq"
+
+
 class CommonSettings(BaseSettings):
     """What every process needs: where Redis is, the key prefix, and the model served."""
 
@@ -97,6 +102,9 @@ class ApiSettings(CommonSettings):
                                 description="Largest request body accepted (413 past it).")
     files_max_bytes: int = Field(50_000_000, ge=1024, le=512_000_000,
                                  description="Largest file POST /v1/files accepts (413 past it); kept in Redis.")
+    files_tenant_max_bytes: int = Field(200_000_000, ge=1024, le=100_000_000_000,
+                                        description="Most bytes of uploads one tenant keeps in /v1/files at once (413 "
+                                                    "past it), so one tenant's files cannot fill Redis for all.")
     max_tokens_cap: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_pooling_inputs: int = Field(MAX_POOL_INPUTS, ge=1, le=MAX_POOL_INPUTS,
                                     description="Most inputs (embeddings) or documents (rerank) in one request (413 past it).")
@@ -399,3 +407,15 @@ class SchedulerSettings(CommonSettings):
     reclaim_interval_s: int = Field(2, ge=1, le=30,
                                     description="Seconds between searches for requests of dead workers (a divisor of 60).")
     batch_concurrency: int = Field(4, ge=1, le=1024, description="Requests of one offline batch in flight at once.")
+
+
+class ServeSettings(CommonSettings):
+    """Settings of `streamq serve` (`make run`) for the private redis-server it starts."""
+
+    state_dir: Path = Field(default_factory=_default_state_dir,
+                            description="Where `streamq serve` keeps its redis-server's append-only file, so a "
+                                        "restart keeps queued work and results; one serve at a time per folder.")
+    redis_maxmemory_mb: int | None = Field(None, ge=64, le=16 * 1024 * 1024,
+                                           description="The private redis-server's maxmemory (MiB), with noeviction: "
+                                                       "past it a new request gets 503 and nothing stored is lost. "
+                                                       "Unset: a quarter of the machine's RAM, at least 256.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
 
 from shared import redis_keys, scripts
 from shared.messages import (Cancel, FinalEvent, FinishReason, RequestPayload, RequestStatus, StatusEvent, TokenEvent,
@@ -53,15 +54,19 @@ class RequestStore:
             raise ValueError(f"one enqueue takes requests of one model; got {sorted({p.model for p in payloads})}")
         queue = RequestQueue(self.redis, self.prefix, model)
         records = [redis_keys.request_record(self.prefix, p.id) for p in payloads]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key, payload in zip(records, payloads, strict=True):
-                pipe.hset(key, mapping=RequestRecord.queued(payload).fields())
-                pipe.expire(key, redis_keys.RESULT_TTL_S)
-            await pipe.execute()
-        queued, waiting, taken = await self._submit(
-            keys=[queue.lanes_key, queue.doorbell, *[queue.stream_of(p) for p in payloads]],
-            args=[redis_keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix,
-                  *[x for p in payloads for x in (lane_of(p), p.model_dump_json())]])
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key, payload in zip(records, payloads, strict=True):
+                    pipe.hset(key, mapping=RequestRecord.queued(payload).fields())
+                    pipe.expire(key, redis_keys.RESULT_TTL_S)
+                await pipe.execute()
+            queued, waiting, taken = await self._submit(
+                keys=[queue.lanes_key, queue.doorbell, *[queue.stream_of(p) for p in payloads]],
+                args=[redis_keys.WORKER_GROUP, -1 if max_waiting is None else max_waiting, queue.stream_prefix,
+                      *[x for p in payloads for x in (lane_of(p), p.model_dump_json())]])
+        except OutOfMemoryError:
+            await self._delete(records)  # Redis at maxmemory still deletes: no record of a refused request stays
+            raise
         if not queued:
             await self._delete(records)
         return Enqueued(bool(queued), int(waiting), int(taken))

@@ -9,6 +9,7 @@ every child and Redis; children also get SIGTERM if this process dies (PDEATHSIG
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from shared.model_source import served_name
 from shared.nginx import serve_config
-from shared.redis_server import RedisServer
-from shared.settings import CommonSettings
+from shared.redis_server import RedisServer, default_maxmemory_mb
+from shared.settings import ServeSettings
 from streamq.stack import Child, cli, prepare_model, wait_ready
 
 log = logging.getLogger("streamq.serve")
@@ -46,16 +47,17 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    settings = CommonSettings()
+    settings = ServeSettings()
     redis: RedisServer | None = None
     children: list[Child] = []
     folder = Path(tempfile.mkdtemp(prefix="streamq-serve-"))
     try:
         env = dict(os.environ)
         if not (os.environ.get("REDIS_URL") or os.environ.get("STREAMQ_REDIS_URL")):
-            redis = RedisServer(folder / "redis", appendonly=True, own_session=True)
+            redis = private_redis(settings)
             env["REDIS_URL"] = redis.start()
-            log.info("started a private redis-server at %s", env["REDIS_URL"])
+            log.info("started a private redis-server at %s (maxmemory %s MiB, its files in %s)", env["REDIS_URL"],
+                     redis.maxmemory_mb, redis.folder)
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
         prepare_model(env, quiet=False)
         url = f"http://{_loopback_if_any(host)}:{port}"
@@ -80,6 +82,25 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
         return 1
     finally:
         _stop_all(children, redis, folder)
+
+
+def private_redis(settings: ServeSettings) -> RedisServer:
+    """The redis-server `serve` runs when no REDIS_URL is set: its append-only file in the state
+    folder (a restart finds the queued requests and results again), its memory capped with
+    noeviction (a flood gets 503, and nothing accepted is evicted). A second serve on the same
+    folder is refused while the first runs."""
+    folder = settings.state_dir / "redis"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = os.open(folder / "serve.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise RuntimeError(f"another `streamq serve` keeps its Redis in {folder}; stop it, or give this one "
+                           "another STREAMQ_STATE_DIR (or a REDIS_URL)") from None
+    # The lock's descriptor stays open, and the folder held, until this process exits.
+    return RedisServer(folder, appendonly=True, own_session=True,
+                       maxmemory_mb=settings.redis_maxmemory_mb or default_maxmemory_mb())
 
 
 def _children(env: dict[str, str], host: str, port: int, api_replicas: int, workers: int, nginx: str | None,

@@ -94,16 +94,19 @@ class BodyLimit:
     """
 
     def __init__(self, app: ASGIApp, limit: int, error: Callable[[str, int, str], Response],
-                 drain: int = 64 * 2**20):
+                 drain: int = 64 * 2**20, paths: dict[str, int] | None = None):
+        """`paths`: a limit of their own for these paths (a file upload's), instead of `limit`."""
         self.app, self.limit, self.error, self.drain = app, limit, error, drain
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             length = dict(scope["headers"]).get(b"content-length")
+            limit = self.paths.get(scope["path"], self.limit)
             refusal = None
-            if length is not None and (not length.isdigit() or int(length) > self.limit):
+            if length is not None and (not length.isdigit() or int(length) > limit):
                 refusal = 413, (f"the request body is {length.decode(errors='replace')} bytes; "
-                                f"the limit is {self.limit}")
+                                f"the limit is {limit}")
             elif length is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 refusal = 411, "send a Content-Length header"
             if refusal is not None:

@@ -149,25 +149,67 @@ class RequestCounts(Answer):
 
 
 class Batch(Answer):
-    """An offline batch: its status and progress; its results at `results_url`."""
+    """An offline batch: its status and progress; its results in its output and error files once it
+    ended (and at `results_url` as one list)."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"id": "batch_5e1f", "object": "batch", "endpoint": "/v1/chat/completions", "status": "in_progress",
-         "completion_window": "24h", "created_at": 1767225600, "in_progress_at": 1767225601, "completed_at": None,
+         "input_file_id": "file-0c8e4f3a9b2d4e6f8a1b3c5d7e9f0a2b", "completion_window": "24h",
+         "created_at": 1767225600, "in_progress_at": 1767225601, "expires_at": 1767312000, "completed_at": None,
+         "expired_at": None, "output_file_id": None, "error_file_id": None, "errors": None,
          "request_counts": {"total": 2, "completed": 1, "failed": 0}, "metadata": None,
          "results_url": "/v1/batches/batch_5e1f/results"}]})
 
     id: str
     object: Literal["batch"]
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
-    status: Literal["validating", "in_progress", "completed"]
-    completion_window: Literal["24h"]
+    status: Literal["validating", "in_progress", "completed", "expired"]
+    input_file_id: str | None = Field(description="The file its requests came from (None: sent inline).")
+    completion_window: str = Field(description="As asked: 1h to 24h.")
     created_at: int | None
     in_progress_at: int | None
+    expires_at: int | None = Field(description="When the window ends: what is unfinished then fails batch_expired.")
     completed_at: int | None
+    expired_at: int | None
+    output_file_id: str | None = Field(description="Once ended: the file of the requests that got a response.")
+    error_file_id: str | None = Field(description="Once ended: the file of the requests that failed or expired.")
+    errors: None
     request_counts: RequestCounts
     metadata: dict[str, str] | None
     results_url: str
+
+
+class FileObject(Answer):
+    """A file of the Files API: a batch's input (purpose batch) or a batch's results (batch_output)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"id": "file-0c8e4f3a9b2d4e6f8a1b3c5d7e9f0a2b", "object": "file", "bytes": 1024, "created_at": 1767225600,
+         "expires_at": 1769817600, "filename": "requests.jsonl", "purpose": "batch", "status": "processed",
+         "status_details": None}]})
+
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"]
+    status_details: None
+
+
+class FileList(Answer):
+    object: Literal["list"]
+    data: list[FileObject]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class FileDeleted(Answer):
+    id: str
+    object: Literal["file"]
+    deleted: Literal[True]
 
 
 class BatchResponse(Answer):

@@ -1,29 +1,33 @@
 """Offline batches, in the shape of OpenAI's Batch API: many requests in one call, run by the
-scheduler at a lower priority than interactive traffic, with progress and results to fetch.
+scheduler at a lower priority than interactive traffic, inside the tenant's limits and the
+batch's completion window, with progress and results to fetch.
 
-Difference from OpenAI: there is no Files API, so the requests come inline (`requests`, each
-`{"custom_id", "body"}` with an optional `method`/`url`), and the results are fetched from
-`GET /v1/batches/{id}/results` (JSON lines, the shape of OpenAI's output file).
+The requests come from a file of the Files API (`input_file_id`, JSON lines as OpenAI's) or inline
+(`requests`, each `{"custom_id", "body"}` with an optional `method`/`url`). The results are the
+output and error files once the batch ended (`output_file_id`, `error_file_id`), and, as one list
+at any time, `GET /v1/batches/{id}/results` (JSON lines, the shape of OpenAI's output file).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api.core.auth import TenantDep
-from api.core.deps import ArqDep, GenerationDep, StoreDep
+from api.core.deps import ArqDep, GenerationDep, SettingsDep, StoreDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer
 from api.openai.answers import Batch, BatchResultLine, OpenAIError
+from api.openai.files import FILE_ID, file_store
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from shared import redis_keys
-from shared.batch_record import BatchEntry, BatchRecord
+from shared.batch_record import DEFAULT_WINDOW, WINDOW_PATTERN, BatchEntry, BatchRecord
 
 router = APIRouter(tags=["batches"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
@@ -39,9 +43,48 @@ class BatchItem(BaseModel):
 
 class BatchRequest(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
-    requests: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
-    completion_window: Literal["24h"] = "24h"
-    metadata: dict[str, str] | None = None
+    input_file_id: str | None = Field(None, max_length=64, description="A file of /v1/files (purpose batch): "
+                                                                       "one request per line, as OpenAI's.")
+    requests: list[BatchItem] | None = Field(None, min_length=1, max_length=MAX_BATCH_REQUESTS,
+                                             description="The requests inline, instead of a file.")
+    completion_window: str = Field(DEFAULT_WINDOW, pattern=WINDOW_PATTERN,
+                                   description="1h to 24h: what is unfinished then fails with batch_expired.")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BatchRequest:
+        if (self.input_file_id is None) == (self.requests is None):
+            raise ValueError("give the requests either as input_file_id or inline as requests, one of the two")
+        return self
+
+
+async def _file_items(body: BatchRequest, files, tenant: str) -> list[BatchItem]:
+    """The requests of the batch's input file, one per line, each for the batch's endpoint."""
+    stored = await files.get(tenant, body.input_file_id) if FILE_ID.match(body.input_file_id) else None
+    content = await files.content(tenant, body.input_file_id) if stored is not None else None
+    if content is None:
+        raise ApiError(404, f"no file {body.input_file_id!r}", param="input_file_id", code="not_found")
+    if stored.purpose != "batch":
+        raise ApiError(400, f"file {body.input_file_id!r} is a {stored.purpose} file, not a batch's input "
+                            "(purpose batch)", param="input_file_id")
+    items = []
+    for number, line in enumerate(content.decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = BatchItem.model_validate(json.loads(line))
+        except (ValueError, ValidationError) as exc:
+            raise ApiError(400, f"input file line {number}: not a batch request ({str(exc).splitlines()[0]})",
+                           param="input_file_id") from exc
+        if item.url != body.endpoint:
+            raise ApiError(400, f"input file line {number}: url {item.url!r} is not the batch's endpoint "
+                                f"{body.endpoint!r}", param="input_file_id")
+        items.append(item)
+        if len(items) > MAX_BATCH_REQUESTS:
+            raise ApiError(400, f"the input file has more than {MAX_BATCH_REQUESTS} requests", param="input_file_id")
+    if not items:
+        raise ApiError(400, "the input file has no requests", param="input_file_id")
+    return items
 
 
 class JSONLines(JSONResponse):
@@ -77,17 +120,20 @@ async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
 
 @router.post("/v1/batches", responses=json_answer(Batch, "The batch, handed to the scheduler."))
 async def create_batch(body: BatchRequest, generation: GenerationDep, store: StoreDep, arq: ArqDep,
-                       tenant: TenantDep):
+                       tenant: TenantDep, settings: SettingsDep):
     """Check every request now (a bad one fails the call with 400), then hand the batch to the scheduler."""
-    if len({i.custom_id for i in body.requests}) != len(body.requests):
+    requests = body.requests if body.input_file_id is None else \
+        await _file_items(body, file_store(store, settings), tenant)
+    if len({i.custom_id for i in requests}) != len(requests):
         raise ApiError(400, "custom_id must be unique within a batch", param="requests")
     items = []
-    for item in body.requests:
+    for item in requests:
         payloads = await _payloads(body.endpoint, item, generation)
         payloads[0].tenant = tenant
         items.append(BatchEntry(custom_id=item.custom_id, endpoint=body.endpoint, payload=payloads[0]).encode())
     batch_id = f"batch_{uuid.uuid4().hex}"
-    record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata)
+    record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata,
+                                 window=body.completion_window, input_file_id=body.input_file_id or "")
     redis = store.redis
     # The items before the record (one round trip, no MULTI: a cluster's async client has none), so
     # the batch exists only once whole.
@@ -108,8 +154,11 @@ async def _batch_object(store, batch_id: str, tenant: str) -> dict:
     def stamp(at: float | None) -> int | None:
         return int(at) if at else None
     return {"id": batch_id, "object": "batch", "endpoint": record.endpoint, "status": record.status.value,
-            "completion_window": "24h", "created_at": stamp(record.created_at),
-            "in_progress_at": stamp(record.started_at), "completed_at": stamp(record.completed_at),
+            "input_file_id": record.input_file_id or None, "completion_window": record.completion_window,
+            "created_at": stamp(record.created_at), "in_progress_at": stamp(record.started_at),
+            "expires_at": record.deadline, "completed_at": stamp(record.completed_at),
+            "expired_at": stamp(record.expired_at), "output_file_id": record.output_file_id or None,
+            "error_file_id": record.error_file_id or None, "errors": None,
             "request_counts": {"total": record.total, "completed": record.completed, "failed": record.failed},
             "metadata": record.metadata, "results_url": f"/v1/batches/{batch_id}/results"}
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 # The paths whose errors take OpenAI's body (besides Responses', pooling's and the adapters').
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/batches")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/batches", "/v1/files")
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

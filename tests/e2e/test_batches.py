@@ -54,3 +54,36 @@ def test_a_bad_request_fails_the_whole_batch_up_front(with_scheduler):
         OpenAIError.model_validate(reply.json())
         missing = client.get(f"{api}/v1/batches/batch_nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_runs_a_batch_from_a_file_and_reads_its_output_file(with_scheduler):
+    """files.create -> batches.create(input_file_id) -> batches.retrieve -> files.content, unchanged."""
+    import json
+
+    import openai
+
+    api = with_scheduler.urls[0]
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0)
+    lines = [{"custom_id": f"f{i}", "method": "POST", "url": "/v1/chat/completions", "body": _chat(i)}
+             for i in range(3)]
+    upload = client.files.create(file=("requests.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes > 0
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.input_file_id == upload.id and batch.status == "validating"
+    with httpx.Client(timeout=60) as http:
+        batch_results(http, api, batch.model_dump())
+    batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id and batch.error_file_id is None
+    assert batch.request_counts.total == 3 and batch.request_counts.completed == 3
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in output) == ["f0", "f1", "f2"]
+    with httpx.Client(timeout=60) as http:
+        for line in output:
+            i = int(line["custom_id"][1:])
+            direct = http.post(f"{api}/v1/chat/completions", json=_chat(i)).json()
+            assert line["response"]["body"]["choices"][0]["message"]["content"] == \
+                direct["choices"][0]["message"]["content"]
+    listed = {f.id for f in client.files.list()}
+    assert {upload.id, batch.output_file_id} <= listed
+    assert client.files.delete(upload.id).deleted

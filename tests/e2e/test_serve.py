@@ -39,7 +39,8 @@ def _serve(model, cache: Path, watch: dict[str, threading.Event]):
     """Start `streamq serve` with its own Redis; each event in `watch` is set when its text is printed."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
-    env.update(STREAMQ_MODEL=str(model), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(cache))
+    env.update(STREAMQ_MODEL=str(model), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(cache),
+               STREAMQ_STATE_DIR=str(cache / "state"))
     # Its own process group, as a shell gives a foreground job: a Ctrl-C signals the whole group.
     proc = subprocess.Popen([sys.executable, "-m", "streamq.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
