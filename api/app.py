@@ -20,6 +20,7 @@ from api.core.deps import Replica
 from api.core.limits import Limits
 from api.core.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.core.served_models import Models
+from api.core.stream_slots import StreamSlots
 from api.core.errors import ApiError
 from api.core.hosts import HostCheck, allowed_names
 from api.core.hub import PubSubHub
@@ -107,10 +108,13 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         models = Models(store, relay, settings, limits, metrics)
         name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
         generation = await models.add(name, own_tokenizer)
-        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation)
+        streams = StreamSlots(redis, settings.prefix, settings.max_streams_per_tenant, settings.stream_lease_s)
+        app.state.replica = Replica(settings, store, hub, relay, arq, keys, models, name, own_tokenizer, generation,
+                                    streams)
         try:
             yield
         finally:
+            await streams.close()
             await arq.aclose()
             await models.close()
             await hub.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dis
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -91,15 +92,23 @@ def profile(frame, event, arg):
         seq.append(name)
 
 
+def _stream_slots() -> list:
+    """The route's stream slots, uncapped, where it takes them (a tree before them does not)."""
+    if "streams" not in inspect.signature(routes.messages).parameters:
+        return []
+    return [importlib.import_module("api.core.stream_slots").StreamSlots(None, "", 0, 30)]
+
+
 def walk() -> list[str]:
     """The api modules the request enters, in order (one entry for consecutive steps in one module)."""
     seq.clear()
     generation = Gen(None, None, Tok(), "m", default_max_tokens=16)
     body = schemas.MessagesRequest.model_validate({"model": "m", "max_tokens": 4,
                                                    "messages": [{"role": "user", "content": "hello"}]})
+    streams = _stream_slots()
     sys.setprofile(profile)
     try:
-        answer = asyncio.run(routes.messages(body, Served(generation), ""))
+        answer = asyncio.run(routes.messages(body, Served(generation), "", *streams))
     finally:
         sys.setprofile(None)
     assert answer["content"] == [{"type": "text", "text": "hi"}], answer

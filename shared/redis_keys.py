@@ -232,3 +232,10 @@ def tenant_limits(prefix: str, tenant: str) -> str:
 def tenant_usage(prefix: str, tenant: str, kind: str) -> str:
     """Sorted set of a tenant's recent requests ('rpm', 'tpm') or its unfinished ones ('active')."""
     return f"{prefix}:usage:{{{tenant}}}:{kind}"
+
+
+def tenant_streams(prefix: str, tenant: str) -> str:
+    """Sorted set: a tenant's open SSE streams, over every replica (api/core/stream_slots.py), each
+    scored with the ms (Redis's clock) its lease ends. No member outlives its lease unrenewed, and
+    the set expires a lease after its last take or renewal, so a dead replica's slots lapse."""
+    return f"{prefix}:streams:{{{tenant}}}"

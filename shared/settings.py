@@ -98,6 +98,14 @@ class ApiSettings(CommonSettings):
                                     description="max_tokens when a request gives none (capped by the context left).")
     max_wait_s: float = Field(60.0, gt=0, le=3600, description="Longest long-poll a client may ask for with ?wait=.")
     sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
+    max_streams_per_tenant: int = Field(
+        1000, ge=0, le=1_000_000,
+        description="Most SSE streams one tenant (with auth off: all callers together) holds open at once, over every "
+                    "replica; past it a new stream is answered 429 before anything is queued. 0: no cap.")
+    stream_lease_s: float = Field(
+        30.0, ge=1, le=3600,
+        description="Lease of an open stream's slot in Redis: its replica renews it every third of this, so the "
+                    "slots of a replica that dies free themselves this long after.")
     max_body_bytes: int = Field(1_000_000, ge=1024, le=100_000_000,
                                 description="Largest request body accepted (413 past it).")
     files_max_bytes: int = Field(50_000_000, ge=1024, le=512_000_000,

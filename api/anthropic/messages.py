@@ -10,8 +10,8 @@ Keys come as `x-api-key` or `Authorization: Bearer` (api/core/auth.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import uuid
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -21,7 +21,7 @@ from api.anthropic.answers import MESSAGE_EVENTS, MESSAGE_EVENTS_EXAMPLE, Anthro
 from api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from api.core.auth import TenantDep
 from api.core.choice import Choice, finish_reason
-from api.core.deps import ModelsDep
+from api.core.deps import ModelsDep, StreamsDep
 from api.core.errors import ApiError
 from api.core.generation import Generation, Prompt
 from api.core.json_body import StrictJSONRoute
@@ -29,6 +29,7 @@ from api.core.openapi import errors, json_answer, json_or_stream
 from api.core.sse import ANTHROPIC, EventStreamResponse
 from api.core.parsers.base import Reply
 from api.core.parsers.reply import ReplyParser, read_whole
+from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -56,15 +57,17 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
 
 @router.post("/v1/messages", responses=json_or_stream(MessageAnswer, "The assistant's message.", MESSAGE_EVENTS,
                                                        MESSAGE_EVENTS_EXAMPLE))
-async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep):
+async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
     generation = await served.get(body.model)
     prompt = body.chat().as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
-    await generation.submit(payloads, tenant=tenant)
-    mid = f"msg_{uuid.uuid4().hex}"
+    # A stream's slot, before its request is queued: a 429 leaves nothing behind.
+    async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
+        await generation.submit(payloads, tenant=tenant)
+    mid = ids.message_id()
     if body.stream:
         events = _stream(generation, prompt, body, payloads[0], mid)
-        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+        return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choice = (await generation.collect(payloads))[0]
     reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final))
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)

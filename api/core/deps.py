@@ -12,6 +12,7 @@ from api.core.generation import Generation
 from api.core.hub import PubSubHub
 from api.core.relay import Relay
 from api.core.served_models import Models
+from api.core.stream_slots import StreamSlots
 from shared.api_keys import KeyStore
 from shared.arq_cluster import ArqPool
 from shared.settings import ApiSettings
@@ -31,6 +32,7 @@ class Replica:
     model_name: str  # the model this replica serves by default
     tokenizer: Tokenizer  # its tokenizer
     generation: Generation  # its Generation
+    streams: StreamSlots  # the stream slots it holds, each tenant's capped over every replica
 
 
 def replica(request: Request) -> Replica:
@@ -56,3 +58,4 @@ TokenizerDep = Annotated[Tokenizer, _part("tokenizer")]
 ModelNameDep = Annotated[str, _part("model_name")]
 GenerationDep = Annotated[Generation, _part("generation")]
 ModelsDep = Annotated[Models, _part("models")]
+StreamsDep = Annotated[StreamSlots, _part("streams")]

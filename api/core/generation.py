@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ from api.core.parsers import registry
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from shared import tracing
+from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
 from shared.prefix_affinity import PrefixAffinity
@@ -157,7 +157,7 @@ class Generation:
                                 f"{n + params.max_tokens}, more than the model's context of {context} tokens",
                            param="max_tokens")
         created = now()
-        return RequestPayload(id=str(uuid.uuid4()), model=self.base_model, prompt_token_ids=prompt_ids,
+        return RequestPayload(id=request_id(), model=self.base_model, prompt_token_ids=prompt_ids,
                               params=params, created_at=created, expires_at=created + self.queue_timeout_s,
                               priority=priority, adapter=self.adapter,
                               # to the one backend that serves the adapter, where another serves the model too

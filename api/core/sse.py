@@ -25,6 +25,8 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.core.stream_slots import StreamSlot
+
 
 def frame(data: str, event: str | None = None, event_id: int | None = None) -> str:
     """One event; `data` must be one line (JSON is). `event_id` is what a client resumes from (Last-Event-ID)."""
@@ -73,17 +75,19 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class EventStreamResponse(Response):
-    """Streams `events`; if the client disconnects first, awaits `on_disconnect` (shielded)."""
+    """Streams `events` in the tenant's stream slot (api/core/stream_slots.py), freed when the stream
+    ends or its client leaves; if the client disconnects first, awaits `on_disconnect` (shielded)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_disconnect: Callable[[], Awaitable[None]] | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[str], slot: StreamSlot,
+                 on_disconnect: Callable[[], Awaitable[None]] | None = None, headers: dict[str, str] | None = None):
         # Not Response.__init__: it would render an empty body and send Content-Length: 0.
         self.status_code = 200
         self.background = None
         self.init_headers({**SSE_HEADERS, **(headers or {})})
         self.events = events
+        self.slot = slot
         self.on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -118,6 +122,7 @@ class EventStreamResponse(Response):
             if metrics is not None:
                 metrics.open_streams.dec()
             with anyio.CancelScope(shield=True):
+                await self.slot.release()
                 await self.events.aclose()
                 if disconnected and self.on_disconnect is not None:
                     await self.on_disconnect()

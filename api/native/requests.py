@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
@@ -16,6 +16,7 @@ from api.core.deps import (
     RelayDep,
     SettingsDep,
     StoreDep,
+    StreamsDep,
 )
 from api.core.hub import TICK
 from api.core.json_body import StrictJSONRoute
@@ -24,6 +25,7 @@ from api.core.openapi import Detail, event_stream, json_answer, stream_answer
 from api.native.answers import REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE, Cancelled, RequestState, Submitted
 from api.native.schemas import SubmitRequest
 from api.core.sse import NATIVE, EventStreamResponse, frame
+from shared import ids
 from shared import redis_keys
 from shared.messages import RequestStatus, StatusEvent, TokenEvent
 from shared.request_record import RequestRecord
@@ -42,7 +44,7 @@ def _links(request_id: str) -> dict[str, str]:
     **json_answer(Submitted, "Queued: its id and links.", status.HTTP_202_ACCEPTED),
     200: {"description": "With `stream: true`: its events.",
           "content": event_stream(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE)}})
-async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep):
+async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep, streams: StreamsDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation = await served.get(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
@@ -50,9 +52,12 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     if body.backend is not None:
         await generation.check_backend(body.backend)
         payload.backend = body.backend
-    await generation.submit([payload], tenant=tenant)
+    # A stream's slot, before its request is queued: a 429 leaves nothing behind.
+    async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
+        await generation.submit([payload], tenant=tenant)
     if body.stream:
-        return EventStreamResponse(_sse(relay, payload.id, -1), on_disconnect=lambda: generation.cancel([payload]),
+        return EventStreamResponse(_sse(relay, payload.id, -1), slot,
+                                   on_disconnect=lambda: generation.cancel([payload]),
                                    headers={"X-Request-Id": payload.id})
     return JSONResponse(
         status_code=status.HTTP_202_ACCEPTED,
@@ -63,16 +68,10 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     )
 
 
-def _valid_id(request_id: str) -> str:
-    try:
-        return str(uuid.UUID(request_id, version=4))
-    except ValueError:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}") from None
-
-
 async def _record(store: RequestStore, request_id: str, tenant: str) -> RequestRecord:
-    """The request's record, if it exists and belongs to `tenant`; 404 alike otherwise."""
-    record = await store.record(_valid_id(request_id))
+    """The request's record, if it exists and belongs to `tenant`; 404 alike otherwise (an id in
+    another spelling than ids.request_id's is no request's)."""
+    record = await store.record(request_id) if ids.is_request_id(request_id) else None
     if record is None or record.tenant != tenant:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no request {request_id!r}")
     return record
@@ -156,7 +155,7 @@ async def _sse(relay: Relay, request_id: str, after: int):
 
 @router.get("/{request_id}/events", response_class=EventStreamResponse, status_code=status.HTTP_200_OK,
             responses=stream_answer(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE))
-async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: TenantDep,
+async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: TenantDep, streams: StreamsDep,
                  last_event_id: Annotated[int | None, Header(ge=-1)] = None):
     """SSE: one `token` event per token (`id:` is its index), then one `final` event.
 
@@ -164,7 +163,8 @@ async def events(request_id: str, store: StoreDep, relay: RelayDep, tenant: Tena
     the request (it was submitted to run detached).
     """
     await _record(store, request_id, tenant)
-    return EventStreamResponse(_sse(relay, request_id, -1 if last_event_id is None else last_event_id))
+    return EventStreamResponse(_sse(relay, request_id, -1 if last_event_id is None else last_event_id),
+                               await streams.take(tenant))
 
 
 @router.delete("/{request_id}", responses={

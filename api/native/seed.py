@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from api.core.auth import TenantDep
-from api.core.deps import GenerationDep
+from api.core.deps import GenerationDep, StreamsDep
 from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
@@ -97,9 +97,10 @@ async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, t
 
 @router.post("/generate_stream", response_class=EventStreamResponse, status_code=200,
              responses=stream_answer(SEED_EVENTS, SEED_EVENTS_EXAMPLE))
-async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
+async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep, streams: StreamsDep):
     payload = generation.build(await generation.encode(body.prompt), GREEDY)
-    await generation.submit([payload], tenant=tenant)
+    async with streams.opening(tenant) as slot:  # before it is queued: a 429 leaves nothing behind
+        await generation.submit([payload], tenant=tenant)
 
     async def events():
         async for _, event in generation.follow([payload.id]):
@@ -108,7 +109,7 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep, tena
             elif isinstance(event, TokenEvent) and event.text:
                 yield frame(f'{{"token": {_json(event.text)}, "sequence_id": "{payload.id}"}}')
 
-    return EventStreamResponse(events(), on_disconnect=lambda: generation.cancel([payload]))
+    return EventStreamResponse(events(), slot, on_disconnect=lambda: generation.cancel([payload]))
 
 
 @router.post("/generate/", responses=json_answer(QueryAnswer, "The query's continuation."))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -26,7 +25,7 @@ from api.core.openapi import errors, json_answer
 from api.openai.answers import Batch, BatchResultLine, OpenAIError
 from api.openai.files import FILE_ID, file_store
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
-from shared import redis_keys
+from shared import ids, redis_keys
 from shared.batch_record import DEFAULT_WINDOW, WINDOW_PATTERN, BatchEntry, BatchRecord
 
 router = APIRouter(tags=["batches"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
@@ -131,7 +130,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
         payloads = await _payloads(body.endpoint, item, generation)
         payloads[0].tenant = tenant
         items.append(BatchEntry(custom_id=item.custom_id, endpoint=body.endpoint, payload=payloads[0]).encode())
-    batch_id = f"batch_{uuid.uuid4().hex}"
+    batch_id = ids.batch_id()
     record = BatchRecord.created(body.endpoint, tenant, int(time.time()), len(items), body.metadata,
                                  window=body.completion_window, input_file_id=body.input_file_id or "")
     redis = store.redis
@@ -147,7 +146,9 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
 
 
 async def _batch_object(store, batch_id: str, tenant: str) -> dict:
-    record = BatchRecord.of(await store.redis.hgetall(redis_keys.batch_record(store.prefix, batch_id)))
+    key = redis_keys.batch_record(store.prefix, batch_id)
+    # Another spelling of an id is no batch's: not looked up.
+    record = BatchRecord.of(await store.redis.hgetall(key)) if ids.is_batch_id(batch_id) else None
     if record is None or record.tenant != tenant:
         raise ApiError(404, f"no batch {batch_id!r}", code="not_found")
 

@@ -3,8 +3,8 @@ the relay; a streaming client that disconnects cancels them. Replies are read th
 output parsers (api/core/parsers/): with tools, a reply's calls stream as they are written."""
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from api.core.auth import TenantDep
 from api.core.choice import finish_reason, stream_reason
-from api.core.deps import ModelsDep
+from api.core.deps import ModelsDep, StreamsDep
 from api.core.generation import Generation, Prompt
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_or_stream
@@ -22,6 +22,7 @@ from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.answers import CHAT_EVENTS, CHAT_EVENTS_EXAMPLE, ChatCompletion, OpenAIError
 from api.openai.logprobs import chat_logprobs, usage
 from api.openai.schemas import ChatCompletionRequest
+from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -30,17 +31,19 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 
 @router.post("/v1/chat/completions", responses=json_or_stream(
     ChatCompletion, "The chat completion.", CHAT_EVENTS, CHAT_EVENTS_EXAMPLE))
-async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep):
+async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     prompt = body.as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
-    await generation.submit(payloads, tenant=tenant)
+    # A stream's slot, before its request is queued: a 429 leaves nothing behind.
+    async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
+        await generation.submit(payloads, tenant=tenant)
     prompt_ids = payloads[0].prompt_token_ids
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    rid, created, model = ids.chat_completion_id(), int(time.time()), generation.model_name
     if body.stream:
         events = _stream_chat(generation, tokenizer, body, prompt, payloads, rid, created, model)
-        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+        return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choices = await generation.collect(payloads)
     out = []
     for i, c in enumerate(choices):

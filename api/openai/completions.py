@@ -3,8 +3,8 @@ share the prompt's KV blocks through the worker's prefix cache), followed throug
 streaming client that disconnects cancels them."""
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from api.core.auth import TenantDep
 from api.core.choice import finish_reason, stream_reason
-from api.core.deps import ModelsDep
+from api.core.deps import ModelsDep, StreamsDep
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_or_stream
@@ -20,6 +20,7 @@ from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.answers import COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE, Completion, OpenAIError
 from api.openai.logprobs import completion_logprobs, usage
 from api.openai.schemas import CompletionRequest
+from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
 from shared.tokenizer import Tokenizer
 
@@ -28,17 +29,19 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 
 @router.post("/v1/completions", responses=json_or_stream(
     Completion, "The completion.", COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE))
-async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep):
+async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     payloads = await generation.payloads(body.as_prompt())
-    await generation.submit(payloads, tenant=tenant)
+    # A stream's slot, before its request is queued: a 429 leaves nothing behind.
+    async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
+        await generation.submit(payloads, tenant=tenant)
     prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
     ranking = samples > body.n
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), generation.model_name
+    rid, created, model = ids.completion_id(), int(time.time()), generation.model_name
     if body.stream:
         events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
-        return EventStreamResponse(events, on_disconnect=lambda: generation.cancel(payloads))
+        return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choices = await generation.collect(payloads)
     reasons = [finish_reason(c.final) for c in choices]
     order = list(range(samples))

@@ -209,6 +209,26 @@ async def case_intake_drop(client, prefix):
     assert await client.smembers(lanes) == {kept} and await client.exists(*streams) == 1
 
 
+async def case_streams_take(client, prefix):
+    key = redis_keys.tenant_streams(prefix, "acme")
+    await client.zadd(key, {"lapsed": 1})  # a dead replica's slot, its lease long over
+    assert [await run(client, "streams_take", [key], [s, 2, 60_000]) for s in ("s1", "s2", "s3")] == [1, 1, 0]
+    assert sorted(await client.zrange(key, 0, -1)) == ["s1", "s2"]
+    pttl, last = await client.pttl(key), (await client.zrange(key, -1, -1, withscores=True))[0][1]
+    assert 0 < pttl <= 60_000 and abs(await _ms(client) + pttl - last) < 1000  # the set goes with its last lease
+
+
+async def case_streams_renew(client, prefix):
+    key = redis_keys.tenant_streams(prefix, "acme")
+    await client.zadd(key, {"s1": await _ms(client) + 1000})
+    await client.pexpire(key, 1000)
+    assert await run(client, "streams_renew", [key], [60_000, "s1", "freed"]) == 1
+    assert await client.zrange(key, 0, -1) == ["s1"]  # a freed slot is not brought back
+    assert 1000 < await client.pttl(key) <= 60_000
+    assert await run(client, "streams_renew", [redis_keys.tenant_streams(prefix, "none")], [60_000, "s1"]) == 0
+    assert not await client.exists(redis_keys.tenant_streams(prefix, "none"))
+
+
 CASES = {name.removeprefix("case_"): case for name, case in globals().items() if name.startswith("case_")}
 
 

@@ -11,6 +11,7 @@ import json
 import re
 from types import SimpleNamespace
 
+from api.core.stream_slots import StreamSlot, StreamSlots
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from api.openai import chat as chat_routes
 from api.openai import completions as completion_routes
@@ -94,6 +95,24 @@ class _Store:
         return RequestRecord(status=RequestStatus.RUNNING)
 
 
+class _Slots(StreamSlots):
+    """Stream slots counted here, not in Redis: how many are open, how many were ever taken."""
+
+    def __init__(self):
+        super().__init__(None, "t", 0, 30)
+        self.open = self.taken = 0
+
+    async def take(self, tenant):
+        self.open, self.taken = self.open + 1, self.taken + 1
+        return StreamSlot(tenant, f"s{self.taken}", self)
+
+    async def _release(self, slot):
+        self.open -= 1
+
+
+SLOTS = _Slots()
+
+
 class _Gauge:
     def __init__(self):
         self.value = 0
@@ -116,6 +135,7 @@ async def _run(response, leave_after: int | None = None):
         sent.append(message)
         if message["type"] == "http.response.body" and message.get("body"):
             assert gauge.value == 1  # counted while open
+            assert SLOTS.open == 1  # in its tenant's slot
             chunk_sent.set()
 
     async def receive():
@@ -124,8 +144,10 @@ async def _run(response, leave_after: int | None = None):
             await chunk_sent.wait()
         return {"type": "http.disconnect"}
 
+    taken = SLOTS.taken
     await asyncio.wait_for(response(scope, receive, send), 5)
     assert gauge.value == 0
+    assert SLOTS.open == 0 and SLOTS.taken == taken  # its slot freed, whether it ended or its client left
     start = sent[0]
     headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
     return start["status"], headers, b"".join(m.get("body", b"") for m in sent[1:]).decode()
@@ -142,7 +164,7 @@ async def test_native_stream_bytes_ids_and_keepalive():
     tokens = [TokenEvent(index=4, token_id=7, text="a \"b\"\n"),
               TokenEvent(index=5, token_id=8, text="é😀", logprob=-0.5, top_logprobs=[(8, -0.5), (9, -1.25)])]
     generation = _Generation([StatusEvent(status=RequestStatus.RUNNING, worker="w1"), None, *tokens, FINAL])
-    response = await request_routes.events(RID, _Store(), _Relay(generation), "", last_event_id=3)
+    response = await request_routes.events(RID, _Store(), _Relay(generation), "", SLOTS, last_event_id=3)
     status, headers, body = await _run(response)
     assert status == 200
     _check_headers(headers)
@@ -159,7 +181,7 @@ async def test_native_stream_bytes_ids_and_keepalive():
 async def test_submitted_stream_names_its_request_and_leaving_cancels_it():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="a")], end=False)
     body = SubmitRequest(prompt="x", max_tokens=5, stream=True)
-    response = await request_routes.submit(body, generation, _Relay(generation), "")
+    response = await request_routes.submit(body, generation, _Relay(generation), "", SLOTS)
     status, headers, text = await _run(response, leave_after=1)
     assert headers["x-request-id"] == RID
     _check_headers(headers)
@@ -170,7 +192,7 @@ async def test_submitted_stream_names_its_request_and_leaving_cancels_it():
 async def test_a_stream_that_ends_cancels_nothing():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="a"), FINAL])
     response = await request_routes.submit(SubmitRequest(prompt="x", stream=True), generation,
-                                           _Relay(generation), "")
+                                           _Relay(generation), "", SLOTS)
     await _run(response)
     assert generation.cancelled == [] and generation.closed
 
@@ -193,7 +215,7 @@ async def test_completion_stream_frames_and_done():
     generation = _Generation([None, TokenEvent(index=0, token_id=7, text="é"), TokenEvent(index=1, token_id=8, text=""),
                               FINAL])
     body = CompletionRequest(prompt="x", max_tokens=2, stream=True, stream_options={"include_usage": True})
-    response = await completion_routes.completions(body, generation, "")
+    response = await completion_routes.completions(body, generation, "", SLOTS)
     status, headers, text = await _run(response)
     _check_headers(headers)
     assert '"text": "é"' in text  # not \u-escaped
@@ -211,7 +233,7 @@ async def test_completion_stream_frames_and_done():
 async def test_chat_stream_frames_and_done():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="hi"), None, FINAL])
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
-    response = await chat_routes.chat_completions(body, generation, "")
+    response = await chat_routes.chat_completions(body, generation, "", SLOTS)
     status, headers, text = await _run(response)
     _check_headers(headers)
     chunks = _chunks(text)
@@ -222,7 +244,7 @@ async def test_chat_stream_frames_and_done():
 
 async def test_openai_stream_that_the_client_leaves_is_cancelled():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="a")], end=False)
-    response = await completion_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "")
+    response = await completion_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "", SLOTS)
     await _run(response, leave_after=1)
     assert generation.cancelled == [RID] and generation.closed
 
@@ -230,7 +252,7 @@ async def test_openai_stream_that_the_client_leaves_is_cancelled():
 async def test_seed_tutorial_stream_bytes():
     generation = _Generation([None, TokenEvent(index=0, token_id=7, text="Hi \""),
                               TokenEvent(index=1, token_id=8, text=""), FINAL])
-    response = await seed_routes.generate_stream(seed_routes.GenerateRequest(prompt="x"), generation, "")
+    response = await seed_routes.generate_stream(seed_routes.GenerateRequest(prompt="x"), generation, "", SLOTS)
     status, headers, text = await _run(response)
     _check_headers(headers)
     assert text == f': keepalive\n\ndata: {{"token": "Hi \\"", "sequence_id": "{RID}"}}\n\n'

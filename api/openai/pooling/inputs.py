@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-import uuid
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
@@ -21,6 +20,7 @@ from starlette.requests import Request
 
 from api.core.errors import ApiError
 from api.core.generation import Generation
+from shared.ids import request_id
 from shared.messages import FinalEvent, FinishReason, PoolSpec, RequestPayload, now
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -105,7 +105,7 @@ async def _run(generation: Generation, inputs: list[list[int]], spec: PoolSpec, 
                priority: int, request: Request | None) -> tuple[list[str], int]:
     await require_pooling(generation)
     created = now()
-    payload = RequestPayload(id=str(uuid.uuid4()), model=generation.base_model,
+    payload = RequestPayload(id=request_id(), model=generation.base_model,
                              prompt_token_ids=[t for ids in inputs for t in ids],
                              params=SamplingParams(max_tokens=1), created_at=created,
                              expires_at=created + generation.queue_timeout_s, priority=priority,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +13,6 @@ from shared.messages import RequestStatus
 
 # The response object's status while the request waits for a worker, and while it runs.
 LIVE_STATUS = {RequestStatus.QUEUED: "queued", RequestStatus.RUNNING: "in_progress"}
-
-def new_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
 
 
 @dataclass

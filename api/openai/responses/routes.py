@@ -12,6 +12,7 @@ nothing is kept, and a dropped stream is cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Annotated, Any, Literal
 from collections.abc import AsyncIterator
 
@@ -27,10 +28,11 @@ from api.openai.responses.answers import (RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMP
                                           ResponseObject)
 from api.core.relay import Relay
 from api.openai.responses.events import ResponseEvents
-from api.openai.responses.record import ResponseRecord, new_id, now_s, whole_seconds, with_ids
+from api.openai.responses.record import ResponseRecord, now_s, whole_seconds, with_ids
 from api.openai.responses.store import ResponseStore
 from api.openai.responses.schemas import ResponseCreate
 from api.core.sse import RESPONSES, EventStreamResponse
+from shared import ids
 from shared.messages import FinalEvent, TokenEvent
 
 router = APIRouter(tags=["responses"], route_class=StrictJSONRoute,
@@ -74,7 +76,7 @@ async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) 
 async def create_response(body: ResponseCreate, served: ModelsDep, tenant: TenantDep, responses: ResponsesDep,
                           replica: ReplicaDep):
     generation = await served.get(body.model)
-    response_id = new_id()
+    response_id = ids.response_id()
     items = with_ids(response_id, body.input_items())
     context = await _context(responses, tenant, body) + items
     try:
@@ -89,16 +91,18 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Tenan
         echo=body.echo(), input_items=items, context=context,
         tools=prompt.tool_format.name if prompt.tool_format is not None else "none",
         prompt_tokens=len(payload.prompt_token_ids))
-    await responses.create(record)  # before the request is queued: a retrieve right after finds it
-    try:
-        await generation.submit(payloads, tenant=tenant)
-    except ApiError:
-        await responses.delete(record)
-        raise
+    # A stream's slot, before anything is stored or queued: a 429 leaves nothing behind.
+    async with replica.streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
+        await responses.create(record)  # before the request is queued: a retrieve right after finds it
+        try:
+            await generation.submit(payloads, tenant=tenant)
+        except ApiError:
+            await responses.delete(record)
+            raise
     if body.stream:
         async def forget() -> None:  # store: false keeps nothing, and a dropped stream is not resumed
             await _discard(responses, replica.relay, record)
-        return EventStreamResponse(_stream(responses, replica.relay, record, -1, keep=body.store),
+        return EventStreamResponse(_stream(responses, replica.relay, record, -1, keep=body.store), slot,
                                    on_disconnect=None if body.store else forget)
     if body.background:
         events = ResponseEvents(record)
@@ -153,6 +157,9 @@ async def retrieve_response(response_id: str, tenant: TenantDep, responses: Resp
     record = await _found(responses, tenant, response_id)
     events, past = await responses.snapshot(record)
     finished = not events.live
+    if not finished and await responses.store.record(record.request_id) is None:
+        # Its request's record and token log are gone (expired or deleted): it would stay queued, a stream open, for ever.
+        raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
     if not stream:
         if finished:
             await responses.keep(record)
@@ -161,7 +168,8 @@ async def retrieve_response(response_id: str, tenant: TenantDep, responses: Resp
     if after is not None and finished and after > past[-1]["sequence_number"]:
         raise ApiError(400, f"starting_after is {after}, past the response's last event "
                             f"({past[-1]['sequence_number']})", param="starting_after")
-    return EventStreamResponse(_stream(responses, replica.relay, record, -1 if after is None else after))
+    return EventStreamResponse(_stream(responses, replica.relay, record, -1 if after is None else after),
+                               await replica.streams.take(tenant))
 
 
 def _starting_after(starting_after: int | None, last_event_id: str | None) -> int | None:

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from api.openai.responses.events import ResponseEvents
 from api.openai.responses.record import LIVE_STATUS, ResponseRecord, whole_seconds
+from shared import ids
 from shared import redis_keys
 from shared.messages import FinalEvent, KeptResponse, TokenEvent, decode_event
 from shared.request_record import RequestRecord
@@ -51,7 +52,7 @@ class ResponseStore:
             await pipe.execute()
 
     async def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        if not response_id.startswith("resp_"):
+        if not ids.is_response_id(response_id):  # another spelling of an id is no response's
             return None
         fields = await self.redis.hgetall(self._key(tenant, response_id))
         return ResponseRecord.of(response_id, tenant, fields) if fields else None
