@@ -19,7 +19,7 @@ from fastapi import APIRouter
 
 from api.anthropic.answers import MESSAGE_EVENTS, MESSAGE_EVENTS_EXAMPLE, AnthropicError, MessageAnswer, TokenCount
 from api.anthropic.schemas import CountTokensRequest, MessagesRequest
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep, TenantDep
 from api.core.choice import Choice, finish_reason
 from api.core.deps import ModelsDep, StreamsDep
 from api.core.errors import ApiError
@@ -57,7 +57,7 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
 
 @router.post("/v1/messages", responses=json_or_stream(MessageAnswer, "The assistant's message.", MESSAGE_EVENTS,
                                                        MESSAGE_EVENTS_EXAMPLE))
-async def messages(body: MessagesRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
+async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     prompt = body.chat().as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)

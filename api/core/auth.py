@@ -53,6 +53,19 @@ async def tenant(request: Request, replica: ReplicaDep) -> str:
 TenantDep = Annotated[str, Depends(tenant)]
 
 
+async def admitted(tenant: TenantDep, replica: ReplicaDep) -> str:
+    """The caller's tenant, once its limits let one more request in (429 otherwise). A dependency,
+    so FastAPI decides it before it validates the body: a tenant past its limits is refused before
+    its constraints compile or its prompt is tokenized (Limits.admit; the charge decides for good)."""
+    limits = replica.generation.limits
+    if limits is not None and tenant:
+        await limits.admit(tenant)
+    return tenant
+
+
+AdmittedDep = Annotated[str, Depends(admitted)]
+
+
 async def _is_admin(request: Request, replica: Replica) -> bool:
     """The admin tenant's key with auth on (401 for a missing or wrong one); a loopback Host with it
     off, since only a program on this machine, or a page it opened by that name, sends one."""

@@ -42,13 +42,23 @@ class Limits:
         if given:
             await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant), mapping=given)
 
+    async def admit(self, tenant: str) -> None:
+        """429 where one more request of one token would not pass the tenant's limits now; records
+        nothing. Asked before a request's body is read further (its prompt tokenized, its constraint
+        compiled), so a tenant past its limits costs the api no CPU; `charge` decides for good."""
+        await self._run(tenant, ["admission"], 1, peek=True)
+
     async def charge(self, tenant: str, request_ids: list[str], tokens: int) -> float:
         """Charge these requests to the tenant's limits and return the tenant's scheduling weight,
         or raise 429 naming the limit and the wait."""
+        return await self._run(tenant, request_ids, tokens, peek=False)
+
+    async def _run(self, tenant: str, request_ids: list[str], tokens: int, peek: bool) -> float:
         result = await self._charge(
             keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
                  [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
-            args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s])
+            args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s,
+                  "peek" if peek else ""])
         if result[0] == 0:
             return float(result[1])
         kind, wait = result[0], max(1, math.ceil(float(result[1])))

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
 
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep, TenantDep
 from api.core.deps import (
     HubDep,
     ModelsDep,
@@ -44,7 +44,7 @@ def _links(request_id: str) -> dict[str, str]:
     **json_answer(Submitted, "Queued: its id and links.", status.HTTP_202_ACCEPTED),
     200: {"description": "With `stream: true`: its events.",
           "content": event_stream(REQUEST_EVENTS, REQUEST_EVENTS_EXAMPLE)}})
-async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: TenantDep, streams: StreamsDep):
+async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant: AdmittedDep, streams: StreamsDep):
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation = await served.get(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None

@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep
 from api.core.deps import GenerationDep, StreamsDep
 from api.core.errors import ApiError
 from api.core.generation import Generation
@@ -77,19 +77,19 @@ async def _text(generation: Generation, payload: RequestPayload) -> str:
 
 
 @router.post("/basic_generate", responses=json_answer(GeneratedText, "The prompt and its continuation."))
-async def basic_generate(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep):
+async def basic_generate(body: GenerateRequest, generation: GenerationDep, tenant: AdmittedDep):
     texts, _ = await _texts(generation, [body.prompt], GREEDY, tenant)
     return {"generated_text": body.prompt + texts[0]}
 
 
 @router.post("/generate", responses=json_answer(GeneratedTexts, "Each prompt and its continuation."))
-async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
+async def generate(body: BatchGenerateRequest, generation: GenerationDep, tenant: AdmittedDep):
     texts, ids = await _texts(generation, body.prompts, GREEDY, tenant)
     return {"generated_texts": [p + t for p, t in zip(body.prompts, texts)], "request_ids": ids}
 
 
 @router.post("/generate_vllm", responses=json_answer(VllmTexts, "Each prompt's continuation."))
-async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: TenantDep):
+async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, tenant: AdmittedDep):
     vllm = "vllm" in await generation.live_backends()
     texts, _ = await _texts(generation, body.prompts, VLLM_LIKE, tenant, backend="vllm" if vllm else None)
     return {"generated_texts": texts}
@@ -97,7 +97,7 @@ async def generate_vllm(body: BatchGenerateRequest, generation: GenerationDep, t
 
 @router.post("/generate_stream", response_class=EventStreamResponse, status_code=200,
              responses=stream_answer(SEED_EVENTS, SEED_EVENTS_EXAMPLE))
-async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: TenantDep, streams: StreamsDep):
+async def generate_stream(body: GenerateRequest, generation: GenerationDep, tenant: AdmittedDep, streams: StreamsDep):
     payload = generation.build(await generation.encode(body.prompt), GREEDY)
     async with streams.opening(tenant) as slot:  # before it is queued: a 429 leaves nothing behind
         await generation.submit([payload], tenant=tenant)
@@ -113,7 +113,7 @@ async def generate_stream(body: GenerateRequest, generation: GenerationDep, tena
 
 
 @router.post("/generate/", responses=json_answer(QueryAnswer, "The query's continuation."))
-async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
+async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: AdmittedDep):
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
                             seed=body.seed)
     texts, _ = await _texts(generation, [body.query], params, tenant)
@@ -123,7 +123,7 @@ async def generate_query(body: QueryRequest, generation: GenerationDep, tenant: 
 @router.post("/generate_stream/", response_class=PlainTextResponse, responses={200: {
     "description": "The text as it is generated (text/plain, streamed).",
     "content": {"text/plain": {"schema": {"type": "string"}, "example": " Paris is the capital of France."}}}})
-async def generate_query_stream(body: QueryRequest, generation: GenerationDep, tenant: TenantDep):
+async def generate_query_stream(body: QueryRequest, generation: GenerationDep, tenant: AdmittedDep):
     """Plain text as it is generated; with n > 1 the samples' texts follow one another."""
     prompt_ids = await generation.encode(body.query)
     payloads = [generation.build(prompt_ids, SamplingParams(

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep
 from api.core.choice import finish_reason, stream_reason
 from api.core.deps import ModelsDep, StreamsDep
 from api.core.generation import Generation, Prompt
@@ -31,7 +31,7 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 
 @router.post("/v1/chat/completions", responses=json_or_stream(
     ChatCompletion, "The chat completion.", CHAT_EVENTS, CHAT_EVENTS_EXAMPLE))
-async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
+async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     prompt = body.as_prompt(generation.tool_format)

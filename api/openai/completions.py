@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
 
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep
 from api.core.choice import finish_reason, stream_reason
 from api.core.deps import ModelsDep, StreamsDep
 from api.core.generation import Generation
@@ -29,7 +29,7 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 
 @router.post("/v1/completions", responses=json_or_stream(
     Completion, "The completion.", COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE))
-async def completions(body: CompletionRequest, served: ModelsDep, tenant: TenantDep, streams: StreamsDep):
+async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     payloads = await generation.payloads(body.as_prompt())

@@ -9,6 +9,7 @@
 -- ARGV[3]: the tokens they reserve.
 -- ARGV[4]: the ended request ids, space-separated (active ones whose records say they ended).
 -- ARGV[5]: the active ttl, in seconds (an active entry outliving its request this long is dropped).
+-- ARGV[6]: "peek" to check only (Limits.admit: would these requests pass now?), recording nothing.
 -- Returns {0, weight} when admitted, else {the limit reached, seconds to wait}.
 
 local limits = redis.call('HGETALL', KEYS[1])
@@ -40,6 +41,7 @@ if (lim['concurrent'] or 0) > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   if redis.call('ZCARD', KEYS[4]) + #ids > lim['concurrent'] then return {'concurrent requests', '1'} end
 end
+if ARGV[6] == 'peek' then return {0, tostring(lim['weight'] or 1)} end
 for i, id in ipairs(ids) do
   redis.call('ZADD', KEYS[2], now, id)
   redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), id)

@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from api.openai.pooling import inputs as pooling
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep
 from api.core.deps import ModelsDep, SettingsDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
@@ -22,7 +22,7 @@ PATHS = ("/v1/embeddings", *RERANK_PATHS)
 
 
 @router.post("/v1/embeddings", responses=json_answer(EmbeddingList, "One embedding per input."))
-async def embeddings(body: EmbeddingRequest, served: ModelsDep, tenant: TenantDep, settings: SettingsDep,
+async def embeddings(body: EmbeddingRequest, served: ModelsDep, tenant: AdmittedDep, settings: SettingsDep,
                      request: Request):
     generation = await served.get(body.model)
     size = generation.tokenizer.hidden_size
@@ -37,7 +37,7 @@ async def embeddings(body: EmbeddingRequest, served: ModelsDep, tenant: TenantDe
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def rerank(body: RerankRequest, served: ModelsDep, tenant: TenantDep, settings: SettingsDep, request: Request):
+async def rerank(body: RerankRequest, served: ModelsDep, tenant: AdmittedDep, settings: SettingsDep, request: Request):
     generation = await served.get(body.model)
     texts = body.texts()
     scores, tokens = await pooling.rerank(generation, body.query, texts, tenant, body.priority, _caps(settings),

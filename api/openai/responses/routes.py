@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Query
 
-from api.core.auth import TenantDep
+from api.core.auth import AdmittedDep, TenantDep
 from api.core.deps import ModelsDep, ReplicaDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
@@ -73,7 +73,7 @@ async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) 
 @router.post("/v1/responses", responses=json_or_stream(
     ResponseObject, "The response (finished; queued with `background: true`).", RESPONSE_EVENTS,
     RESPONSE_EVENTS_EXAMPLE))
-async def create_response(body: ResponseCreate, served: ModelsDep, tenant: TenantDep, responses: ResponsesDep,
+async def create_response(body: ResponseCreate, served: ModelsDep, tenant: AdmittedDep, responses: ResponsesDep,
                           replica: ReplicaDep):
     generation = await served.get(body.model)
     response_id = ids.response_id()
