@@ -176,3 +176,23 @@ def test_each_tenant_and_priority_has_its_own_lane_with_the_tenants_weight(secur
         [(_, fields)] = client.xrange(redis_keys.request_stream(secured.prefix, secured.model_name, "-3:erin"))
     payload = RequestPayload.model_validate_json(fields["payload"])
     assert (payload.tenant, payload.priority, payload.weight) == ("erin", -3, 2.5)
+
+
+def test_one_tenants_cached_prefix_is_not_another_tenants(secured):
+    """The prefix cache and the KV tier key a prompt's blocks in its tenant's space: tenant B sending
+    tenant A's prompt is told cached_tokens 0 (and computes it), then hits its own copy."""
+    api = secured.urls[0]
+    alice = bearer(keys_cli(secured, "create", "--tenant", "alice").stdout.strip())
+    bob = bearer(keys_cli(secured, "create", "--tenant", "bob").stdout.strip())
+    prompt = " ".join(f"word{i}" for i in range(120))  # several full blocks of the tiny model's cache
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def cached(who) -> int:
+        reply = client.post(f"{api}/v1/completions", json=body, headers=who)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    with httpx.Client(timeout=60) as client:
+        assert cached(alice) == 0
+        assert cached(alice) > 0  # her own prefix, cached
+        assert cached(bob) == 0  # the same prompt: nothing of hers
+        assert cached(bob) > 0
