@@ -101,7 +101,7 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         hub = PubSubHub(redis, redis_keys.replica_channel(settings.prefix, settings.replica), settings.sse_keepalive_s)
         await hub.start()
         store = RequestStore(redis, settings.prefix)
-        relay = Relay(store, hub)
+        relay = Relay(store, hub, settings.relay_idle_s)
         arq = await arq_pool(settings.redis_url, redis_keys.arq_queue(settings.prefix))
         keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
         limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if keys is not None else None

@@ -98,6 +98,10 @@ class ApiSettings(CommonSettings):
                                     description="max_tokens when a request gives none (capped by the context left).")
     max_wait_s: float = Field(60.0, gt=0, le=3600, description="Longest long-poll a client may ask for with ?wait=.")
     sse_keepalive_s: float = Field(15.0, gt=0, le=300, description="Seconds between SSE comment pings on a quiet stream.")
+    relay_idle_s: float = Field(30.0, gt=0, le=3600,
+                                description="A stream with no event this long reads the request's log and record: "
+                                            "an ended request's record gives its final event, a gone one ends the "
+                                            "stream with an error (none waits for ever on a lost final event).")
     max_streams_per_tenant: int = Field(
         1000, ge=0, le=1_000_000,
         description="Most SSE streams one tenant (with auth off: all callers together) holds open at once, over every "

@@ -135,3 +135,52 @@ async def test_a_quiet_stream_gets_keepalives_from_the_hub_tick(redis, prefix):
     assert first is None  # a keepalive, with nothing published
     await events.aclose()
     await hub.close()
+
+
+@pytest.fixture
+async def quick_relay(redis, prefix):
+    """A relay whose streams look at the record after 0.05 s without an event (ticks every 0.01 s)."""
+    hub = PubSubHub(redis, redis_keys.replica_channel(prefix, "quick"), tick_s=0.01)
+    await hub.start()
+    yield Relay(RequestStore(redis, prefix), hub, idle_s=0.05)
+    await hub.close()
+
+
+async def _record(redis, prefix, **fields):
+    await redis.hset(redis_keys.request_record(prefix, RID), mapping={"status": "running", "prompt_tokens": 4,
+                                                                      "model": "m", **fields})
+
+
+async def test_a_stream_whose_final_event_was_lost_ends_with_the_records(redis, prefix, quick_relay):
+    """The record says done (its final event lost with a failed-over master): the stream ends with
+    the record's status, reason and counts after the tokens the log has."""
+    await _record(redis, prefix, status="done", finish_reason="length", completion_tokens=2, reused_tokens=1)
+    await _emit(redis, prefix, _token(0), publish=False)
+    events = await asyncio.wait_for(_collect(quick_relay), 30)
+    assert events[:-1] == [_token(0)]
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.status == RequestStatus.DONE
+    assert final.finish_reason == FinishReason.LENGTH
+    assert final.usage == Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=1)
+
+
+async def test_a_stream_whose_record_is_gone_ends_with_an_error(redis, prefix, quick_relay):
+    events = await asyncio.wait_for(_collect(quick_relay), 30)
+    [final] = events
+    assert final.status == RequestStatus.FAILED and "record is gone" in final.error
+
+
+async def test_a_running_request_is_waited_for_past_the_idle_deadline(redis, prefix, quick_relay):
+    await _record(redis, prefix)
+    stream = quick_relay.events(RID)
+    quiet = 0
+    async for event in stream:  # keepalives, one a tick, well past several idle deadlines
+        assert event is None
+        quiet += 1
+        if quiet == 30:
+            break
+    await _emit(redis, prefix, _token(0))
+    await _emit(redis, prefix, _final(1))
+    rest = [e async for e in stream if e is not None]
+    await stream.aclose()
+    assert rest == [_token(0), _final(1)]
