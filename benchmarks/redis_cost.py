@@ -90,11 +90,11 @@ def main() -> None:
     with local_stack("redis-cost", settings, env_out=env) as url:
         client = redis.Redis.from_url(env["REDIS_URL"], decode_responses=True)
         asyncio.run(workload(url, 2, 2, 2))  # warm-up: lanes, groups, connections
-        before = counters(client)
+        before, kept_before = counters(client), client.info("memory")["used_memory_dataset"]
         started = time.perf_counter()
         seen = asyncio.run(workload(url, args.requests, args.tokens, args.clients))
         wall = time.perf_counter() - started
-        after = counters(client)
+        after, kept = counters(client), client.info("memory")["used_memory_dataset"] - kept_before
         port = int(env["REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
         bench = redis_benchmark(port, args.pipeline)
     generated = args.requests * args.tokens
@@ -106,13 +106,17 @@ def main() -> None:
     total = sum(commands.values())
     rows.append(["all", int(total), round(total / generated, 3), round(total / args.requests, 2)])
     per_token = {"commands": total / generated, "bytes_in": delta["bytes_in"] / generated,
-                 "bytes_out": delta["bytes_out"] / generated, "redis_cpu_us": 1e6 * delta["cpu_s"] / generated}
+                 "bytes_out": delta["bytes_out"] / generated, "redis_cpu_us": 1e6 * delta["cpu_s"] / generated,
+                 # What the finished requests keep in Redis (records, token logs, queue entries) until
+                 # their results expire (RESULT_TTL_S): docs/deployment.md's sizing of Redis.
+                 "bytes_kept": kept / generated}
     # What one shard carries, two ways: from Redis's own CPU time per token in the workload (every
     # command, the subscribers' deliveries and the requests' own costs included; one core), and
     # from redis-benchmark's rate of the two per-token commands alone (no subscriber: an upper bound).
     shard_tokens = {"from the workload's Redis CPU": generated / delta["cpu_s"],
                     "from redis-benchmark (XADD + SPUBLISH)": 1 / sum(1 / bench[name] for name in bench)}
     report = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "args": vars(args), "wall_s": wall, "commands": commands,
+              "bytes_kept_per_request": kept / args.requests,
               "per_token": per_token, "bytes": {k: delta[k] for k in ("bytes_in", "bytes_out")},
               "redis_benchmark_ops_per_s": bench, "tokens_per_s_one_shard": shard_tokens}
     print(json.dumps(report, indent=1))

@@ -3,12 +3,15 @@ written by a script (shared/lua/publisher_publish.lua) only while the request is
 worker's, so a worker that lost a request to a takeover adds nothing to its token log."""
 from __future__ import annotations
 
+import asyncio
+
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from shared import redis_keys, scripts
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
+from shared.redis_client import is_cluster
 from worker.engine.sequence import RequestEnd, StepOutput
 
 
@@ -45,7 +48,12 @@ class Publisher:
         return [rid for rid in calls if not written[rid]]
 
     async def _run(self, calls: dict[str, list]) -> dict[str, bool]:
-        """Each request's script call in one pipeline; those Redis had lost the script for, again once loaded."""
+        """Each request's script call in one pipeline; those Redis had lost the script for, again once
+        loaded. On a Redis Cluster (whose client pipelines no script) each call by itself, all at once:
+        each runs on its request's node, and the script object loads itself where a node lacks it."""
+        if is_cluster(self.redis):
+            results = await asyncio.gather(*(self._script(keys=args[:3], args=args[3:]) for args in calls.values()))
+            return {rid: bool(result) for rid, result in zip(calls, results, strict=True)}
         written: dict[str, bool] = {}
         while calls:
             async with self.redis.pipeline(transaction=False) as pipe:
