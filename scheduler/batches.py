@@ -132,7 +132,7 @@ class BatchJob:
         if not tenant:
             return True
         payload = item.payload
-        tokens = len(payload.prompt_token_ids) + (payload.params.max_tokens or 0)
+        tokens = payload.cost_tokens
         try:
             payload.weight = await self.limits.charge(tenant, [payload.id], tokens)
             return True

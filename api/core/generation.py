@@ -191,10 +191,9 @@ class Generation:
             for payload in payloads:  # a prefix is hashed in its tenant's space (shared/prefix_scope.py)
                 payload.tenant = tenant
             await self.affinity.route(payloads)
-        weight, tokens = 1.0, 0
+        weight, costs = 1.0, [p.cost_tokens for p in payloads]
         if self.limits is not None and tenant:
-            tokens = sum(p.cost_tokens for p in payloads)
-            weight = await self.limits.charge(tenant, [p.id for p in payloads], tokens)
+            weight = await self.limits.charge(tenant, [p.id for p in payloads], costs)
         trace_context = tracing.inject()  # the request span's (api/core/tracing.py): the worker's spans join it
         for payload in payloads:
             payload.tenant, payload.weight, payload.trace = tenant, weight, trace_context
@@ -211,7 +210,7 @@ class Generation:
                 await self.store.enqueue(payloads)
         except ApiError:
             if self.limits is not None and tenant:  # refused: what the limits counted was never queued
-                await self.limits.release(tenant, [p.id for p in payloads], tokens)
+                await self.limits.release(tenant, [p.id for p in payloads], costs)
             raise
         for payload in payloads:
             fields = {"request_id": payload.id, "tenant": tenant, "prompt_tokens": payload.num_prompt_tokens,

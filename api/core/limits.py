@@ -1,5 +1,6 @@
 """Per-tenant limits, enforced across every replica through Redis: requests per minute, tokens
-per minute (prompt plus max_tokens, reserved when charged) and concurrent requests.
+per minute (prompt plus max_tokens, reserved when charged, each sample of a request apart; once
+the request ended, settled to the prompt plus the tokens it generated) and concurrent requests.
 
 One Lua script checks all three and records the charge atomically, so two replicas together
 never admit more than a limit. Past a limit: 429 with Retry-After (when the oldest request in
@@ -20,6 +21,8 @@ from shared import redis_keys, scripts
 from shared.messages import RequestStatus, now
 from shared.request_record import RecordField
 
+# How many ended requests' reservations one charge settles at most (the oldest first).
+SETTLE_AT_ONCE = 64
 # A record's statuses while the request still counts against its tenant's concurrency.
 _UNFINISHED = frozenset(s.value for s in RequestStatus if not s.finished)
 
@@ -46,45 +49,63 @@ class Limits:
         """429 where one more request of one token would not pass the tenant's limits now; records
         nothing. Asked before a request's body is read further (its prompt tokenized, its constraint
         compiled), so a tenant past its limits costs the api no CPU; `charge` decides for good."""
-        await self._run(tenant, ["admission"], 1, peek=True)
+        await self._run(tenant, ["admission"], [1], peek=True)
 
-    async def charge(self, tenant: str, request_ids: list[str], tokens: int) -> float:
+    async def charge(self, tenant: str, request_ids: list[str], tokens: int | list[int]) -> float:
         """Charge these requests to the tenant's limits and return the tenant's scheduling weight,
-        or raise 429 naming the limit and the wait."""
-        return await self._run(tenant, request_ids, tokens, peek=False)
+        or raise 429 naming the limit and the wait. `tokens`: what each reserves (one count: the
+        first request's, all of them together)."""
+        costs = tokens if isinstance(tokens, list) else [tokens] + [0] * (len(request_ids) - 1)
+        return await self._run(tenant, request_ids, costs, peek=False)
 
-    async def _run(self, tenant: str, request_ids: list[str], tokens: int, peek: bool) -> float:
+    async def _run(self, tenant: str, request_ids: list[str], costs: list[int], peek: bool) -> float:
+        ended, settle = await self._ended(tenant)
         result = await self._charge(
             keys=[redis_keys.tenant_limits(self.prefix, tenant)] +
                  [redis_keys.tenant_usage(self.prefix, tenant, k) for k in ("rpm", "tpm", "active")],
-            args=[now(), " ".join(request_ids), tokens, " ".join(await self._ended(tenant)), self.active_ttl_s,
-                  "peek" if peek else ""])
+            args=[now(), " ".join(request_ids), " ".join(str(c) for c in costs), " ".join(ended), self.active_ttl_s,
+                  "peek" if peek else "", " ".join(settle)])
         if result[0] == 0:
             return float(result[1])
         kind, wait = result[0], max(1, math.ceil(float(result[1])))
         raise ApiError(429, f"rate limit reached for tenant {tenant!r}: {kind}; retry in {wait} s",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
 
-    async def _ended(self, tenant: str) -> list[str]:
-        """The tenant's active requests whose records say they ended (or are gone); none looked at
-        without a concurrency limit, as the script then counts none."""
+    async def _ended(self, tenant: str) -> tuple[list[str], list[str]]:
+        """From the records of the tenant's requests: its active ones that ended (or are gone), none
+        looked at without a concurrency limit, as the script then counts none; and the reservations
+        of ended ones to settle to what they used ("id reserved used" words, the oldest
+        SETTLE_AT_ONCE), none without a tokens-per-minute limit."""
+        limits_key = redis_keys.tenant_limits(self.prefix, tenant)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hget(redis_keys.tenant_limits(self.prefix, tenant), "concurrent")
+            pipe.hmget(limits_key, ["concurrent", "tpm"])
             pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
-            concurrent, active = await pipe.execute()
-        if not active or float(concurrent or 0) <= 0:
-            return []
+            pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), 0, -1)
+            (concurrent, tpm), active, reserved = await pipe.execute()
+        active = active if float(concurrent or 0) > 0 else []
+        unsettled = [m.rsplit(":", 1) for m in reserved if ":" in m][:SETTLE_AT_ONCE] if float(tpm or 0) > 0 else []
+        wanted = list(dict.fromkeys(active + [rid for rid, _ in unsettled]))
+        if not wanted:
+            return [], []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in active:
-                pipe.hget(redis_keys.request_record(self.prefix, rid), RecordField.STATUS)
-            statuses = await pipe.execute()
-        return [rid for rid, status in zip(active, statuses) if status not in _UNFINISHED]
+            for rid in wanted:
+                pipe.hmget(redis_keys.request_record(self.prefix, rid),
+                           [RecordField.STATUS, RecordField.PROMPT_TOKENS, RecordField.COMPLETION_TOKENS])
+            rows = dict(zip(wanted, await pipe.execute(), strict=True))
+        ended = [rid for rid in active if rows[rid][0] not in _UNFINISHED]
+        settle = []
+        for rid, cost in unsettled:
+            status, prompt, completion = rows[rid]
+            if status is not None and status not in _UNFINISHED:  # a gone record keeps its reservation
+                settle += [rid, cost, str(min(int(cost), int(prompt or 0) + int(completion or 0)))]
+        return ended, settle
 
-    async def release(self, tenant: str, request_ids: list[str], tokens: int) -> None:
+    async def release(self, tenant: str, request_ids: list[str], costs: list[int]) -> None:
         """Undo `charge` for requests that were then refused (e.g. by backpressure), in one round trip
         (not one transaction: a charge in between counts them still, and refuses rather than lets through)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "rpm"), *request_ids)
-            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), f"{request_ids[0]}:{tokens}")
+            pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "tpm"),
+                      *(f"{rid}:{cost}" for rid, cost in zip(request_ids, costs, strict=True)))
             pipe.zrem(redis_keys.tenant_usage(self.prefix, tenant, "active"), *request_ids)
             await pipe.execute()

@@ -67,3 +67,25 @@ async def test_setting_one_limit_keeps_the_others(redis, prefix):
     assert (await redis.hgetall(redis_keys.tenant_limits(prefix, "acme")))["rpm"] == "0"
     with pytest.raises(ValueError, match="0 \\(none\\) or more"):
         await limits.set("acme", tpm=-1)
+
+
+async def test_an_ended_requests_reservation_is_settled_to_what_it_used(redis, prefix):
+    """tpm 100: a request reserving 60 that ended after 10 tokens in all leaves room for 80 more;
+    one still running keeps its whole reservation; each sample is reserved and settled apart."""
+    limits = Limits(redis, prefix, 600)
+    await limits.set("acme", tpm=100)
+    short, running = rid(), rid()
+    await limits.charge("acme", [short], 60)
+    await redis.hset(redis_keys.request_record(prefix, short), mapping={
+        RecordField.STATUS: RequestStatus.DONE, RecordField.PROMPT_TOKENS: 4, RecordField.COMPLETION_TOKENS: 6})
+    samples = [rid(), rid()]
+    await limits.charge("acme", samples, [40, 40])  # 10 used + 80 reserved
+    with pytest.raises(ApiError, match="tokens per minute"):
+        await limits.charge("acme", [rid()], 11)
+    await redis.hset(redis_keys.request_record(prefix, samples[0]), mapping={
+        RecordField.STATUS: RequestStatus.DONE, RecordField.PROMPT_TOKENS: 4, RecordField.COMPLETION_TOKENS: 1})
+    await redis.hset(redis_keys.request_record(prefix, samples[1]), RecordField.STATUS, RequestStatus.RUNNING)
+    await limits.charge("acme", [running], 45)  # 10 + 5 + 40 (still running) + 45 = 100
+    members = set(await redis.zrange(redis_keys.tenant_usage(prefix, "acme", "tpm"), 0, -1))
+    assert members == {f"{short}=10", f"{samples[0]}=5", f"{samples[1]}:40", f"{running}:45"}
+    assert not await _try(limits, "acme", 1)
