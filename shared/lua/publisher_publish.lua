@@ -19,8 +19,8 @@
 -- ARGV[13+n]: the ttl, in seconds, of the record and the token log once ended.
 -- Returns 1 when it wrote them; 0 when the request is not this worker's (it wrote nothing).
 
-local status = redis.call('HGET', KEYS[1], F.status)
-local worker = redis.call('HGET', KEYS[1], F.worker)
+local record = redis.call('HMGET', KEYS[1], F.status, F.worker)
+local status, worker = record[1], record[2]
 local mine = (status == S.running and worker == ARGV[1]) or (status == S.queued and worker == '')
 if not mine then return 0 end
 local n = tonumber(ARGV[2])
