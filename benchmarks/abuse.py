@@ -9,8 +9,9 @@ steady chat load (`--streams` clients, each streaming one short chat after anoth
 beside each attack in turn:
 
 - rerank amplification: a rerank with a 2 KB query and 64 short documents (under the per-request
-  token cap), and the issue's 30 KB query with 256 documents (past it: 413); Redis bytes written
-  (INFO's total_net_input_bytes, the victim paused) per body byte;
+  token cap; the victim's key, as the attacker's tokens per minute refuse it), and the issue's 30 KB
+  query with 256 documents (past the cap: 413); the bytes Redis holds for the request's keys per
+  body byte, the victim not running;
 - batch flood: a batch of 40 chats of 32 tokens each, run by the scheduler inside the attacker's limits;
 - over-limit costly requests: 50 chats at once with a large JSON schema, n=4 and top_logprobs=20,
   the attacker already at its requests per minute; their 429 time, and /healthz's p99 meanwhile;
@@ -139,19 +140,18 @@ class Prober:
                 time.sleep(0.02)
 
 
-def redis_input_bytes(stack: Stack) -> int:
-    with stack.redis() as client:
-        return int(client.info("stats")["total_net_input_bytes"])
-
-
 def rerank_bytes(stack: Stack, url: str, headers: dict, query_chars: int, documents: int) -> tuple[int, float]:
-    """A rerank's status and Redis bytes written per body byte (the victim not running)."""
+    """A rerank's status, and the bytes Redis holds for it (MEMORY USAGE of the keys it made: its
+    queue entry's stream, record and token log) per body byte (the victim not running)."""
     body = {"query": ("where is my parcel " * (query_chars // 19 + 1))[:query_chars],
             "documents": [f"document {i} about parcels" for i in range(documents)]}
     size = len(json.dumps(body).encode())
-    before = redis_input_bytes(stack)
-    reply = httpx.post(f"{url}/v1/rerank", json=body, headers=headers, timeout=600)
-    return reply.status_code, (redis_input_bytes(stack) - before) / size
+    with stack.redis() as client:
+        before = set(client.scan_iter(count=1000))
+        reply = httpx.post(f"{url}/v1/rerank", json=body, headers=headers, timeout=600)
+        made = set(client.scan_iter(count=1000)) - before
+        held = sum(client.memory_usage(key) or 0 for key in made if ":kv:" not in key)
+    return reply.status_code, held / size
 
 
 def batch_flood(url: str, headers: dict) -> str:
@@ -183,10 +183,14 @@ def costly_flood(url: str, headers: dict) -> str:
 
 
 def stream_flood(url: str, headers: dict) -> str:
+    """40 SSE streams at once on one long request of the attacker's (a stream of an existing request
+    charges no request: only the stream cap stops them)."""
+    rid = httpx.post(f"{url}/v1/requests", json={"prompt": "a story", "max_tokens": 200, "ignore_eos": True},
+                     headers=headers, timeout=60).json()["id"]
+
     def one(_):
-        with httpx.Client(timeout=60) as client, client.stream(
-                "POST", f"{url}/v1/requests", headers=headers,
-                json={"prompt": "a story", "max_tokens": 48, "ignore_eos": True, "stream": True}) as reply:
+        with httpx.Client(timeout=120) as client, client.stream(
+                "GET", f"{url}/v1/requests/{rid}/events", headers=headers) as reply:
             for _ in reply.iter_lines():
                 pass
             return reply.status_code
@@ -208,6 +212,8 @@ def misspelled(url: str, headers: dict) -> str:
 
 
 def cross_tenant_cache(url: str, headers: dict, prompt: str) -> str:
+    """A tenant that has sent nothing before sends the victim's last prompt (so no block of it, not
+    even the chat template's opening, is its own)."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
     reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120).json()
     return f"cached_tokens {reply['usage']['prompt_tokens_details']['cached_tokens']}"
@@ -228,12 +234,14 @@ def main() -> None:
         limit(stack, "attacker", "--rpm", "60", "--concurrent", "2", "--tpm", "20000")
         attacker = {"Authorization": f"Bearer {attacker_key}"}
         victim = Victim(url, victim_key, args.streams)
-        victim.run(3)  # warm up
+        prober = {"Authorization": f"Bearer {keys(stack, 'newcomer')}"}
+        victim.run(10)  # warm up
         with Prober(url) as probe:
             alone, lost = victim.run(args.seconds)
         rows = [["alone", f"{pct(alone, .5) * 1000:.0f}", f"{pct(alone, .99) * 1000:.0f}", "1.00",
                  f"{pct(probe.times, .99) * 1000:.1f}", lost, "-"]]
-        small = rerank_bytes(stack, url, attacker, 2_000, 64)
+        # Bytes per body byte, with the victim's key (its limits would refuse the first: 429).
+        small = rerank_bytes(stack, url, {"Authorization": f"Bearer {victim_key}"}, 2_000, 64)
         big = rerank_bytes(stack, url, attacker, 30_000, 256)
         rows.append(["rerank bytes (alone)", "-", "-", "-", "-", 0,
                      f"2 KB x 64: {small[0]}, {small[1]:.2f} B/B; 30 KB x 256: {big[0]}, {big[1]:.2f} B/B"])
@@ -241,7 +249,7 @@ def main() -> None:
                    "50 over-limit costly": lambda: costly_flood(url, attacker),
                    "stream flood": lambda: stream_flood(url, attacker),
                    "mis-spelled ids": lambda: misspelled(url, attacker),
-                   "cross-tenant prompt": lambda: cross_tenant_cache(url, attacker, victim.last_prompt)}
+                   "cross-tenant prompt": lambda: cross_tenant_cache(url, prober, victim.last_prompt)}
         for name, attack in attacks.items():
             result: list[str] = []
             thread = threading.Thread(target=lambda a=attack, r=result: r.append(a()))
@@ -252,6 +260,10 @@ def main() -> None:
             rows.append([name, f"{pct(beside, .5) * 1000:.0f}", f"{pct(beside, .99) * 1000:.0f}",
                          f"{pct(beside, .99) / pct(alone, .99):.2f}", f"{pct(probe.times, .99) * 1000:.1f}", lost,
                          result[0] if result else "failed"])
+        with Prober(url) as probe:
+            again, lost = victim.run(args.seconds)
+        rows.append(["alone, again at the end", f"{pct(again, .5) * 1000:.0f}", f"{pct(again, .99) * 1000:.0f}",
+                     f"{pct(again, .99) / pct(alone, .99):.2f}", f"{pct(probe.times, .99) * 1000:.1f}", lost, "-"])
     print_table(["attack", "victim TTFT p50 ms", "p99 ms", "p99 / alone", "/healthz p99 ms", "victim lost",
                  "attack's own figure"], rows)
     print_machine(machine("auto", 0, streams=args.streams, seconds=args.seconds))
