@@ -1,6 +1,8 @@
-"""Publish one step's results: every event of the step in ONE Redis pipeline, each request's part
-written by a script (shared/lua/publisher_publish.lua) only while the request is still this
-worker's, so a worker that lost a request to a takeover adds nothing to its token log."""
+"""Publish one step's results: every event of the step in ONE Redis pipeline. A request this
+worker surely still holds (worker/service/lease.py: its heartbeats unbroken since it claimed it)
+is written by plain commands; any other by a script (shared/lua/publisher_publish.lua) that
+writes only while the record says the request is still this worker's, so a worker that lost a
+request to a takeover adds nothing to its token log. Both write the same keys and fields."""
 from __future__ import annotations
 
 import asyncio
@@ -12,21 +14,28 @@ from shared import redis_keys, scripts
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
 from shared.queue import RequestQueue
 from shared.redis_client import is_cluster
+from shared.request_record import RecordField
 from worker.engine.sequence import RequestEnd, StepOutput
+from worker.service.lease import Lease
 
 
 class Publisher:
-    def __init__(self, redis: Redis, queue: RequestQueue, worker: str):
+    def __init__(self, redis: Redis, queue: RequestQueue, worker: str, lease: Lease | None = None):
+        """`lease`: where given, requests it holds skip the script's check (None: never)."""
         self.redis = redis
         self.prefix = queue.prefix
         self.queue = queue
         self.worker = worker  # the name its claims wrote in the records: what the script checks
         self.entries: dict[str, str] = {}  # request id -> its queue entry, acked when the request ends
+        self.lease = lease
+        self.claimed_at: dict[str, float] = {}  # request id -> when it was claimed (the lease's clock)
         self._script = scripts.register(redis, "publisher_publish")
 
     def taken(self, request_id: str, entry_id: str) -> None:
         """A request the backend now runs, from this queue entry."""
         self.entries[request_id] = entry_id
+        if self.lease is not None:
+            self.claimed_at[request_id] = self.lease.clock()
 
     async def publish(self, outputs: list[StepOutput]) -> list[str]:
         """Token log XADD + SPUBLISH for each new token; on finish the record, final event and XACK.
@@ -35,7 +44,13 @@ class Publisher:
             return []
         stamp = now()
         calls = {rid: self._args(rid, outs, stamp) for rid, outs in _by_request(outputs).items()}
-        written = await self._run(calls)
+        held = {rid for rid in calls if self._held(rid)}
+        if held:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid in held:
+                    _write(pipe, calls[rid])
+                await pipe.execute()
+        written = {rid: True for rid in held} | await self._run({r: a for r, a in calls.items() if r not in held})
         ended = [out for out in outputs if out.finished and out.request_id in self.entries]
         if ended:
             # Outside the script (the lane lies in another slot); an entry already taken back is acked: a no-op.
@@ -45,7 +60,12 @@ class Publisher:
                 await pipe.execute()
         for out in ended:  # only once published: a retried publish acks them again
             self.entries.pop(out.request_id, None)
+            self.claimed_at.pop(out.request_id, None)
         return [rid for rid in calls if not written[rid]]
+
+    def _held(self, rid: str) -> bool:
+        claimed = self.claimed_at.get(rid)
+        return self.lease is not None and claimed is not None and self.lease.holds(claimed)
 
     async def _run(self, calls: dict[str, list]) -> dict[str, bool]:
         """Each request's script call in one pipeline; those Redis had lost the script for, again once
@@ -84,6 +104,31 @@ class Publisher:
                 redis_keys.request_channel(self.prefix, rid)]
         return [*keys, self.worker, len(tokens), *tokens, stamp if first is not None else "", begun,
                 *(_end(end, stamp) if end is not None else [""])]
+
+
+def _write(pipe, args: list) -> None:
+    """What the script writes for these KEYS and ARGV (its header), as plain commands, unchecked."""
+    record, log, channel, _worker, n = args[:5]
+    for data in args[5:5 + n]:
+        pipe.xadd(log, {redis_keys.EVENT_FIELD: data})
+        pipe.execute_command("SPUBLISH", channel, data)
+    first, begun, end = args[5 + n], args[6 + n], args[7 + n:]
+    if first != "":
+        pipe.hset(record, RecordField.FIRST_TOKEN_AT, first)
+    if begun != "":
+        pipe.hset(record, RecordField.SCHEDULED_AT, begun)
+    if end[0] == "":
+        return
+    final, status, reason, completion, finished, text, reused, error, ttl = end
+    pipe.hset(record, mapping={RecordField.STATUS: status, RecordField.FINISH_REASON: reason,
+                               RecordField.COMPLETION_TOKENS: completion, RecordField.FINISHED_AT: finished,
+                               RecordField.TEXT: text, RecordField.REUSED_TOKENS: reused})
+    if error:
+        pipe.hset(record, RecordField.ERROR, error)
+    pipe.xadd(log, {redis_keys.EVENT_FIELD: final})
+    pipe.execute_command("SPUBLISH", channel, final)
+    pipe.expire(record, ttl)
+    pipe.expire(log, ttl)
 
 
 def _end(end: RequestEnd, stamp: float) -> list:

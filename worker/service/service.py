@@ -38,6 +38,7 @@ from worker.service.cancel_listener import CancelListener
 from worker.service.claims import Claims
 from worker.service.intake import Intake, Taken
 from worker.service.metrics import Check, WorkerMetrics
+from worker.service.lease import Lease
 from worker.service.publisher import Publisher
 from worker.service.tracing import RequestSpans
 
@@ -55,7 +56,8 @@ class WorkerService:
         self.name = settings.worker_name
         self.queue = RequestQueue(redis, settings.prefix, model)
         self.store = RequestStore(redis, settings.prefix)
-        self.publisher = Publisher(redis, self.queue, self.name)
+        self.lease = Lease(settings.heartbeat_ttl_s)
+        self.publisher = Publisher(redis, self.queue, self.name, self.lease)
         self._stopping = asyncio.Event()
         self.intake = Intake(redis, self.queue, self.name, settings.heartbeat_ttl_s,
                              settings.prefix_affinity_wait_ms if settings.prefix_affinity else None)
@@ -274,9 +276,11 @@ class WorkerService:
             raise EngineStalled(stalled)
         adapters = self.backend.adapters
         try:
+            sent = time.monotonic()
             await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name),
                                  self.heartbeat(adapters).encode(), px=int(self.settings.heartbeat_ttl_s * 1000))
             self._beat_at = time.monotonic()
+            self.lease.beaten(sent)
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
             return
