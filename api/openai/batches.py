@@ -23,7 +23,7 @@ from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer
 from api.openai.answers import Batch, BatchResultLine, OpenAIError
-from api.openai.files import FILE_ID, file_store
+from api.openai.files import file_store, owned
 from api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from shared import ids, redis_keys
 from shared.batch_record import DEFAULT_WINDOW, WINDOW_PATTERN, BatchEntry, BatchRecord
@@ -59,9 +59,9 @@ class BatchRequest(BaseModel):
 
 async def _file_items(body: BatchRequest, files, tenant: str) -> list[BatchItem]:
     """The requests of the batch's input file, one per line, each for the batch's endpoint."""
-    stored = await files.get(tenant, body.input_file_id) if FILE_ID.match(body.input_file_id) else None
-    content = await files.content(tenant, body.input_file_id) if stored is not None else None
-    if content is None:
+    stored = await owned(files, tenant, body.input_file_id, param="input_file_id")
+    content = await files.content(tenant, body.input_file_id)
+    if content is None:  # expired between the two reads
         raise ApiError(404, f"no file {body.input_file_id!r}", param="input_file_id", code="not_found")
     if stored.purpose != "batch":
         raise ApiError(400, f"file {body.input_file_id!r} is a {stored.purpose} file, not a batch's input "

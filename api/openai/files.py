@@ -36,10 +36,12 @@ def file_store(store: StoreDep, settings: SettingsDep) -> FileStore:
     return FileStore(store.redis, store.prefix, settings.files_ttl_s)
 
 
-async def _owned(files: FileStore, tenant: str, file_id: str) -> StoredFile:
+async def owned(files: FileStore, tenant: str, file_id: str, param: str = "file_id") -> StoredFile:
+    """The tenant's file `file_id`; 404 (on `param`) for an id not in the server's form, no such file,
+    or another tenant's."""
     stored = await files.get(tenant, file_id) if FILE_ID.match(file_id) else None
     if stored is None:
-        raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
+        raise ApiError(404, f"no file {file_id!r}", param=param, code="not_found")
     return stored
 
 
@@ -97,7 +99,7 @@ async def list_files(tenant: TenantDep, store: StoreDep, settings: SettingsDep,
 
 @router.get("/v1/files/{file_id}", responses=json_answer(FileObject, "The file's metadata."))
 async def get_file(file_id: str, tenant: TenantDep, store: StoreDep, settings: SettingsDep):
-    return (await _owned(file_store(store, settings), tenant, file_id)).as_object()
+    return (await owned(file_store(store, settings), tenant, file_id)).as_object()
 
 
 @router.get("/v1/files/{file_id}/content", response_class=Response,
@@ -106,7 +108,7 @@ async def get_file(file_id: str, tenant: TenantDep, store: StoreDep, settings: S
                              "description": "The file's bytes."}})
 async def file_content(file_id: str, tenant: TenantDep, store: StoreDep, settings: SettingsDep):
     files = file_store(store, settings)
-    stored = await _owned(files, tenant, file_id)
+    stored = await owned(files, tenant, file_id)
     content = await files.content(tenant, file_id)
     if content is None:  # expired between the two reads
         raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
