@@ -80,10 +80,12 @@ class Limits:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(limits_key, ["concurrent", "tpm"])
             pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "active"), 0, -1)
-            pipe.zrange(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), 0, -1)
-            (concurrent, tpm), active, reserved = await pipe.execute()
+            (concurrent, tpm), active = await pipe.execute()
         active = active if float(concurrent or 0) > 0 else []
-        unsettled = [m.rsplit(":", 1) for m in reserved if ":" in m][:SETTLE_AT_ONCE] if float(tpm or 0) > 0 else []
+        unsettled = []
+        if float(tpm or 0) > 0:  # the minute's reservations, read only where they are limited
+            reserved = await self.redis.zrange(redis_keys.tenant_usage(self.prefix, tenant, "tpm"), 0, -1)
+            unsettled = [m.rsplit(":", 1) for m in reserved if ":" in m][:SETTLE_AT_ONCE]
         wanted = list(dict.fromkeys(active + [rid for rid, _ in unsettled]))
         if not wanted:
             return [], []
