@@ -104,7 +104,7 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         relay = Relay(store, hub, settings.relay_idle_s)
         arq = await arq_pool(settings.redis_url, redis_keys.arq_queue(settings.prefix))
         keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
-        limits = Limits(redis, settings.prefix, settings.queue_timeout_s + 3600) if keys is not None else None
+        limits = Limits(redis, settings.prefix, max(settings.queue_timeout_s, settings.flex_queue_timeout_s) + 3600) if keys is not None else None
         models = Models(store, relay, settings, limits, metrics)
         name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
         generation = await models.add(name, own_tokenizer)

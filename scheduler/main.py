@@ -61,7 +61,7 @@ async def keep(ctx: dict[str, Any]) -> int:
 async def run_batch(ctx: dict[str, Any], batch_id: str) -> dict[str, Any]:
     settings: SchedulerSettings = ctx["settings"]
     return await run_batch_job(ctx["streamq_redis"], settings.prefix, served_name(settings), batch_id,
-                               settings.batch_concurrency, settings.files_ttl_s, settings.queue_timeout_s + 3600)
+                               settings.batch_concurrency, settings.files_ttl_s, max(settings.queue_timeout_s, settings.flex_queue_timeout_s) + 3600)
 
 
 def worker_settings(settings: SchedulerSettings) -> type:

@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from shared.sampling import SamplingParams
+from shared.service_tier import Tier
 
 
 class RequestStatus(str, enum.Enum):
@@ -157,6 +158,8 @@ class RequestPayload(Versioned):
     tenant: str = Field("", alias="owner")  # the tenant that submitted it ("" when auth is off)
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first, within its tenant's share
     weight: float = Field(1.0, gt=0)  # the tenant's share of a worker's batch, relative to other tenants
+    # Its service tier, resolved from the one asked for (shared/service_tier.py): tiers go first across tenants
+    service_tier: Tier = "default"
     backend: str | None = Field(None, pattern=r"^[a-z]+$")  # only a worker of this backend may run it (None: any)
     # The worker that holds the prompt's prefix: the request waits in its affinity lane (shared/queue.py)
     affinity: str | None = Field(None, pattern=r"^[^/]+$")

@@ -16,16 +16,16 @@ from collections.abc import Iterable
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import redis_keys, scripts
+from shared import redis_keys, scripts, service_tier
 from shared.messages import RequestPayload
 
 ANONYMOUS = "-"  # the lane's tenant part when auth is off
 
 def lane_of(payload: RequestPayload) -> str:
-    """`<priority>:<tenant>`, after `^<worker>/` when a worker holds the request's prefix, after
+    """`<priority>:<tenant>` (`p` or `f` before the priority for a `priority` or `flex` service tier), after `^<worker>/` when a worker holds the request's prefix, after
     `@<backend>/` when the request needs one backend; the priority before the tenant, so a tenant
     name may contain ':' (backend and worker names have no '/')."""
-    lane = f"{payload.priority}:{payload.tenant or ANONYMOUS}"
+    lane = f"{service_tier.lane_mark(payload.service_tier)}{payload.priority}:{payload.tenant or ANONYMOUS}"
     if payload.affinity:
         lane = f"^{payload.affinity}/{lane}"
     return f"@{payload.backend}/{lane}" if payload.backend else lane

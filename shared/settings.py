@@ -56,6 +56,9 @@ class CommonSettings(BaseSettings):
                                   description="Where converted models and tokenizers are kept.")
     queue_timeout_s: float = Field(300.0, gt=0, le=86_400,
                                    description="A request not started this long after it was accepted expires.")
+    flex_queue_timeout_s: float = Field(900.0, gt=0, le=86_400,
+                                        description="The same for a request of the flex service tier, which waits "
+                                                    "behind the others.")
     files_ttl_s: int = Field(30 * 24 * 3600, ge=3600, le=366 * 24 * 3600,
                              description="How long a file of /v1/files (an upload, a batch's output or error file) "
                                          "is kept after it is written; then Redis frees it.")

@@ -65,6 +65,10 @@ def _add_keys(keys_cmd: argparse.ArgumentParser) -> None:
     limits.add_argument("--concurrent", type=int, help="unfinished requests at once")
     limits.add_argument("--weight", type=float,
                         help="share of the workers' batches relative to other tenants (fair scheduling; default 1)")
+    limits.add_argument("--tiers", help="the service tiers the tenant may use, comma-separated, of priority, "
+                                        "default, flex (default: default,flex)")
+    limits.add_argument("--auto-tier", choices=["priority", "default", "flex"],
+                        help="the tier a request asking for service_tier auto (or none) gets (default: default)")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -122,9 +126,12 @@ def _keys(args: argparse.Namespace) -> int:
             elif args.keys_command == "limits":
                 from api.core.limits import Limits
 
+                from shared import service_tier
+
                 try:
+                    tiers = service_tier.parse(args.tiers) if args.tiers is not None else None
                     await Limits(redis, settings.prefix, 0).set(args.tenant, args.rpm, args.tpm, args.concurrent,
-                                                                args.weight)
+                                                                args.weight, tiers, args.auto_tier)
                 except ValueError as exc:
                     print(exc, file=sys.stderr)
                     return 2

@@ -27,6 +27,8 @@ class MessageUsage(Answer):
     cache_creation_input_tokens: int
     cache_read_input_tokens: int = Field(description="Prompt tokens a worker took from its prefix cache or the "
                                                      "shared KV tier.")
+    service_tier: Literal["standard", "priority", "batch"] = Field(
+        description="The service tier that served it (streamq's `default` is `standard`, `flex` is `batch`).")
 
 
 class MessageAnswer(Answer):
@@ -36,7 +38,7 @@ class MessageAnswer(Answer):
         {"id": "msg_4d2e", "type": "message", "role": "assistant", "model": "SmolLM2-135M-Instruct",
          "content": [{"type": "text", "text": "Paris."}], "stop_reason": "end_turn", "stop_sequence": None,
          "usage": {"input_tokens": 12, "output_tokens": 3, "cache_creation_input_tokens": 0,
-                   "cache_read_input_tokens": 0}}]})
+                   "cache_read_input_tokens": 0, "service_tier": "standard"}}]})
 
     id: str
     type: Literal["message"]

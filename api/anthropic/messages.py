@@ -61,6 +61,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
     generation = await served.get(body.model)
     prompt = body.chat().as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
+    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -73,7 +74,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
     return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
             "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens))}
+            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens), tier)}
 
 
 def _blocks(reply: Reply) -> list[dict[str, Any]]:
@@ -99,12 +100,18 @@ def _stop(reply: Reply, choice: Choice, stops: list[str] | None, tokenizer: Toke
     return ("stop_sequence", matched) if matched else ("end_turn", None)
 
 
-def _usage(final: FinalEvent | None, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+# The service tiers by Anthropic's names (flex, which waits behind the others, as its batch tier).
+TIER_NAMES = {"priority": "priority", "default": "standard", "flex": "batch"}
+
+
+def _usage(final: FinalEvent | None, prompt_tokens: int, output_tokens: int, tier: str) -> dict[str, Any]:
     """Anthropic's usage: input_tokens are those computed, cache_read_input_tokens those a worker
-    took from its prefix cache or the shared KV tier (their sum is the prompt)."""
+    took from its prefix cache or the shared KV tier (their sum is the prompt); the service tier
+    that served it."""
     cached = final.usage.cached_tokens if final is not None else 0
     return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+            "service_tier": TIER_NAMES[tier]}
 
 
 def _event(kind: str, **data: Any) -> str:
@@ -116,7 +123,7 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
     prompt_tokens = len(payload.prompt_token_ids)
     yield _event("message_start", message={
         "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0)})
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0, payload.service_tier)})
     reply_parser, choice, index, text_open, call_open = ReplyParser(prompt.tool_format), Choice(), 0, False, False
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping
@@ -159,7 +166,7 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
             # Cumulative counts: the cache's share of the prompt is known only now.
             yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                         usage=_usage(event, prompt_tokens, len(choice.tokens)))
+                         usage=_usage(event, prompt_tokens, len(choice.tokens), payload.service_tier))
             yield _event("message_stop")
 
 

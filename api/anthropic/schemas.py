@@ -151,10 +151,13 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
     metadata: Metadata | None = None
+    # Anthropic's: `auto` the tenant's own tier (shared/service_tier.py), `standard_only` the default tier
+    service_tier: Literal["auto", "standard_only"] = "auto"
 
     def chat(self) -> ChatRequest:
         sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                                    "stop": self.stop_sequences or None}
+                                    "stop": self.stop_sequences or None,
+                                    "service_tier": "default" if self.service_tier == "standard_only" else "auto"}
         if self.top_p is not None:
             sampling["top_p"] = self.top_p
         if self.top_k is not None:

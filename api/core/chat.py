@@ -22,6 +22,7 @@ from api.core.parsers.base import ToolFormat
 from api.core.tools import Tool, ToolChoice, chosen
 from shared.messages import MAX_PRIORITY
 from shared.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, LogitsProcessor, SamplingParams, TokenId, seed_for
+from shared.service_tier import Requested
 from shared.structured import StructuredOutputs
 
 
@@ -66,7 +67,7 @@ class ResponseFormat(BaseModel):
 
 
 # OpenAI arguments that change no generated token: accepted and dropped (`user` is a field).
-IGNORED = frozenset({"metadata", "store", "service_tier"})
+IGNORED = frozenset({"metadata", "store"})
 
 
 class SamplingFields(BaseModel):
@@ -94,6 +95,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     logits_processors: list[LogitsProcessor] | None = None
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first (here, within a tenant)
+    # OpenAI's: resolved against the tenant's tiers (shared/service_tier.py); the answer names the tier that served it
+    service_tier: Requested | None = None
     speculative: bool = True  # streamq's: false opts this request out of speculative decoding
     backend: Literal["hf", "vllm", "null"] | None = None  # streamq's: run on a worker of this backend only
     response_format: ResponseFormat | None = None
@@ -265,7 +268,7 @@ class ChatRequest(SamplingFields):
             raise ApiError(400, str(exc), param="messages") from exc
         prompt = Prompt(self.model, self.samples(self.n, self.max_completion_tokens or self.max_tokens, logprobs),
                         tools=self.template_tools(), priority=self.priority, backend=self.backend,
-                        tool_format=self.tool_format)
+                        tool_format=self.tool_format, service_tier=self.service_tier or "auto")
         try:
             prompt.messages = self.template_messages()
         except ValueError as exc:

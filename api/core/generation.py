@@ -20,7 +20,7 @@ from api.core.limits import Limits
 from api.core.parsers import registry
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
-from shared import tracing
+from shared import service_tier, tracing
 from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
@@ -51,6 +51,7 @@ class Prompt:
     priority: int = 0
     backend: str | None = None  # run on a worker of this backend only
     tool_format: ToolFormat | None = None  # the replies' tool format, where the request calls tools
+    service_tier: str = "auto"  # the tier asked for (Generation.apply_tier resolves it)
 
     @property
     def logprobs(self) -> int | None:
@@ -60,7 +61,8 @@ class Prompt:
 
 class Generation:
     def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str, *,
-                 default_max_tokens: int, queue_timeout_s: float = 300.0, max_tokens_cap: int = 1_000_000,
+                 default_max_tokens: int, queue_timeout_s: float = 300.0,
+                 flex_queue_timeout_s: float = 900.0, max_tokens_cap: int = 1_000_000,
                  backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
                  affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
@@ -76,6 +78,7 @@ class Generation:
         self.adapter_backends: frozenset[str] = frozenset()  # ... and the backends of the workers serving it
         self.default_max_tokens = default_max_tokens
         self.queue_timeout_s = queue_timeout_s
+        self.flex_queue_timeout_s = flex_queue_timeout_s
         self.max_tokens_cap = max_tokens_cap
         self.backpressure = backpressure
         self.limits = limits
@@ -177,6 +180,20 @@ class Generation:
             if count is not None and count > vocab:
                 raise ApiError(422, f"{field} is {count}; it must be at most the vocabulary size, {vocab}",
                                param=field)
+
+    async def apply_tier(self, payloads: list[RequestPayload], tenant: str, requested: str) -> str:
+        """Resolve the service tier asked for against the tenant's (403 where it may not use it;
+        every tier where limits are off) and set it on the requests; a flex request may wait
+        longer in the queue. The tier, which the answer names."""
+        if self.limits is not None and tenant:
+            tier = await self.limits.service_tier(tenant, requested)
+        else:
+            tier = service_tier.resolve(requested, service_tier.TIERS, service_tier.DEFAULT_AUTO)
+        for payload in payloads:
+            payload.service_tier = tier
+            if tier == "flex" and payload.expires_at is not None:
+                payload.expires_at = payload.created_at + self.flex_queue_timeout_s
+        return tier
 
     async def submit(self, payloads: list[RequestPayload], tenant: str = "") -> None:
         """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""

@@ -17,7 +17,7 @@ import math
 from redis.asyncio import Redis
 
 from api.core.errors import ApiError
-from shared import redis_keys, scripts
+from shared import redis_keys, scripts, service_tier
 from shared.messages import RequestStatus, now
 from shared.request_record import RecordField
 
@@ -34,16 +34,40 @@ class Limits:
         self._charge = scripts.register(redis, "limits_charge")
 
     async def set(self, tenant: str, rpm: int | None = None, tpm: int | None = None, concurrent: int | None = None,
-                  weight: float | None = None) -> None:
-        """Sets the limits given (0: none) and keeps the tenant's others as they were."""
+                  weight: float | None = None, tiers: tuple[str, ...] | None = None,
+                  auto_tier: str | None = None) -> None:
+        """Sets the limits given (0: none) and keeps the tenant's others as they were. `tiers`: the
+        service tiers it may use; `auto_tier`: the one a request asking for `auto` gets (one of them)."""
         if weight is not None and weight <= 0:
             raise ValueError(f"weight must be positive; got {weight}")
         given = {name: value for name, value in
                  (("rpm", rpm), ("tpm", tpm), ("concurrent", concurrent), ("weight", weight)) if value is not None}
         if any(given[name] < 0 for name in ("rpm", "tpm", "concurrent") if name in given):
             raise ValueError(f"limits are 0 (none) or more; got {given}")
+        key = redis_keys.tenant_limits(self.prefix, tenant)
+        if tiers is not None or auto_tier is not None:
+            granted, auto = await self._tiers(tenant)
+            granted, auto = tiers or granted, auto_tier or auto
+            if auto not in granted:
+                raise ValueError(f"the auto tier {auto!r} must be one of the tenant's tiers {list(granted)}")
+            given |= {"tiers": ",".join(granted), "auto_tier": auto}
         if given:
-            await self.redis.hset(redis_keys.tenant_limits(self.prefix, tenant), mapping=given)
+            await self.redis.hset(key, mapping=given)
+
+    async def service_tier(self, tenant: str, requested: str) -> str:
+        """The service tier a request of `tenant` asking for `requested` runs in; 403 where the
+        tenant may not use it (shared/service_tier.py)."""
+        granted, auto = await self._tiers(tenant)
+        try:
+            return service_tier.resolve(requested, granted, auto)
+        except PermissionError as exc:
+            raise ApiError(403, str(exc), param="service_tier", code="service_tier_not_allowed") from exc
+
+    async def _tiers(self, tenant: str) -> tuple[tuple[str, ...], str]:
+        """The tenant's granted tiers and its auto tier (the defaults where it was given none)."""
+        tiers, auto = await self.redis.hmget(redis_keys.tenant_limits(self.prefix, tenant), ["tiers", "auto_tier"])
+        return (service_tier.parse(tiers) if tiers else service_tier.DEFAULT_GRANT,
+                auto or service_tier.DEFAULT_AUTO)
 
     async def admit(self, tenant: str) -> None:
         """429 where one more request of one token would not pass the tenant's limits now; records

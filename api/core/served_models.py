@@ -61,7 +61,8 @@ class Models:
         await backpressure.start()
         self._backpressure.append(backpressure)
         generation = Generation(self.store, self.relay, tokenizer, name, default_max_tokens=settings.default_max_tokens,
-                                queue_timeout_s=settings.queue_timeout_s, max_tokens_cap=settings.max_tokens_cap,
+                                queue_timeout_s=settings.queue_timeout_s, flex_queue_timeout_s=settings.flex_queue_timeout_s,
+                                max_tokens_cap=settings.max_tokens_cap,
                                 backpressure=backpressure, limits=self.limits, log_prompts=settings.log_prompts,
                                 affinity=PrefixAffinity(self.store.redis, settings.prefix, name,
                                                         settings.prefix_affinity_tokens,

@@ -52,6 +52,7 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     if body.backend is not None:
         await generation.check_backend(body.backend)
         payload.backend = body.backend
+    await generation.apply_tier([payload], tenant, body.service_tier)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit([payload], tenant=tenant)

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.messages import MAX_PRIORITY
+from shared.service_tier import Requested
 from shared.sampling import SamplingParams
 
 
@@ -27,6 +28,8 @@ class SubmitRequest(SamplingParams):
         None, description="Run on a worker of this backend only (404 when none is live); any when unset.")
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                           description="Lower runs first among this tenant's requests (tenants share workers fairly).")
+    service_tier: Requested = Field("auto", description="The service tier: priority, default or flex, among "
+                                                        "those the tenant may use; auto: the tenant's own.")
 
     @model_validator(mode="after")
     def _one_input(self) -> SubmitRequest:

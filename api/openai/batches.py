@@ -114,6 +114,7 @@ async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
         raise ApiError(exc.status, f"request {item.custom_id!r}: {exc.message}", param="requests") from exc
     for payload in payloads:  # a batch waits its turn: it must not expire in the queue meanwhile
         payload.expires_at = None
+        payload.service_tier = "flex"  # and yields to online requests, every tenant's, in the workers
     return payloads
 
 

@@ -36,6 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     tokenizer = generation.tokenizer
     prompt = body.as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
+    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -53,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-            "usage": totals}
+            "usage": totals, "service_tier": tier}
 
 
 def _message(reply: Reply) -> dict:
@@ -67,7 +68,8 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                        payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
     logprobs = prompt.logprobs
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "service_tier": payloads[0].service_tier}
     extra = {"usage": None} if usage_on else {}
 
     def frame(i: int, delta: dict, lp: Any = None, reason: str | None = None) -> str:

@@ -32,7 +32,9 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    payloads = await generation.payloads(body.as_prompt())
+    prompt = body.as_prompt()
+    payloads = await generation.payloads(prompt)
+    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -53,13 +55,15 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
         lp = completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
         out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals,
+            "service_tier": tier}
 
 
 async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,
                              payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "service_tier": payloads[0].service_tier}
     offsets = [0] * len(payloads)
     completion_tokens, finals = 0, []
     async for i, event in generation.follow([p.id for p in payloads]):

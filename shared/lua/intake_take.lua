@@ -12,14 +12,16 @@
 -- ARGV[7]: one letter per lane: 'm' this worker's affinity lane, 'a' a lane for any worker, 'o'
 --   another worker's affinity lane (its entries may be taken here once they have waited the bound:
 --   an entry id starts with the ms it was added, by Redis's clock, as TIME).
--- ARGV[8..]: each lane's worker ('' but for an 'o' lane).
+-- ARGV[8]: one digit per lane, the rank of its service tier (0 first: shared/service_tier.py); a
+--   take goes over the lanes of a better rank before those of the next.
+-- ARGV[9..]: each lane's worker ('' but for an 'o' lane).
 -- Returns {taken, {index of each 'o' lane that looks abandoned}, {lane index, entry id, {field,
 -- value, ...}} ..., last ids, wake ms}: the last ids (one per lane, '0-0' for an empty lane) and the
 -- ms until another worker's entry is due here (-1: none waits) only when nothing was taken, for the
 -- XREAD that waits for the next entry.
 
 local group, me, free, idle, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
-local bound, kinds = tonumber(ARGV[6]), ARGV[7]
+local bound, kinds, ranks = tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local now = now_ms()
 local reading = announced(KEYS[1], now, true)
 reading[me] = nil
@@ -47,7 +49,7 @@ local waiting, mine, shared, wake, gone = {}, 0, 0, -1, {}
 for i = 1, lanes do
   local kind = string.sub(kinds, i, i)
   if kind == 'o' then
-    local due, due_at, unread = due_entries(KEYS[i + 1], math.max(cap, 1), ARGV[7 + i])
+    local due, due_at, unread = due_entries(KEYS[i + 1], math.max(cap, 1), ARGV[8 + i])
     waiting[i] = due
     if due_at and (wake < 0 or due_at - now < wake) then wake = math.max(0, due_at - now) end
     if unread then gone[#gone + 1] = i end
@@ -75,18 +77,20 @@ if shared > 0 and room > 0 then
   share = math.max(0, math.min(room, math.ceil(room - level)))
   if idle and own == 0 then share = math.max(share, 1) end
 end
--- Nobody has a free slot: the head of each of its lanes and of every lane for any worker, for
--- the batcher's fair choice (not another worker's: that one may free a slot first).
+-- Nobody has a free slot: the head of each of its lanes and of every lane for any worker, of the
+-- best tier waiting, for the batcher's fair choice (not another worker's: that one may free a
+-- slot first).
 local heads = free == 0 and mine + shared > 0 and #others == 0
 local reply, taken = {0, gone}, 0
--- Round-robin over the lanes of these kinds, an entry at a time, up to `limit` (-1: one per lane),
--- from an affinity lane only what waits (its own: it may have been deleted as empty while this
--- worker did not read), from another's only what is due.
-local function take(wanted, limit)
+-- Round-robin over the lanes of these kinds (and of this tier rank, when given), an entry at a
+-- time, up to `limit` (-1: one per lane), from an affinity lane only what waits (its own: it may
+-- have been deleted as empty while this worker did not read), from another's only what is due.
+local function take_rank(wanted, limit, rank)
   local got_here, open = 0, {}
   for i = 1, lanes do
     local kind = string.sub(kinds, i, i)
     open[i] = string.find(wanted, kind, 1, true) ~= nil and (kind == 'a' or waiting[i] > 0)
+      and (rank == nil or string.sub(ranks, i, i) == rank)
   end
   local more = true
   while more and (limit == -1 or got_here < limit) do
@@ -104,6 +108,25 @@ local function take(wanted, limit)
         open[i] = got and limit ~= -1 and (string.sub(kinds, i, i) == 'a' or waiting[i] > 0)
       end
     end
+  end
+  return got_here
+end
+-- The lanes of the best tier first, then the next: a flex flood never takes the slots a priority
+-- request waits for. (-1: the head of each lane of the best tier with a request waiting.)
+local function take(wanted, limit)
+  if limit == -1 then  -- the heads of the best tier's lanes that have anything waiting
+    local best
+    for i = 1, lanes do
+      local rank = string.sub(ranks, i, i)
+      if waiting[i] > 0 and string.find(wanted, string.sub(kinds, i, i), 1, true) and (not best or rank < best) then
+        best = rank
+      end
+    end
+    return best and take_rank(wanted, limit, best) or 0
+  end
+  local got_here = 0
+  for rank = 0, 2 do
+    if got_here < limit then got_here = got_here + take_rank(wanted, limit - got_here, tostring(rank)) end
   end
   return got_here
 end

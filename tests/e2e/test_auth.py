@@ -196,3 +196,25 @@ def test_one_tenants_cached_prefix_is_not_another_tenants(secured):
         assert cached(alice) > 0  # her own prefix, cached
         assert cached(bob) == 0  # the same prompt: nothing of hers
         assert cached(bob) > 0
+
+
+def test_a_tenant_uses_the_service_tiers_it_was_given(secured):
+    """Priority is granted (`streamq keys limits --tiers`); auto is the tenant's own tier."""
+    api = secured.urls[0]
+    plain = bearer(keys_cli(secured, "create", "--tenant", "plain").stdout.strip())
+    gold = bearer(keys_cli(secured, "create", "--tenant", "gold").stdout.strip())
+    granted = keys_cli(secured, "limits", "--tenant", "gold", "--tiers", "priority,flex", "--auto-tier", "priority")
+    assert granted.returncode == 0, granted.stderr
+    assert keys_cli(secured, "limits", "--tenant", "x", "--tiers", "gold").returncode == 2  # no such tier
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(timeout=120) as client:
+        def tier(who, **extra):
+            reply = client.post(f"{api}/v1/chat/completions", json={**chat, **extra}, headers=who)
+            return reply.json()["service_tier"] if reply.status_code == 200 else (reply.status_code, reply.json())
+        assert [tier(plain), tier(plain, service_tier="flex")] == ["default", "flex"]
+        status, body = tier(plain, service_tier="priority")
+        assert status == 403 and body["error"]["param"] == "service_tier", body
+        assert [tier(gold), tier(gold, service_tier="auto"), tier(gold, service_tier="flex")] == \
+            ["priority", "priority", "flex"]
+        status, body = tier(gold, service_tier="default")
+        assert status == 403 and "priority, flex" in body["error"]["message"], body

@@ -13,9 +13,9 @@ from worker.backends.null_engine import NullEngine
 from worker.service.service import WorkerService
 
 
-def _payload(tenant: str) -> RequestPayload:
+def _payload(tenant: str, tier: str = "default") -> RequestPayload:
     return RequestPayload(id=str(uuid.uuid4()), model="m", prompt_token_ids=[1, 2], tenant=tenant,
-                          params=SamplingParams(max_tokens=3, ignore_eos=True))
+                          params=SamplingParams(max_tokens=3, ignore_eos=True), service_tier=tier)
 
 
 async def _statuses(store, payloads):
@@ -70,3 +70,25 @@ async def test_a_new_tenant_wakes_a_worker_blocked_on_the_lanes_it_knew(redis, r
     service.stop()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_priority_requests_start_before_a_flex_backlog_of_another_tenant(redis, redis_url, prefix):
+    """Tenant a queues 40 flex requests, then tenant b 4 priority and 4 default ones, all before the
+    worker starts. Fair share alone would interleave them; tiers start b's priority requests
+    first, then its default ones, then a's flex backlog."""
+    store = RequestStore(redis, prefix)
+    flex = [_payload("a", "flex") for _ in range(40)]
+    default, prio = [_payload("b") for _ in range(4)], [_payload("b", "priority") for _ in range(4)]
+    for p in flex + default + prio:
+        await store.submit(p)
+    service, task = await _start(redis, redis_url, prefix, NullEngine(batch_size=2, tokens_per_s=50),
+                                 intake_block_ms=50)
+
+    async def b_done():
+        return set(await _statuses(store, default + prio)) == {"done"}
+    await until(b_done, what="b's requests done")
+    await _stop(service, task)
+    records = {p.id: await store.record(p.id) for p in flex + default + prio}
+    started = sorted((r.first_token_at, p.service_tier) for p in flex + default + prio
+                     if (r := records[p.id]).first_token_at is not None)
+    assert [tier for _, tier in started[:8]] == ["priority"] * 4 + ["default"] * 4, started[:10]

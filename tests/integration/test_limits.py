@@ -89,3 +89,22 @@ async def test_an_ended_requests_reservation_is_settled_to_what_it_used(redis, p
     members = set(await redis.zrange(redis_keys.tenant_usage(prefix, "acme", "tpm"), 0, -1))
     assert members == {f"{short}=10", f"{samples[0]}=5", f"{samples[1]}:40", f"{running}:45"}
     assert not await _try(limits, "acme", 1)
+
+
+async def test_service_tiers_are_resolved_against_what_the_tenant_may_use(redis, prefix):
+    limits = Limits(redis, prefix, 600)
+    assert [await limits.service_tier("acme", t) for t in ("auto", "default", "flex")] == ["default", "default", "flex"]
+    with pytest.raises(ApiError) as refused:  # priority is granted, not anyone's
+        await limits.service_tier("acme", "priority")
+    assert refused.value.status == 403 and refused.value.param == "service_tier"
+    assert "auto, default, flex" in refused.value.message
+    await limits.set("acme", rpm=5, tiers=("priority", "flex"), auto_tier="priority")
+    assert [await limits.service_tier("acme", t) for t in ("auto", "priority", "flex")] == ["priority", "priority", "flex"]
+    with pytest.raises(ApiError):
+        await limits.service_tier("acme", "default")
+    assert await limits.service_tier("other", "auto") == "default"  # another tenant's grant is its own
+    await limits.set("acme", tpm=100)  # setting a limit keeps the tiers
+    assert await limits.service_tier("acme", "auto") == "priority"
+    with pytest.raises(ValueError, match="auto tier"):  # auto must be one of the tenant's tiers
+        await limits.set("acme", tiers=("default",))
+    assert await limits.service_tier("acme", "auto") == "priority"  # a refused set changes nothing

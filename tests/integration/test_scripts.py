@@ -188,7 +188,7 @@ async def case_batch_result(client, prefix):
 async def case_intake_take(client, prefix):
     free = redis_keys.worker_free_slots(prefix, MODEL)
     stream = await _lane(client, prefix, "0:a", 2)
-    args = [WORKER_GROUP, "w1", 4, 1, 1000, 0, "a", ""]
+    args = [WORKER_GROUP, "w1", 4, 1, 1000, 0, "a", "1", ""]
     reply = await run(client, "intake_take", [free, stream], args)
     assert reply[0] == 2 and reply[1] == [] and [(i, f) for i, _, f in reply[2:]] == [(1, ["payload", "p0"]),
                                                                                      (1, ["payload", "p1"])]

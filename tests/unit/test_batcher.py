@@ -13,10 +13,10 @@ from worker.engine.sequence import Sequence, Status
 _ids = itertools.count()
 
 
-def seq(prompt_len: int, first: int = 1000) -> Sequence:
+def seq(prompt_len: int, first: int = 1000, tier: str = "default") -> Sequence:
     n = next(_ids)
     payload = RequestPayload(id=f"r{n}", model="m", prompt_token_ids=list(range(first + n * 1000, first + n * 1000 + prompt_len)),
-                             params=SamplingParams(max_tokens=8))
+                             params=SamplingParams(max_tokens=8), service_tier=tier)
     return Sequence.of(payload, Detokenizer(lambda ids: ""))
 
 
@@ -129,3 +129,61 @@ def test_a_request_waiting_for_its_grammar_is_not_scheduled_until_it_is_marked_w
     assert lengths(step(b)) == {free.id: 1} and building in b.waiting
     building.status = Status.WAITING  # the engine has its matcher
     assert lengths(step(b)) == {free.id: 1, building.id: 3} and building.status is Status.RUNNING
+
+
+@pytest.mark.parametrize("tier", ["priority", "default"])
+def test_a_better_tier_waiting_for_a_slot_preempts_the_newest_flex_request(tier):
+    b = Batcher(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    old_flex, new_flex = seq(3, tier="flex"), seq(3, tier="flex")
+    for s in (old_flex, new_flex):
+        b.add(s)
+    step(b)
+    better = seq(3, tier=tier)
+    b.add(better)
+    out = step(b)
+    assert out.preempted == [new_flex] and new_flex.status is Status.PREEMPTED and new_flex.num_computed == 0
+    assert lengths(out) == {old_flex.id: 1, better.id: 3}  # admitted in the same step
+    b.remove(better)
+    assert lengths(step(b)) == {old_flex.id: 1, new_flex.id: 4}  # recomputed: its prompt and its token
+
+
+def test_a_better_tier_short_of_blocks_preempts_flex():
+    b = Batcher(BlockManager(5, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    default, flex = seq(7), seq(7, tier="flex")
+    for s in (default, flex):
+        b.add(s)
+    step(b)  # two blocks each, one free
+    prio = seq(8, tier="priority")
+    b.add(prio)
+    out = step(b)
+    assert out.preempted == [flex] and lengths(out) == {default.id: 1, prio.id: 8}
+
+
+def test_a_better_tier_waiting_for_a_slot_held_by_default_requests_preempts_nobody():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64)
+    running = seq(3)
+    b.add(running)
+    step(b)
+    prio = seq(3, tier="priority")
+    b.add(prio)
+    out = step(b)
+    assert out.preempted == [] and lengths(out) == {running.id: 1} and prio.status is Status.WAITING
+
+
+def test_flex_waiting_behind_running_requests_preempts_nobody():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64)
+    running = seq(3)
+    b.add(running)
+    step(b)
+    b.add(seq(3, tier="flex"))
+    assert step(b).preempted == [] and lengths(step(b)) == {running.id: 1}
+
+
+def test_out_of_blocks_preempts_the_flex_request_before_a_newer_default_one():
+    b = Batcher(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    flex, default = seq(8, tier="flex"), seq(7)
+    for s in (flex, default):
+        b.add(s)
+    step(b)  # all four blocks held; flex's next token needs a fifth
+    out = step(b)
+    assert out.preempted == [flex] and lengths(out) == {default.id: 1}

@@ -13,11 +13,11 @@ _ids = itertools.count()
 OUTPUT = 8  # tokens each request generates
 
 
-def request(tenant: str, priority: int = 0, weight: float = 1.0) -> Sequence:
+def request(tenant: str, priority: int = 0, weight: float = 1.0, tier: str = "default") -> Sequence:
     n = next(_ids)
     payload = RequestPayload(id=f"{tenant}{n}", model="m", prompt_token_ids=[1 + n % 7, 2, 3, 4],
                              params=SamplingParams(max_tokens=OUTPUT), tenant=tenant, priority=priority,
-                             weight=weight)
+                             weight=weight, service_tier=tier)
     return Sequence.of(payload, Detokenizer(lambda ids: ""))
 
 
@@ -132,3 +132,21 @@ def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place():
     queue.add(later)
     building.status = Status.WAITING  # its matcher is ready: ahead of what arrived after it
     assert queue.pop() is building and queue.pop() is later
+
+
+def test_a_better_service_tier_goes_first_across_tenants_whatever_their_shares():
+    """Tenant b has had far less than its share, but its flex requests wait behind a's priority
+    and default ones; within a tier, fair share still decides."""
+    run = Run(max_num_seqs=1)
+    for _ in range(5):
+        run.batcher.add(request("a"))
+    for _ in range(10):
+        run.step()  # a has run: its virtual time is well ahead of b's
+    flex_b, default_b = request("b", tier="flex"), request("b")
+    prio_a, default_a = request("a", tier="priority"), request("a")
+    for seq in (flex_b, default_a, default_b, prio_a):
+        run.batcher.add(seq)
+    while flex_b not in run.admitted:
+        run.step()
+    order = [s for s in run.admitted if s in (flex_b, default_b, prio_a, default_a)]
+    assert order == [prio_a, default_b, default_a, flex_b], [s.id for s in order]

@@ -62,6 +62,9 @@ class _Generation:
     async def payloads(self, prompt):
         return [self.build([1, 2, 3], params) for params in prompt.samples]
 
+    async def apply_tier(self, payloads, tenant, requested):
+        return "default"
+
     async def submit(self, payloads, tenant=""):
         pass
 

@@ -2,8 +2,12 @@
 
 Every step it first gives each running request its next tokens (one for a decode; the next
 chunk of the prompt for a prefill in progress), oldest first, within the step's token budget.
-When the KV cache has no block left for one, it preempts the newest running request (its
-blocks are freed and it is recomputed later). Then, if nothing was preempted, it admits
+When the KV cache has no block left for one, it preempts the newest running request of the
+worst service tier among those not yet given tokens in the step (its blocks are freed and it is
+recomputed later; cached blocks of its prefix stay shareable). Before that, where a request of
+a better tier than `flex` waits with no batch slot or too few free blocks for its first chunk,
+running `flex` requests are preempted, newest first, to make room for it (shared/service_tier.py).
+Then, unless the cache ran short, it admits
 waiting requests while batch slots, the token budget and free blocks allow, sharing the
 cached blocks of their prefix. A finished request's slot is refilled at the very next step.
 Which waiting request goes next is the fair queue's choice: tenants share the batch by
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.service_tier import PREEMPTIBLE_RANK
 from shared.settings import check_budget
 from worker.engine.block_manager import BlockManager
 from worker.engine.fair_queue import FairQueue
@@ -58,16 +63,18 @@ class Batcher:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        yielded = self._yield_to_better_tier(out)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             length = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._make_room(seq, seq.num_computed + length, out):
-                break  # seq itself was preempted (it was the newest)
+            if not self._make_room(i, seq.num_computed + length, out):
+                continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
             out.chunks.append(self._chunk(seq, seq.num_computed, length))
             budget -= length
             i += 1
-        while not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
+        short = len(out.preempted) > yielded  # the cache ran short: admit nobody this step
+        while not short and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting.peek()
             if seq is None:
                 break
@@ -121,16 +128,42 @@ class Batcher:
         end = start + length
         return Chunk(seq, start, seq.token_ids[start:end], self.blocks.table(seq.id), int(end == seq.num_tokens))
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running requests until `seq` fits; False if `seq` itself went."""
+    def _make_room(self, i: int, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt running requests not yet given tokens this step (running[i:]), the newest of
+        the worst tier first, until running[i] fits; False if running[i] itself went."""
+        seq = self.running[i]
         while self.blocks.blocks_needed(seq.id, num_tokens) > self.blocks.num_free:
-            victim = self.running.pop()
-            self.blocks.free(victim.id)
-            victim.num_computed = 0
-            victim.status = Status.PREEMPTED
-            self.waiting.add(victim)
-            out.preempted.append(victim)
-            self.num_preemptions += 1
+            rest = self.running[i:]
+            worst = max(s.tier for s in rest)
+            victim = next(s for s in reversed(rest) if s.tier == worst)
+            self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _yield_to_better_tier(self, out: SchedulerOutput) -> int:
+        """Preempt running `flex` requests, the newest first, while the next waiting request is of
+        a better tier and has no room: no batch slot, or fewer free blocks than its first chunk
+        needs (its cached prefix not counted, so this may free a block too many). How many went."""
+        head = self.waiting.peek()
+        if head is None or head.tier >= PREEMPTIBLE_RANK:
+            return 0
+        need = self.blocks.blocks_needed(head.id, min(head.num_tokens, self.max_num_batched_tokens))
+        gone = 0
+        while len(self.running) >= self.max_num_seqs or need > self.blocks.num_free:
+            victim = next((s for s in reversed(self.running) if s.tier >= PREEMPTIBLE_RANK), None)
+            if victim is None:
+                break
+            self._preempt(victim, out)
+            gone += 1
+        return gone
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Back to the queue (at its first arrival's place), its blocks freed: recomputed when readmitted."""
+        self.running.remove(victim)
+        self.blocks.free(victim.id)
+        victim.num_computed = 0
+        victim.status = Status.PREEMPTED
+        self.waiting.add(victim)
+        out.preempted.append(victim)
+        self.num_preemptions += 1

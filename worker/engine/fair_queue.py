@@ -1,9 +1,12 @@
-"""The waiting requests of one worker, handed out in weighted fair share between tenants.
+"""The waiting requests of one worker, handed out by service tier, then in weighted fair share
+between tenants.
 
-Pure Python. Each tenant has a virtual time: the tokens the batcher has scheduled for it,
+Pure Python. A request of a better service tier (shared/service_tier.py) goes before any of a
+worse one, whatever its tenant. Within a tier, each tenant has a virtual time: the tokens the batcher has scheduled for it,
 divided by its weight. The next request admitted is the head of the tenant with the smallest
 virtual time, so a tenant that has had less than its share goes first, however long another
-tenant's backlog is (start-time fair queueing). A tenant that was idle starts at the current
+tenant's backlog is (start-time fair queueing): the tenant's virtual time is one, over its
+requests of every tier. A tenant that was idle starts at the current
 virtual clock, not at its old time, so idleness is not saved up as credit. Within a tenant,
 requests go by priority (lower first), then by arrival. A request still waiting for its
 grammar (Status.WAITING_FOR_GRAMMAR) keeps its place but is passed over until it is ready, as
@@ -20,7 +23,7 @@ from worker.engine.sequence import Sequence, Status
 
 class FairQueue:
     def __init__(self) -> None:
-        self._heaps: dict[str, list[tuple[int, int, Sequence]]] = {}  # tenant -> (priority, arrival, seq)
+        self._heaps: dict[str, list[tuple[int, int, int, Sequence]]] = {}  # tenant -> (tier, priority, arrival, seq)
         self._vtime: dict[str, float] = {}
         self._clock = 0.0  # virtual time of the last admission: where a newly busy tenant starts
         self._arrivals = itertools.count()
@@ -34,7 +37,7 @@ class FairQueue:
             self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), self._clock)
         if seq.arrival < 0:
             seq.arrival = next(self._arrivals)
-        heapq.heappush(heap, (seq.priority, seq.arrival, seq))
+        heapq.heappush(heap, (seq.tier, seq.priority, seq.arrival, seq))
         self._len += 1
 
     def peek(self) -> Sequence | None:
@@ -54,11 +57,11 @@ class FairQueue:
 
     def remove(self, seq: Sequence) -> None:
         heap = self._heaps.get(seq.tenant, [])
-        if heap and heap[0][2] is seq:
+        if heap and heap[0][-1] is seq:
             heapq.heappop(heap)
             self._len -= 1
             return
-        for i, (_, _, queued) in enumerate(heap):
+        for i, (*_, queued) in enumerate(heap):
             if queued is seq:
                 heap[i] = heap[-1]
                 heap.pop()
@@ -76,16 +79,16 @@ class FairQueue:
         return self._vtime.get(tenant, 0.0)
 
     def _next(self) -> tuple[str, Sequence] | None:
-        """(tenant, request) for the tenant with the smallest virtual time among those with a
-        request ready, and its first ready request."""
+        """(tenant, request): of the tenants' first ready requests, those of the best tier, and of
+        them the one of the tenant with the smallest virtual time."""
         heads = []
         for tenant, heap in self._heaps.items():
-            head = heap[0] if heap and _ready(heap[0][2]) else min((e for e in heap if _ready(e[2])), default=None)
+            head = heap[0] if heap and _ready(heap[0][-1]) else min((e for e in heap if _ready(e[-1])), default=None)
             if head is not None:
-                heads.append((self._vtime[tenant], head[1], tenant, head[2]))
+                heads.append((head[0], self._vtime[tenant], head[2], tenant, head[-1]))
         if not heads:
             return None
-        _, _, tenant, seq = min(heads, key=lambda h: h[:3])
+        *_, tenant, seq = min(heads, key=lambda h: h[:4])
         return tenant, seq
 
     def __len__(self) -> int:
@@ -94,7 +97,7 @@ class FairQueue:
     def __iter__(self) -> Iterator[Sequence]:
         """Every waiting request, in no particular order."""
         for heap in self._heaps.values():
-            for _, _, seq in heap:
+            for *_, seq in heap:
                 yield seq
 
     def __contains__(self, seq: object) -> bool:

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
+from shared import service_tier
 from shared.queue import lane_of
 from shared.sampling import SamplingParams
 from worker.engine.detokenizer import Detokenizer
@@ -48,6 +49,7 @@ class Sequence:
     adapter_revision: int | None = None  # which of its loads: the registry's, claimed with; the held one's once held
     adapter_path: str | None = None  # that load's folder (None: a configured adapter's)
     kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in (worker/model/lora.py)
+    tier: int = service_tier.RANK["default"]  # its service tier's rank: lower runs first, across tenants
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -57,7 +59,8 @@ class Sequence:
     def of(cls, payload: RequestPayload, detokenizer: Detokenizer) -> Sequence:
         return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.tenant,
                    payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter,
-                   adapter_revision=payload.adapter_revision, adapter_path=payload.adapter_path)
+                   adapter_revision=payload.adapter_revision, adapter_path=payload.adapter_path,
+                   tier=service_tier.RANK[payload.service_tier])
 
     @property
     def finished(self) -> bool:

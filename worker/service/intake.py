@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from shared import redis_keys, scripts
+from shared import redis_keys, scripts, service_tier
 from shared.queue import RequestQueue, affinity_of
 
 @dataclass
@@ -70,6 +70,12 @@ class Intake:
             top, members = await pipe.execute()
         return self.queue.lane_streams(members, backend), top[0][0] if top else "0-0"
 
+    async def doorbell(self) -> str:
+        """The doorbell's last id ("0-0": none): another than the one `lanes` gave means a lane
+        was added since."""
+        top = await self.redis.xrevrange(self.queue.doorbell, count=1)
+        return top[0][0] if top else "0-0"
+
     async def take(self, lanes: list[str], free: int, idle: bool) -> Taken:
         """Claim this worker's share of the requests waiting in `lanes` (with no free slot and
         nobody else free, the head of each lane), and announce the free slots left; report the
@@ -78,7 +84,8 @@ class Intake:
         owners = [self._owner(lane) if kind == "o" else "" for lane, kind in zip(lanes, kinds, strict=True)]
         reply = await self._take(keys=[self.free_key, *lanes],
                                  args=[redis_keys.WORKER_GROUP, self.worker, free, int(idle), self.ttl_ms,
-                                       self.affinity_wait_ms or 0, "".join(kinds), *owners])
+                                       self.affinity_wait_ms or 0, "".join(kinds),
+                                       "".join(str(self.rank(lane)) for lane in lanes), *owners])
         count, abandoned = reply[0], reply[1]
         taken = Taken(entries=[(lanes[i - 1], entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
                                for i, entry_id, flat in reply[2:2 + count]],
@@ -101,6 +108,10 @@ class Intake:
     def _owner(self, stream: str) -> str | None:
         """The worker whose affinity lane this is (None: any worker's)."""
         return affinity_of(stream.removeprefix(self.queue.stream_prefix))
+
+    def rank(self, stream: str) -> int:
+        """The rank of the lane's service tier (0 first)."""
+        return service_tier.rank_of_lane(stream.removeprefix(self.queue.stream_prefix))
 
     def _kind(self, stream: str) -> str:
         """'m': this worker's affinity lane, 'o': another worker's, 'a': any worker's."""

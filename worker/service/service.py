@@ -21,7 +21,7 @@ from typing import TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from shared import redis_keys
+from shared import redis_keys, service_tier
 from shared.heartbeat import Heartbeat
 from shared.lora_registry import LoraRegistry
 from shared.messages import now
@@ -45,6 +45,9 @@ from worker.service.tracing import RequestSpans
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LANES_REFRESH_S = 1.0  # a new lane is also announced on the doorbell stream; this is the fallback
+# A busy worker, which does not wait on the doorbell, looks at its last id this often: a tenant's
+# new lane (its first priority request, say) is read within this, not within LANES_REFRESH_S.
+DOORBELL_CHECK_S = 0.05
 
 
 class WorkerService:
@@ -68,6 +71,7 @@ class WorkerService:
         self._lanes: list[str] = []  # the lane streams, refreshed every LANES_REFRESH_S or on the doorbell
         self._lanes_read_at = -math.inf
         self._doorbell_id = "0-0"  # the doorbell's last entry when the lanes were read
+        self._doorbell_checked_at = -math.inf
         self._announced = -1  # the free slots this worker last told the others of
         self.metrics = WorkerMetrics()
         self._plan = backend.plan  # decided when the engine was built: read once
@@ -222,12 +226,15 @@ class WorkerService:
             await self._wait_for_entries(taken)
 
     def _lanes_to_read(self, lanes: list[str], free: int) -> list[str]:
-        """Every lane where a slot is free; with none, the lanes of which no request waits here."""
+        """Every lane where a slot is free; with none, the lanes of which no request waits here,
+        of a service tier no worse than the best waiting here (a worse one's head would not be
+        admitted before it)."""
         if free:
             return lanes
         if len(lanes) > 1:
             here = {self.queue.lane_stream(seq.lane) for seq in self.backend.waiting}
-            return [lane for lane in lanes if lane not in here]
+            best = min((self.intake.rank(lane) for lane in here), default=len(service_tier.TIERS))
+            return [lane for lane in lanes if lane not in here and self.intake.rank(lane) <= best]
         return []
 
     async def _claim_taken(self, taken: Taken) -> None:
@@ -252,9 +259,14 @@ class WorkerService:
             self._lanes_read_at = -math.inf
 
     async def _lane_streams(self) -> list[str]:
-        if time.monotonic() - self._lanes_read_at > LANES_REFRESH_S:
+        now = time.monotonic()
+        stale = now - self._lanes_read_at > LANES_REFRESH_S
+        if not stale and now - self._doorbell_checked_at > DOORBELL_CHECK_S:
+            self._doorbell_checked_at = now
+            stale = await self.intake.doorbell() != self._doorbell_id
+        if stale:
             self._lanes, self._doorbell_id = await self.intake.lanes(self.settings.backend)
-            self._lanes_read_at = time.monotonic()
+            self._lanes_read_at = self._doorbell_checked_at = time.monotonic()
         return self._lanes
 
     def _held(self) -> list[str]:

@@ -86,9 +86,10 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Admit
     prompt = chat.as_prompt(generation.tool_format)
     payloads = await generation.payloads(prompt)
     payload = payloads[0]
+    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
     record = ResponseRecord(
         id=response_id, tenant=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
-        echo=body.echo(), input_items=items, context=context,
+        echo={**body.echo(), "service_tier": tier}, input_items=items, context=context,
         tools=prompt.tool_format.name if prompt.tool_format is not None else "none",
         prompt_tokens=len(payload.prompt_token_ids))
     # A stream's slot, before anything is stored or queued: a 429 leaves nothing behind.

@@ -7,7 +7,8 @@ are the chat endpoint's, with its checks.
 
 What would change the output and is not implemented is a 400 naming it (built-in tools,
 `reasoning`, `include` values, `truncation: auto`, ...); what cannot change it (`user`,
-`service_tier`, `stream_options`, ...) is accepted and dropped, as the chat endpoint does.
+`stream_options`, ...) is accepted and dropped, as the chat endpoint does. `service_tier` is the
+chat endpoint's, and the response names the tier that served it.
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from api.core.chat import ChatRequest
 from api.core.tools import FunctionDef
 from shared.messages import MAX_PRIORITY
+from shared.service_tier import Requested
 from shared.sampling import MAX_TOKEN_ID
 
 # Fields that change no generated token: accepted and dropped.
-IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
-                     "stream_options"})
+IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "stream_options"})
 # Fields OpenAI has that would change the output, and this server does not implement.
 UNSUPPORTED = {"reasoning": "reasoning settings", "prompt": "stored prompts", "conversation": "conversations",
                "max_tool_calls": "max_tool_calls", "top_logprobs": "top_logprobs", "context_management": "compaction"}
@@ -160,6 +161,7 @@ class ResponseCreate(BaseModel):
     # streamq's, as on the chat endpoint: a priority within the tenant, a backend to run on
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     backend: Literal["hf", "vllm", "null"] | None = None
+    service_tier: Requested | None = None  # OpenAI's, as on the chat endpoint
 
     @model_validator(mode="before")
     @classmethod
@@ -248,7 +250,7 @@ class ResponseCreate(BaseModel):
         body: dict[str, Any] = {"messages": messages, "model": self.model, "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p,
                                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
-                                "backend": self.backend}
+                                "backend": self.backend, "service_tier": self.service_tier}
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
