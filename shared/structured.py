@@ -4,9 +4,10 @@ A request carries at most one of a JSON schema, "any JSON object", a regular exp
 list of choices or a grammar (Lark, or GBNF as llama.cpp writes it), as vLLM's
 `structured_outputs` does. The worker turns it into llguidance's grammar and masks, each step,
 the tokens the grammar does not allow (worker/engine/structured.py), so the output obeys it whatever
-the model's quality. The api compiles the grammar once when the request arrives, so a schema,
-regex or grammar that llguidance cannot compile is a 400 naming the field, never a failed
-generation.
+the model's quality. Validating the body checks only what is cheap (one form, the size caps); the
+api compiles the grammar once the request is admitted, in its grammar pool's processes under a time
+cap (api/core/grammar_pool.py, `verdict`), so a schema, regex or grammar that llguidance cannot
+compile is a 400 naming the field, never a failed generation, and no compile runs on its event loop.
 
 llguidance, not xgrammar: it has no dependencies (xgrammar pulls triton and a TVM runtime into
 a CPU install), it takes all five forms, GBNF included, and it computes each mask on the fly
@@ -46,15 +47,13 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")
 
     @model_validator(mode="after")
-    def _one_form_that_compiles(self) -> StructuredOutputs:
+    def _one_form_within_the_caps(self) -> StructuredOutputs:
         given = [name for name in FORMS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("give exactly one of json, json_object, regex, choice and grammar"
                              + (f" (got {', '.join(given)})" if given else ""))
         if self.json_schema is not None and len(json.dumps(self.json_schema)) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
-        if error := self.compile_error():
-            raise ValueError(error)
         return self
 
     @property
@@ -89,7 +88,7 @@ class StructuredOutputs(BaseModel):
 def compile_error(grammar: str) -> str:
     """llguidance's verdict on a grammar ('' when it compiles). Not cached here: a process-wide
     cache would answer one tenant's schema faster because another sent it (a timing side channel);
-    api/core/grammar_pool.py keeps verdicts per tenant. llguidance's fuel limits bound a build; the
+    the api's grammar pool keeps verdicts per tenant. llguidance's fuel limits bound a build; the
     slowest measured here, a 60,000-character schema of 900 patterned properties, took 140 ms
     (docs/structured_outputs.md)."""
     from llguidance import LLMatcher

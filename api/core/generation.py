@@ -1,25 +1,32 @@
 """What every endpoint family shares: turn a prompt into a queued request, follow the events
 of one or several requests, cancel them. The native, OpenAI and seed-tutorial routes differ
-only in the shapes they accept and answer."""
+only in the shapes they accept and answer.
+
+A route comes here once its caller is admitted (api/core/auth.admitted: the key, then the
+tenant's limits), so the CPU work of a request, its prompt tokenized and templated in the
+tokenize pool and its constraint compiled in the grammar pool, is done only for a request that
+may run, and never on the event loop."""
 from __future__ import annotations
 
 import asyncio
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
 
 from opentelemetry import trace
-from starlette.concurrency import run_in_threadpool
 
+from api.core import grammar_pool, tokenize_pool
 from api.core.backpressure import Backpressure
 from api.core.choice import Choice
 from api.core.errors import ApiError
+from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
+from api.core.tokenize_pool import TokenizePool
 from shared import tracing
 from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
@@ -27,12 +34,14 @@ from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
+from shared.structured import StructuredOutputs
 from shared.tokenizer import ChatTemplateError, Tokenizer
 from shared.heartbeat import Heartbeat
 from shared.workers import live_workers
 
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,6 +60,7 @@ class Prompt:
     priority: int = 0
     backend: str | None = None  # run on a worker of this backend only
     tool_format: ToolFormat | None = None  # the replies' tool format, where the request calls tools
+    constraint_param: str = "structured_outputs"  # the body's field its samples' constraint came from
 
     @property
     def logprobs(self) -> int | None:
@@ -62,11 +72,13 @@ class Generation:
     def __init__(self, store: RequestStore, relay: Relay, tokenizer: Tokenizer, model_name: str, *,
                  default_max_tokens: int, queue_timeout_s: float = 300.0, max_tokens_cap: int = 1_000_000,
                  backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
-                 affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None):
+                 affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None,
+                 grammars: GrammarPool | None = None, tokenizing: TokenizePool | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
         when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
         worker that holds their prompt's prefix; `tool_format`: the format its replies with tool calls
-        are read in (api/core/parsers/registry.py; none: the generic one)."""
+        are read in (api/core/parsers/registry.py; none: the generic one); `grammars`, `tokenizing`:
+        the replica's pools for its CPU work (none: pools of this Generation's own, with the defaults)."""
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
@@ -82,6 +94,8 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
         self.tool_format = tool_format or registry.get(registry.FALLBACK)
+        self.grammars = grammars or GrammarPool()
+        self.tokenizing = tokenizing or TokenizePool()
 
     def with_adapter(self, name: str, backends: set[str]) -> Generation:
         """This model's Generation for requests that run with the LoRA adapter `name`, which workers
@@ -112,18 +126,43 @@ class Generation:
 
     async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while);
-        `tools`, for a chat template that renders them itself."""
+        """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself."""
         try:
             if messages is not None:
-                return await run_in_threadpool(self.tokenizer.encode_chat, messages, tools)
-            return await run_in_threadpool(self.tokenizer.encode, prompt)
+                return await self.tokenize(self.tokenizer.encode_chat, messages, tools, param="messages")
+            return await self.tokenize(self.tokenizer.encode, prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
-    async def payloads(self, prompt: Prompt) -> list[RequestPayload]:
-        """The requests a prompt runs, one per sample: checked against the model, not queued yet
-        (`submit` queues them)."""
+    async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "prompt") -> T:
+        """fn(*args), tokenizer work, in the tokenize pool: 503 where its threads stay busy past the
+        time cap, 400 (naming `param`) where the call itself runs past it."""
+        try:
+            return await self.tokenizing.run(fn, *args)
+        except tokenize_pool.PoolBusy as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry shortly", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        except tokenize_pool.TokenizeTimeout as exc:
+            raise ApiError(400, str(exc), param=param) from exc
+
+    async def check_constraint(self, constraint: StructuredOutputs, param: str, tenant: str = "") -> None:
+        """Compile the constraint in the grammar pool: 422 (400 on the OpenAI and Anthropic paths)
+        naming `param` where it does not compile or its compile runs past the time cap; 503 where
+        no compile process comes free within it."""
+        try:
+            error = await self.grammars.verdict(constraint.model_dump_json(by_alias=True, exclude_none=True), tenant)
+        except grammar_pool.PoolBusy as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry shortly", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        except grammar_pool.CompileFailed as exc:
+            error = str(exc)
+        if error:
+            raise ApiError(422, f"{param}: {error}", param=param)
+
+    async def payloads(self, prompt: Prompt, tenant: str = "", compile: bool = True) -> list[RequestPayload]:
+        """The requests a prompt runs, one per sample: checked against the model, their constraint
+        compiled (unless not `compile`: a count of its tokens runs nothing), not queued yet (`submit`
+        queues them). Asked once `tenant` is admitted, as it tokenizes and compiles."""
         self.check_model(prompt.model)
         if prompt.token_ids is not None:
             prompt_ids = prompt.token_ids
@@ -136,6 +175,10 @@ class Generation:
             await self.check_backend(prompt.backend)
             for payload in payloads:
                 payload.backend = prompt.backend
+        constraints = {id(p.structured_outputs): p.structured_outputs for p in prompt.samples
+                       if p.structured_outputs is not None}
+        for constraint in constraints.values() if compile else ():  # the samples share one: compiled once
+            await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
 
     def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:

@@ -35,7 +35,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     prompt = body.as_prompt(generation.tool_format)
-    payloads = await generation.payloads(prompt)
+    payloads = await generation.payloads(prompt, tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)

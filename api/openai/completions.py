@@ -32,7 +32,7 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    payloads = await generation.payloads(body.as_prompt())
+    payloads = await generation.payloads(body.as_prompt(), tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)

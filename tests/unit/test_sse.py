@@ -59,7 +59,7 @@ class _Generation:
     def build(self, prompt_ids, params, priority=0):
         return RequestPayload(id=RID, model="m", prompt_token_ids=prompt_ids, params=params)
 
-    async def payloads(self, prompt):
+    async def payloads(self, prompt, tenant="", compile=True):
         return [self.build([1, 2, 3], params) for params in prompt.samples]
 
     async def submit(self, payloads, tenant=""):

@@ -84,7 +84,9 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Admit
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from exc
     prompt = chat.as_prompt(generation.tool_format)
-    payloads = await generation.payloads(prompt)
+    if prompt.constraint_param == "response_format":  # as this API spells it
+        prompt.constraint_param = "text"
+    payloads = await generation.payloads(prompt, tenant)
     payload = payloads[0]
     record = ResponseRecord(
         id=response_id, tenant=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
