@@ -22,6 +22,7 @@ from api.core.metrics import ApiMetrics, BodyLimit, CountRequests
 from api.core.served_models import Models
 from api.core.stream_slots import StreamSlots
 from api.core.errors import ApiError
+from api.core.grammar_pool import GrammarPool
 from api.core.hosts import HostCheck, allowed_names
 from api.core.hub import PubSubHub
 from api.core.relay import Relay
@@ -49,11 +50,13 @@ from shared.tokenizer import Tokenizer
 OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
 
 
-def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None) -> FastAPI:
+def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None,
+               grammars: GrammarPool | None = None) -> FastAPI:
+    """The app; `tokenizer` and `grammars` (its grammar pool) are built from the settings unless given."""
     registry.check(settings.tool_parser)  # a wrong name stops the replica here, not at its first model
     hosts = allowed_names(settings.allowed_hosts, settings.host)  # so does a Host name that can never match
     metrics = ApiMetrics()
-    app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, metrics),
+    app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, grammars, metrics),
                   **_no_native_telemetry())
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(TraceRequests)  # around the routes and the counting: the request span holds it all
@@ -90,7 +93,7 @@ def _no_native_telemetry() -> dict:
     return {}
 
 
-def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMetrics):
+def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, grammars: GrammarPool | None, metrics: ApiMetrics):
     """The replica's connections and state (app.state.replica), from start to shutdown."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,8 +107,9 @@ def _lifespan(settings: ApiSettings, tokenizer: Tokenizer | None, metrics: ApiMe
         relay = Relay(store, hub, settings.relay_idle_s)
         arq = await arq_pool(settings.redis_url, redis_keys.arq_queue(settings.prefix))
         keys = KeyStore(redis, settings.prefix) if auth_enabled(settings.auth, settings.host) else None
-        limits = Limits(redis, settings.prefix, max(settings.queue_timeout_s, settings.flex_queue_timeout_s) + 3600) if keys is not None else None
-        models = Models(store, relay, settings, limits, metrics)
+        limits = (Limits(redis, settings.prefix, max(settings.queue_timeout_s, settings.flex_queue_timeout_s) + 3600)
+                  if keys is not None else None)
+        models = Models(store, relay, settings, limits, metrics, grammars)  # closes the pools with the models
         name, own_tokenizer = served_name(settings), tokenizer or Tokenizer(model_dir(settings))
         generation = await models.add(name, own_tokenizer)
         streams = StreamSlots(redis, settings.prefix, settings.max_streams_per_tenant, settings.stream_lease_s)

@@ -70,6 +70,9 @@ def main() -> None:
         except ValidationError as exc:
             print(f"| {name} | {chars:,} | refused: {exc.errors()[0]['msg'][:60]} | | |")
             continue
+        if error := parsed.compile_error():  # what the api's grammar pool runs
+            print(f"| {name} | {chars:,} | refused: {error[:60]} | | |")
+            continue
         validate = time.perf_counter() - start
         start = time.perf_counter()
         matcher = LLMatcher(ll, parsed.grammar_text(), log_level=0)

@@ -204,6 +204,7 @@ class ResultBody(BaseModel):
     model: str
     usage: ResultUsage
     choices: list[ChatChoice] | list[TextChoice]
+    service_tier: Literal["flex"] = "flex"  # a batch's lines run in the flex tier (api/openai/batches.py)
 
 
 class ResultResponse(BaseModel):

@@ -126,6 +126,19 @@ class ApiSettings(CommonSettings):
     max_pooling_tokens: int = Field(131_072, ge=1, le=100_000_000,
                                     description="Most tokens one embeddings or rerank request has the model run, every "
                                                 "input whole (a rerank's query once per document; 413 past it).")
+    api_cpu_workers: int = Field(
+        2, ge=1, le=256,
+        description="Processes that compile requests' grammars (spawned at the first one), and threads that "
+                    "tokenize and template prompts: the api's CPU work, off its event loop, at most this many at once.")
+    compile_timeout_s: float = Field(
+        5.0, gt=0, le=600,
+        description="Longest one grammar compile may run: past it, its process is killed and replaced, and its "
+                    "request gets 400 naming this cap. Also the longest a request waits for a free compile process "
+                    "(503 past it).")
+    tokenize_timeout_s: float = Field(
+        10.0, gt=0, le=600,
+        description="Longest a request's prompt may wait for a tokenizer thread (503 past it) and then take to "
+                    "tokenize and template (400 past it).")
     max_queued_requests: int = Field(1000, ge=1, le=10_000_000,
                                      description="Backlog (accepted, not yet taken by a worker) past which new requests get 503.")
     responses_retention_s: int = Field(

@@ -4,9 +4,10 @@ A request carries at most one of a JSON schema, "any JSON object", a regular exp
 list of choices or a grammar (Lark, or GBNF as llama.cpp writes it), as vLLM's
 `structured_outputs` does. The worker turns it into llguidance's grammar and masks, each step,
 the tokens the grammar does not allow (worker/engine/structured.py), so the output obeys it whatever
-the model's quality. The api compiles the grammar once when the request arrives, so a schema,
-regex or grammar that llguidance cannot compile is a 400 naming the field, never a failed
-generation.
+the model's quality. Validating the body checks only what is cheap (one form, the size caps); the
+api compiles the grammar once the request is admitted, in its grammar pool's processes under a time
+cap (api/core/grammar_pool.py, `verdict`), so a schema, regex or grammar that llguidance cannot
+compile is a 400 naming the field, never a failed generation, and no compile runs on its event loop.
 
 llguidance, not xgrammar: it has no dependencies (xgrammar pulls triton and a TVM runtime into
 a CPU install), it takes all five forms, GBNF included, and it computes each mask on the fly
@@ -16,7 +17,6 @@ a new schema costs no compile step; vLLM runs it as its `guidance` backend.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,24 +47,28 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")
 
     @model_validator(mode="after")
-    def _one_form_that_compiles(self) -> StructuredOutputs:
+    def _one_form_within_the_caps(self) -> StructuredOutputs:
         given = [name for name in FORMS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("give exactly one of json, json_object, regex, choice and grammar"
                              + (f" (got {', '.join(given)})" if given else ""))
         if self.json_schema is not None and len(json.dumps(self.json_schema)) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
-        try:
-            error = compile_error(self.grammar_text())
-        except (ValueError, RuntimeError) as exc:  # a schema that is not JSON, GBNF that does not convert
-            error = str(exc)
-        if error:
-            raise ValueError(f"{'json' if given[0] == 'json_schema' else given[0]}: {error}")
         return self
 
     @property
     def form(self) -> str:
         return next(name for name in FORMS if getattr(self, name) not in (None, False))
+
+    def compile_error(self) -> str:
+        """llguidance's verdict on this constraint: '' when it compiles, else the reason, naming the
+        form as the body spells it. CPU work (up to llguidance's fuel limits): the api runs it in its
+        grammar pool, never on its event loop."""
+        try:
+            error = compile_error(self.grammar_text())
+        except (ValueError, RuntimeError) as exc:  # a schema that is not JSON, GBNF that does not convert
+            error = str(exc)
+        return f"{'json' if self.form == 'json_schema' else self.form}: {error}" if error else ""
 
     def grammar_text(self) -> str:
         """The constraint as llguidance's grammar (ValueError where it cannot be built)."""
@@ -81,12 +85,18 @@ class StructuredOutputs(BaseModel):
         return grammar_from("grammar", self.grammar or "")
 
 
-@lru_cache(maxsize=256)
 def compile_error(grammar: str) -> str:
-    """llguidance's verdict on a grammar ('' when it compiles). Cached: an app sends the same
-    schema again and again, and a request's constraint is parsed at the api and again in the
-    worker. llguidance's fuel limits bound a build; the slowest measured here, a 60,000-character
-    schema of 900 patterned properties, took 140 ms (docs/structured_outputs.md)."""
+    """llguidance's verdict on a grammar ('' when it compiles). Not cached here: a process-wide
+    cache would answer one tenant's schema faster because another sent it (a timing side channel);
+    the api's grammar pool keeps verdicts per tenant. llguidance's fuel limits bound a build; the
+    slowest measured here, a 60,000-character schema of 900 patterned properties, took 140 ms
+    (docs/structured_outputs.md)."""
     from llguidance import LLMatcher
 
     return LLMatcher.validate_grammar(grammar)
+
+
+def verdict(constraint: str) -> str:
+    """`StructuredOutputs.compile_error` of a constraint sent as its JSON (by alias): what the api's
+    grammar pool runs in its processes, strings in and out."""
+    return StructuredOutputs.model_validate_json(constraint).compile_error()

@@ -51,7 +51,8 @@ def anthropic_error(status: int, message: str) -> dict:
 async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: TenantDep):
     """The prompt's tokens as the model's chat template renders it, tools included."""
     generation = await served.get(body.model)
-    payloads = await generation.payloads(body.chat_request(max_tokens=1).as_prompt(generation.tool_format))
+    prompt = body.chat_request(max_tokens=1).as_prompt(generation.tool_format)
+    payloads = await generation.payloads(prompt, tenant, compile=False)  # counted, never run
     return {"input_tokens": len(payloads[0].prompt_token_ids)}
 
 
@@ -60,8 +61,7 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
 async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     prompt = body.chat().as_prompt(generation.tool_format)
-    payloads = await generation.payloads(prompt)
-    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
+    payloads = await generation.payloads(prompt, tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -74,7 +74,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
     return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
             "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens), tier)}
+            "usage": _usage(choice.final, len(payloads[0].prompt_token_ids), len(choice.tokens), payloads[0].service_tier)}
 
 
 def _blocks(reply: Reply) -> list[dict[str, Any]]:

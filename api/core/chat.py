@@ -7,7 +7,9 @@ not know: ignoring `functions` would answer plain text to a client that asked fo
 else. Only the arguments in IGNORED, which cannot change the output, pass unread.
 `response_format` (OpenAI's) and `structured_outputs` (vLLM's) constrain the output
 (shared/structured.py); `tools` are kept by such a constraint too, in the model's tool format
-(api/core/parsers/). `as_prompt` gives what the generation runs (api/core/generation.Prompt).
+(api/core/parsers/). Reading a body builds its constraint but compiles nothing: the generation
+compiles it once the caller is admitted (Generation.payloads, in the grammar pool). `as_prompt`
+gives what the generation runs (api/core/generation.Prompt).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class ResponseFormat(BaseModel):
     _constraint: StructuredOutputs | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _compiles(self) -> ResponseFormat:
+    def _its_constraint(self) -> ResponseFormat:
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("type json_schema needs a json_schema object (name, schema)")
@@ -115,6 +117,10 @@ class SamplingFields(BaseModel):
 
     def constraint(self) -> StructuredOutputs | None:
         return self.structured_outputs or (self.response_format.constraint if self.response_format else None)
+
+    def constraint_param(self) -> str:
+        """The field the constraint came from, which its compile errors name."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @field_validator("logit_bias")
     @classmethod
@@ -219,10 +225,13 @@ class ChatRequest(SamplingFields):
     def constraint(self) -> StructuredOutputs | None:
         return self._tool_constraint if self.calls_tools else super().constraint()
 
+    def constraint_param(self) -> str:
+        return "tools" if self.calls_tools else super().constraint_param()
+
     def use_tool_format(self, tool_format: ToolFormat) -> None:
         """The model's tool format (api/core/parsers/registry.py): the tools, the earlier calls and
         the reply's constraint take it instead of the generic one (ValueError where its constraint
-        does not compile)."""
+        cannot be built; it is compiled with the request's, in Generation.payloads)."""
         if tool_format is self._format:  # its constraint was built when the request was read
             return
         self._format = tool_format
@@ -255,8 +264,9 @@ class ChatRequest(SamplingFields):
 
     def as_prompt(self, tool_format: ToolFormat) -> Prompt:
         """What this chat runs on a model whose replies with tool calls are in `tool_format`
-        (api/core/parsers/registry.py): ApiError 400 where the tools' grammar does not compile in
-        it, or where the messages or the sampling cannot be read."""
+        (api/core/parsers/registry.py): ApiError 400 where the tools' grammar cannot be built in
+        it, or where the messages or the sampling cannot be read (the constraint compiles later,
+        in Generation.payloads)."""
         if self.calls_tools:
             try:
                 self.use_tool_format(tool_format)
@@ -268,7 +278,8 @@ class ChatRequest(SamplingFields):
             raise ApiError(400, str(exc), param="messages") from exc
         prompt = Prompt(self.model, self.samples(self.n, self.max_completion_tokens or self.max_tokens, logprobs),
                         tools=self.template_tools(), priority=self.priority, backend=self.backend,
-                        tool_format=self.tool_format, service_tier=self.service_tier or "auto")
+                        tool_format=self.tool_format, constraint_param=self.constraint_param(),
+                        service_tier=self.service_tier or "auto")
         try:
             prompt.messages = self.template_messages()
         except ValueError as exc:

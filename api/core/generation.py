@@ -1,25 +1,32 @@
 """What every endpoint family shares: turn a prompt into a queued request, follow the events
 of one or several requests, cancel them. The native, OpenAI and seed-tutorial routes differ
-only in the shapes they accept and answer."""
+only in the shapes they accept and answer.
+
+A route comes here once its caller is admitted (api/core/auth.admitted: the key, then the
+tenant's limits), so the CPU work of a request, its prompt tokenized and templated in the
+tokenize pool and its constraint compiled in the grammar pool, is done only for a request that
+may run, and never on the event loop."""
 from __future__ import annotations
 
 import asyncio
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
 
 from opentelemetry import trace
-from starlette.concurrency import run_in_threadpool
 
+from api.core import grammar_pool, tokenize_pool
 from api.core.backpressure import Backpressure
 from api.core.choice import Choice
 from api.core.errors import ApiError
+from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
+from api.core.tokenize_pool import TokenizePool
 from shared import service_tier, tracing
 from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
@@ -27,12 +34,14 @@ from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
 from shared.prefix_affinity import PrefixAffinity
 from shared.sampling import SamplingParams
 from shared.store import RequestStore
+from shared.structured import StructuredOutputs
 from shared.tokenizer import ChatTemplateError, Tokenizer
 from shared.heartbeat import Heartbeat
 from shared.workers import live_workers
 
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,7 +60,8 @@ class Prompt:
     priority: int = 0
     backend: str | None = None  # run on a worker of this backend only
     tool_format: ToolFormat | None = None  # the replies' tool format, where the request calls tools
-    service_tier: str = "auto"  # the tier asked for (Generation.apply_tier resolves it)
+    constraint_param: str = "structured_outputs"  # the body's field its samples' constraint came from
+    service_tier: str = "auto"  # the tier asked for (Generation.tier resolves it)
 
     @property
     def logprobs(self) -> int | None:
@@ -64,11 +74,13 @@ class Generation:
                  default_max_tokens: int, queue_timeout_s: float = 300.0,
                  flex_queue_timeout_s: float = 900.0, max_tokens_cap: int = 1_000_000,
                  backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
-                 affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None):
+                 affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None,
+                 grammars: GrammarPool | None = None, tokenizing: TokenizePool | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
         when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
         worker that holds their prompt's prefix; `tool_format`: the format its replies with tool calls
-        are read in (api/core/parsers/registry.py; none: the generic one)."""
+        are read in (api/core/parsers/registry.py; none: the generic one); `grammars`, `tokenizing`:
+        the replica's pools for its CPU work (none: pools of this Generation's own, with the defaults)."""
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
@@ -85,6 +97,8 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
         self.tool_format = tool_format or registry.get(registry.FALLBACK)
+        self.grammars = grammars or GrammarPool()
+        self.tokenizing = tokenizing or TokenizePool()
 
     def with_adapter(self, name: str, backends: set[str]) -> Generation:
         """This model's Generation for requests that run with the LoRA adapter `name`, which workers
@@ -115,19 +129,45 @@ class Generation:
 
     async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Prompt token ids, off the event loop (tokenizing a long prompt takes a while);
-        `tools`, for a chat template that renders them itself."""
+        """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself."""
         try:
             if messages is not None:
-                return await run_in_threadpool(self.tokenizer.encode_chat, messages, tools)
-            return await run_in_threadpool(self.tokenizer.encode, prompt)
+                return await self.tokenize(self.tokenizer.encode_chat, messages, tools, param="messages")
+            return await self.tokenize(self.tokenizer.encode, prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
-    async def payloads(self, prompt: Prompt) -> list[RequestPayload]:
-        """The requests a prompt runs, one per sample: checked against the model, not queued yet
-        (`submit` queues them)."""
+    async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "prompt") -> T:
+        """fn(*args), tokenizer work, in the tokenize pool: 503 where its threads stay busy past the
+        time cap, 400 (naming `param`) where the call itself runs past it."""
+        try:
+            return await self.tokenizing.run(fn, *args)
+        except tokenize_pool.PoolBusy as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry shortly", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        except tokenize_pool.TokenizeTimeout as exc:
+            raise ApiError(400, str(exc), param=param) from exc
+
+    async def check_constraint(self, constraint: StructuredOutputs, param: str, tenant: str = "") -> None:
+        """Compile the constraint in the grammar pool: 422 (400 on the OpenAI and Anthropic paths)
+        naming `param` where it does not compile or its compile runs past the time cap; 503 where
+        no compile process comes free within it."""
+        try:
+            error = await self.grammars.verdict(constraint.model_dump_json(by_alias=True, exclude_none=True), tenant)
+        except grammar_pool.PoolBusy as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry shortly", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        except grammar_pool.CompileFailed as exc:
+            error = str(exc)
+        if error:
+            raise ApiError(422, f"{param}: {error}", param=param)
+
+    async def payloads(self, prompt: Prompt, tenant: str = "", compile: bool = True) -> list[RequestPayload]:
+        """The requests a prompt runs, one per sample: checked against the model, their constraint
+        compiled (unless not `compile`: a count of its tokens runs nothing), not queued yet (`submit`
+        queues them). Asked once `tenant` is admitted, as it tokenizes and compiles."""
         self.check_model(prompt.model)
+        tier = await self.tier(tenant, prompt.service_tier)  # a tier it may not use: 403 before any work
         if prompt.token_ids is not None:
             prompt_ids = prompt.token_ids
             if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
@@ -135,10 +175,18 @@ class Generation:
         else:
             prompt_ids = await self.encode(prompt.text, prompt.messages, prompt.tools)
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
+        for payload in payloads:
+            payload.service_tier = tier
+            if tier == "flex" and payload.expires_at is not None:  # flex may wait longer in the queue
+                payload.expires_at = payload.created_at + self.flex_queue_timeout_s
         if prompt.backend is not None:
             await self.check_backend(prompt.backend)
             for payload in payloads:
                 payload.backend = prompt.backend
+        constraints = {id(p.structured_outputs): p.structured_outputs for p in prompt.samples
+                       if p.structured_outputs is not None}
+        for constraint in constraints.values() if compile else ():  # the samples share one: compiled once
+            await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
 
     def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:
@@ -181,19 +229,12 @@ class Generation:
                 raise ApiError(422, f"{field} is {count}; it must be at most the vocabulary size, {vocab}",
                                param=field)
 
-    async def apply_tier(self, payloads: list[RequestPayload], tenant: str, requested: str) -> str:
-        """Resolve the service tier asked for against the tenant's (403 where it may not use it;
-        every tier where limits are off) and set it on the requests; a flex request may wait
-        longer in the queue. The tier, which the answer names."""
+    async def tier(self, tenant: str, requested: str) -> str:
+        """The service tier a request of `tenant` asking for `requested` runs in (403 where it may
+        not use it; every tier where limits are off)."""
         if self.limits is not None and tenant:
-            tier = await self.limits.service_tier(tenant, requested)
-        else:
-            tier = service_tier.resolve(requested, service_tier.TIERS, service_tier.DEFAULT_AUTO)
-        for payload in payloads:
-            payload.service_tier = tier
-            if tier == "flex" and payload.expires_at is not None:
-                payload.expires_at = payload.created_at + self.flex_queue_timeout_s
-        return tier
+            return await self.limits.service_tier(tenant, requested)
+        return service_tier.resolve(requested, service_tier.TIERS, service_tier.DEFAULT_AUTO)
 
     async def submit(self, payloads: list[RequestPayload], tenant: str = "") -> None:
         """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""

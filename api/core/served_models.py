@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from api.core.backpressure import Backpressure
 from api.core.errors import ApiError
 from api.core.generation import Generation
+from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
 from api.core.metrics import ApiMetrics
 from api.core.relay import Relay
+from api.core.tokenize_pool import TokenizePool
 from shared import tokenizer_files
 from shared.lora_registry import AdapterEntry, LoraRegistry
 from shared.prefix_affinity import PrefixAffinity
@@ -41,12 +43,16 @@ class Models:
     on its first request (`get`)."""
 
     def __init__(self, store: RequestStore, relay: Relay, settings: ApiSettings, limits: Limits | None,
-                 metrics: ApiMetrics | None = None):
+                 metrics: ApiMetrics | None = None, grammars: GrammarPool | None = None,
+                 tokenizing: TokenizePool | None = None):
+        """`grammars`, `tokenizing`: the replica's pools for every model's CPU work (none: from the settings)."""
         self.store = store
         self.relay = relay
         self.settings = settings
         self.limits = limits
         self.metrics = metrics
+        self.grammars = grammars or GrammarPool(settings.api_cpu_workers, settings.compile_timeout_s)
+        self.tokenizing = tokenizing or TokenizePool(settings.api_cpu_workers, settings.tokenize_timeout_s)
         self.default: Generation | None = None  # the first model added: requests without `model`
         self._loaded: dict[str, Generation] = {}
         self._backpressure: list[Backpressure] = []
@@ -68,7 +74,8 @@ class Models:
                                                         settings.prefix_affinity_tokens,
                                                         PrefixScope.parse(settings.shared_prefix_tenants))
                                 if settings.prefix_affinity else None,
-                                tool_format=registry.choose(settings.tool_parser, name, tokenizer))
+                                tool_format=registry.choose(settings.tool_parser, name, tokenizer),
+                                grammars=self.grammars, tokenizing=self.tokenizing)
         self._loaded[name] = generation
         self.default = self.default or generation
         return generation
@@ -136,3 +143,5 @@ class Models:
     async def close(self) -> None:
         for backpressure in self._backpressure:
             await backpressure.close()
+        await self.grammars.close()
+        self.tokenizing.close()

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import JSONResponse
 
 from api.core.auth import AdmittedDep, TenantDep
+from api.core.generation import Prompt
 from api.core.deps import (
     HubDep,
     ModelsDep,
@@ -48,11 +49,9 @@ async def submit(body: SubmitRequest, served: ModelsDep, relay: RelayDep, tenant
     """Queue a request. Answers 202 once it is in Redis; with `stream: true`, streams it instead."""
     generation = await served.get(body.model)
     messages = [m.model_dump() for m in body.messages] if body.messages is not None else None
-    payload = generation.build(await generation.encode(body.prompt, messages), body.sampling(), body.priority)
-    if body.backend is not None:
-        await generation.check_backend(body.backend)
-        payload.backend = body.backend
-    await generation.apply_tier([payload], tenant, body.service_tier)
+    [payload] = await generation.payloads(Prompt(None, [body.sampling()], messages=messages, text=body.prompt,
+                                                 priority=body.priority, backend=body.backend,
+                                                 service_tier=body.service_tier), tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit([payload], tenant=tenant)

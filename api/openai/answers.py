@@ -65,7 +65,8 @@ class Completion(Answer):
 
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"id": "cmpl-2f0c", "object": "text_completion", "created": 1767225600, "model": MODEL,
-         "choices": [{"index": 0, "text": " Paris.", "logprobs": None, "finish_reason": "stop"}], "usage": USAGE}]})
+         "choices": [{"index": 0, "text": " Paris.", "logprobs": None, "finish_reason": "stop"}], "usage": USAGE,
+         "service_tier": "default"}]})
 
     id: str
     object: Literal["text_completion"]
@@ -73,6 +74,7 @@ class Completion(Answer):
     model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage
+    service_tier: Literal["priority", "default", "flex"] = Field(description="The service tier that served it.")
 
 
 class FunctionCall(Answer):
@@ -119,7 +121,8 @@ class ChatCompletion(Answer):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"id": "chatcmpl-9a1b", "object": "chat.completion", "created": 1767225600, "model": MODEL,
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "logprobs": None,
-                      "finish_reason": "stop"}], "usage": USAGE}]})
+                      "finish_reason": "stop"}], "usage": USAGE,
+         "service_tier": "default"}]})
 
     id: str
     object: Literal["chat.completion"]
@@ -127,6 +130,7 @@ class ChatCompletion(Answer):
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
+    service_tier: Literal["priority", "default", "flex"] = Field(description="The service tier that served it.")
 
 
 COMPLETION_EVENTS = ("`data:` chunks of the completion (`choices[].text` the new text), the last with its "

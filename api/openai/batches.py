@@ -95,7 +95,7 @@ class JSONLines(JSONResponse):
         return "".join(f"{line}\n" for line in content).encode("utf-8")
 
 
-async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
+async def _payloads(endpoint: str, item: BatchItem, generation, tenant: str) -> list:
     try:
         if endpoint == "/v1/chat/completions":
             body = ChatCompletionRequest.model_validate(item.body)
@@ -109,7 +109,7 @@ async def _payloads(endpoint: str, item: BatchItem, generation) -> list:
     try:
         prompt = body.as_prompt(generation.tool_format) if isinstance(body, ChatCompletionRequest) \
             else body.as_prompt()
-        payloads = await generation.payloads(prompt)
+        payloads = await generation.payloads(prompt, tenant)
     except ApiError as exc:
         raise ApiError(exc.status, f"request {item.custom_id!r}: {exc.message}", param="requests") from exc
     for payload in payloads:  # a batch waits its turn: it must not expire in the queue meanwhile
@@ -128,7 +128,7 @@ async def create_batch(body: BatchRequest, generation: GenerationDep, store: Sto
         raise ApiError(400, "custom_id must be unique within a batch", param="requests")
     items = []
     for item in requests:
-        payloads = await _payloads(body.endpoint, item, generation)
+        payloads = await _payloads(body.endpoint, item, generation, tenant)
         payloads[0].tenant = tenant
         items.append(BatchEntry(custom_id=item.custom_id, endpoint=body.endpoint, payload=payloads[0]).encode())
     batch_id = ids.batch_id()

@@ -35,8 +35,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     prompt = body.as_prompt(generation.tool_format)
-    payloads = await generation.payloads(prompt)
-    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
+    payloads = await generation.payloads(prompt, tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -54,7 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-            "usage": totals, "service_tier": tier}
+            "usage": totals, "service_tier": payloads[0].service_tier}
 
 
 def _message(reply: Reply) -> dict:

@@ -32,9 +32,7 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    prompt = body.as_prompt()
-    payloads = await generation.payloads(prompt)
-    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
+    payloads = await generation.payloads(body.as_prompt(), tenant)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -56,7 +54,7 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
         out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals,
-            "service_tier": tier}
+            "service_tier": payloads[0].service_tier}
 
 
 async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,

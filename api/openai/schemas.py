@@ -40,7 +40,8 @@ class CompletionRequest(SamplingFields):
             text = self.prompt[0]
         return Prompt(self.model, self.samples(samples, self.max_tokens, logprobs), text=text,
                       token_ids=list(self.prompt) if text is None else None, priority=self.priority,
-                      backend=self.backend, service_tier=self.service_tier or "auto")
+                      backend=self.backend, constraint_param=self.constraint_param(),
+                      service_tier=self.service_tier or "auto")
 
 
 

@@ -59,11 +59,8 @@ class _Generation:
     def build(self, prompt_ids, params, priority=0):
         return RequestPayload(id=RID, model="m", prompt_token_ids=prompt_ids, params=params)
 
-    async def payloads(self, prompt):
+    async def payloads(self, prompt, tenant="", compile=True):
         return [self.build([1, 2, 3], params) for params in prompt.samples]
-
-    async def apply_tier(self, payloads, tenant, requested):
-        return "default"
 
     async def submit(self, payloads, tenant=""):
         pass

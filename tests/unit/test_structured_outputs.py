@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared.sampling import SamplingParams
-from shared.structured import StructuredOutputs
+from shared.structured import StructuredOutputs, verdict
 from tests.unit.test_engine import NEW_TOKENS, make_engine, prompts, run
 from worker.engine.sequence import Status
 
@@ -32,14 +32,25 @@ def _valid(obj: object) -> bool:
 @pytest.mark.parametrize("body", [{"json": SCHEMA}, {"json_object": True}, {"regex": REGEX}, {"choice": CHOICES},
                                   {"grammar": 'root ::= "yes" | "no"'}, {"grammar": 'start: "x"+'}])
 def test_each_form_of_constraint_compiles(body):
-    assert StructuredOutputs.model_validate(body).grammar_text()
+    constraint = StructuredOutputs.model_validate(body)
+    assert constraint.grammar_text() and constraint.compile_error() == ""
 
 
 @pytest.mark.parametrize("body, names", [
     ({"json": {"type": "nonsense"}}, "json"), ({"regex": "[0-9"}, "regex"), ({"grammar": "root ::= (("}, "grammar"),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "json"),
-    ({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "regex, choice"), ({"choice": []}, "choice")])
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "json")])
 def test_a_constraint_that_does_not_compile_is_refused_naming_its_form(body, names):
+    """Reading the body compiles nothing (the api compiles in its grammar pool, api/core/grammar_pool.py):
+    the verdict, as the pool's processes give it, names the form."""
+    constraint = StructuredOutputs.model_validate(body)
+    assert constraint.compile_error().startswith(f"{names}: ")
+    assert verdict(constraint.model_dump_json(by_alias=True, exclude_none=True)) == constraint.compile_error()
+
+
+@pytest.mark.parametrize("body, names", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "regex, choice"), ({"choice": []}, "choice"),
+    ({"json": {"enum": ["x" * 70_000]}}, "longer than")])
+def test_a_body_that_is_no_single_constraint_is_refused_as_it_is_read(body, names):
     with pytest.raises(ValidationError) as info:
         StructuredOutputs.model_validate(body)
     assert names in str(info.value)

@@ -15,7 +15,6 @@ import base64
 import struct
 from dataclasses import dataclass
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from api.core.errors import ApiError
@@ -70,9 +69,9 @@ async def rerank(generation: Generation, query: str, documents: list[str], tenan
     the prompt around each document are tokenized and queued once (PoolSpec head and tail)."""
     caps.check_inputs(len(documents), "documents")
     tok = generation.tokenizer
-    head, tail = await run_in_threadpool(rerank_frame, tok, query)
+    head, tail = await generation.tokenize(rerank_frame, tok, query, param="query")
     caps.check_tokens(len(documents) * (len(head) + len(tail)), "documents")
-    bodies = await run_in_threadpool(lambda: [rerank_body(tok, doc) for doc in documents])
+    bodies = await generation.tokenize(lambda: [rerank_body(tok, doc) for doc in documents], param="documents")
     for i, ids in enumerate(bodies):
         _check_length(generation, head + ids + tail, f"documents[{i}]")
     spec = PoolSpec(task="score", lengths=[len(x) for x in bodies], candidates=rerank_candidates(tok),
@@ -158,7 +157,7 @@ async def _final(generation: Generation, request_id: str) -> FinalEvent:
 
 async def _tokens(generation: Generation, item: str | list[int], i: int) -> list[int]:
     if isinstance(item, str):
-        ids = await run_in_threadpool(generation.tokenizer.encode, item)
+        ids = await generation.tokenize(generation.tokenizer.encode, item, param="input")
     else:
         vocab = generation.tokenizer.vocab_size
         if bad := [t for t in item if not 0 <= t < vocab]:

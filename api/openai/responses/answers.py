@@ -74,7 +74,7 @@ class ResponseObject(Answer):
          "previous_response_id": None, "store": True, "background": False, "temperature": 1.0, "top_p": 1.0,
          "truncation": "disabled", "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
          "status": "completed", "output": [MESSAGE], "usage": USAGE, "error": None, "incomplete_details": None,
-         "completed_at": 1767225601}]})
+         "completed_at": 1767225601, "service_tier": "default"}]})
 
     id: str
     object: Literal["response"]
@@ -99,6 +99,7 @@ class ResponseObject(Answer):
     error: ResponseError | None
     incomplete_details: IncompleteDetails | None
     completed_at: int | None
+    service_tier: Literal["priority", "default", "flex"] = Field(description="The service tier that serves it.")
 
 
 class ResponseDeleted(Answer):

@@ -84,12 +84,13 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Admit
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from exc
     prompt = chat.as_prompt(generation.tool_format)
-    payloads = await generation.payloads(prompt)
+    if prompt.constraint_param == "response_format":  # as this API spells it
+        prompt.constraint_param = "text"
+    payloads = await generation.payloads(prompt, tenant)
     payload = payloads[0]
-    tier = await generation.apply_tier(payloads, tenant, prompt.service_tier)
     record = ResponseRecord(
         id=response_id, tenant=tenant, request_id=payload.id, model=generation.model_name, created_at=now_s(),
-        echo={**body.echo(), "service_tier": tier}, input_items=items, context=context,
+        echo={**body.echo(), "service_tier": payload.service_tier}, input_items=items, context=context,
         tools=prompt.tool_format.name if prompt.tool_format is not None else "none",
         prompt_tokens=len(payload.prompt_token_ids))
     # A stream's slot, before anything is stored or queued: a 429 leaves nothing behind.
