@@ -107,7 +107,8 @@ def test_a_done_request_is_a_result_line_in_openais_shape_and_reads_back():
             "status_code": 200, "request_id": "r1", "body": {
                 "id": "cmpl-r1", "object": "text_completion", "created": 1712000000, "model": "m",
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-                "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}]}}}
+                "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
+                "service_tier": "flex"}}}
     assert BatchResult.decode(line.encode()) == line
     # the bytes as the results were always written: json.dumps's spacing, non-ASCII as it is
     assert line.encode() == json.dumps(json.loads(line.encode()), ensure_ascii=False)
