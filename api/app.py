@@ -32,7 +32,7 @@ from api.core.openapi import errors
 from api.core.parsers import registry
 from api.anthropic import messages
 from api.native import requests, seed
-from api.openai import batches, chat, completions, files, models
+from api.openai import batches, chat, completions, files, models, tokenize
 from api.openai.answers import OpenAIError
 from api.openai.errors import OPENAI_PATHS, openai_error
 from api.openai.pooling import routes as pooling
@@ -47,7 +47,7 @@ from shared.tokenizer import Tokenizer
 
 
 # Paths whose errors take OpenAI's body (and 400 for every invalid request).
-OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS
+OPENAI_FAMILY = OPENAI_PATHS + responses.PATHS + pooling.PATHS + lora.PATHS + tokenize.PATHS
 
 
 def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None,
@@ -72,7 +72,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None,
         return metrics.response()
 
     for router in (requests.router, models.router, completions.router, chat.router, responses.router,
-                   messages.router, pooling.router, seed.router, batches.router, files.router, health.router,
+                   messages.router, pooling.router, tokenize.router, seed.router, batches.router, files.router, health.router,
                    playground.router):
         app.include_router(router)
     # The adapter routes answer errors in OpenAI's body (OPENAI_FAMILY), as vLLM's do.

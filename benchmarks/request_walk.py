@@ -39,10 +39,10 @@ class Tok:
 
     vocab_size, context_length, chat_template = 1000, 512, None
 
-    def encode_chat(self, messages, tools=None):
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, add_special_tokens=False):
         return [1, 2, 3]
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return [1, 2, 3]
 
     def decode(self, ids, skip_special_tokens=True):

@@ -102,9 +102,14 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        # The template writes the special tokens itself, as transformers does.
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+        # The template writes the special tokens itself, as transformers does (unless asked to add them again).
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's piece of the vocabulary, as it is written there (a byte-level BPE's Ġ for a space)."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
 
 
 def served_context(model_config: dict[str, Any]) -> int:

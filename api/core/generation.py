@@ -128,12 +128,16 @@ class Generation:
                            param="model", code="model_not_found")
 
     async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself."""
+                     tools: list[dict[str, Any]] | None = None, add_special_tokens: bool | None = None,
+                     add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself.
+        `add_special_tokens`: the tokenizer's own (a BOS) added; by default to a prompt, not to a chat,
+        whose template writes them."""
         try:
             if messages is not None:
-                return await self.tokenize(self.tokenizer.encode_chat, messages, tools, param="messages")
-            return await self.tokenize(self.tokenizer.encode, prompt)
+                return await self.tokenize(self.tokenizer.encode_chat, messages, tools, add_generation_prompt,
+                                           bool(add_special_tokens), param="messages")
+            return await self.tokenize(self.tokenizer.encode, prompt, add_special_tokens is not False)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 

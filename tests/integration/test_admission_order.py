@@ -42,7 +42,8 @@ async def test_an_over_limit_request_is_refused_before_its_body_costs_anything(r
         assert queued.status_code == 202, queued.text
         calls.clear()
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "a " * 500}),
-                           ("/v1/requests", {"prompt": "a b"}), ("/v1/embeddings", {"input": ["a", "b"]})):
+                           ("/v1/requests", {"prompt": "a b"}), ("/v1/embeddings", {"input": ["a", "b"]}),
+                           ("/tokenize", {"prompt": "a " * 500})):
             over = client.post(path, json=body, headers=headers)
             assert over.status_code == 429, (path, over.text)
             assert "requests per minute" in over.text and int(over.headers["Retry-After"]) >= 1
