@@ -142,9 +142,26 @@ def test_a_better_tier_waiting_for_a_slot_preempts_the_newest_flex_request(tier)
     b.add(better)
     out = step(b)
     assert out.preempted == [new_flex] and new_flex.status is Status.PREEMPTED and new_flex.num_computed == 0
-    assert lengths(out) == {old_flex.id: 1, better.id: 3}  # admitted in the same step
+    # Admitted in the same step; beside a priority prompt the other flex request sits the step out.
+    assert lengths(out) == ({better.id: 3} if tier == "priority" else {old_flex.id: 1, better.id: 3})
     b.remove(better)
     assert lengths(step(b)) == {old_flex.id: 1, new_flex.id: 4}  # recomputed: its prompt and its token
+
+
+def test_flex_requests_sit_out_while_a_priority_prompt_runs_and_keep_their_cache():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    flex, other_flex, default = seq(2, tier="flex"), seq(2, tier="flex"), seq(2)
+    for s in (flex, other_flex, default):
+        b.add(s)
+    step(b)
+    prio = seq(12, tier="priority")
+    b.add(prio)
+    first = step(b)  # the priority prompt's first chunk beside the default decode, no flex one
+    assert lengths(first) == {default.id: 1, prio.id: 7} and first.preempted == []
+    assert lengths(step(b)) == {default.id: 1, prio.id: 5} and prio.output_ids  # its first token
+    assert flex.num_computed == other_flex.num_computed == 2  # kept, not recomputed
+    assert lengths(step(b)) == {flex.id: 1, other_flex.id: 1, default.id: 1, prio.id: 1}
+    assert b.num_preemptions == 0
 
 
 def test_a_better_tier_short_of_blocks_preempts_flex():

@@ -6,8 +6,9 @@ When the KV cache has no block left for one, it preempts the newest running requ
 worst service tier among those not yet given tokens in the step (its blocks are freed and it is
 recomputed later; cached blocks of its prefix stay shareable). Before that, where a request of
 a better tier than `flex` waits with no batch slot or too few free blocks for its first chunk,
-running `flex` requests are preempted, newest first, to make room for it (shared/service_tier.py).
-Then, unless the cache ran short, it admits
+running `flex` requests are preempted, newest first, to make room for it (shared/service_tier.py),
+and while a `priority` request waits or has yet to give its first token, running `flex` requests
+sit the steps out (their cache kept), so its prompt runs beside no flex decode. Then, unless the cache ran short, it admits
 waiting requests while batch slots, the token budget and free blocks allow, sharing the
 cached blocks of their prefix. A finished request's slot is refilled at the very next step.
 Which waiting request goes next is the fair queue's choice: tenants share the batch by
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.service_tier import PREEMPTIBLE_RANK
+from shared.service_tier import PREEMPTIBLE_RANK, RANK
 from shared.settings import check_budget
 from worker.engine.block_manager import BlockManager
 from worker.engine.fair_queue import FairQueue
 from worker.engine.sequence import Sequence, Status
 from worker.model.batch import Chunk, SchedulerOutput
+
+PRIORITY_RANK = RANK["priority"]
 
 
 class Batcher:
@@ -62,17 +65,12 @@ class Batcher:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         yielded = self._yield_to_better_tier(out)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            length = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._make_room(i, seq.num_computed + length, out):
-                continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
-            out.chunks.append(self._chunk(seq, seq.num_computed, length))
-            budget -= length
-            i += 1
+        # While a priority request waits or prefills, running flex requests sit the step out (their
+        # cache kept): its prompt runs beside no flex decode, so its first token comes as soon as the
+        # step it waited for ends. A step with nothing else to run still runs them.
+        sit_out = PREEMPTIBLE_RANK if self._priority_starting() else None
+        budget = self._run_running(out, self.max_num_batched_tokens, sit_out)
         short = len(out.preempted) > yielded  # the cache ran short: admit nobody this step
         while not short and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting.peek()
@@ -91,7 +89,33 @@ class Batcher:
             seq.status = Status.RUNNING
             out.chunks.append(self._chunk(seq, computed, length))
             budget -= length
+        if sit_out is not None and not out.chunks:
+            self._run_running(out, budget, None)
         return out
+
+    def _run_running(self, out: SchedulerOutput, budget: int, sit_out: int | None) -> int:
+        """Give the running requests their next tokens, oldest first, within `budget` (those of the
+        tier ranked `sit_out` or worse get none); the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if sit_out is not None and seq.tier >= sit_out:
+                i += 1
+                continue
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(i, seq.num_computed + length, out):
+                continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
+            out.chunks.append(self._chunk(seq, seq.num_computed, length))
+            budget -= length
+            i += 1
+        return budget
+
+    def _priority_starting(self) -> bool:
+        """Whether a priority request waits (first in the queue) or has yet to give its first token."""
+        head = self.waiting.peek()
+        if head is not None and head.tier == PRIORITY_RANK:
+            return True
+        return any(s.tier == PRIORITY_RANK and not s.output_ids for s in self.running)
 
     def speculate(self, out: SchedulerOutput, chunk: Chunk, draft: list[int], probs: Any = None) -> int:
         """Add proposed tokens (and the proposer's distributions over them, if any) to a decode
