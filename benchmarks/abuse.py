@@ -5,34 +5,41 @@
 One stack (its own Redis, one worker, the scheduler, one api replica; the default model unless
 --model) with two tenants: the victim, unlimited, and the attacker, limited to 60 requests a
 minute, 2 at once and 20,000 tokens a minute, with at most 8 open streams. The victim runs a
-steady chat load (`--streams` clients, each streaming one short chat after another) alone, then
-beside each attack in turn:
+steady chat load (`--streams` clients, each streaming one short chat after another), and each
+attack in turn runs (in a process of its own) beside that load, right after the same load alone:
 
 - rerank amplification: a rerank with a 2 KB query and 64 short documents (under the per-request
   token cap; the victim's key, as the attacker's tokens per minute refuse it), and the issue's 30 KB
-  query with 256 documents (past the cap: 413); the bytes Redis holds for the request's keys per
-  body byte, the victim not running;
+  query with 256 documents (past the cap: 413); per body byte, the bytes written to Redis for it
+  (MONITOR's write commands naming its request id) and the bytes Redis holds for its keys after,
+  the victim not running;
 - batch flood: a batch of 40 chats of 32 tokens each, run by the scheduler inside the attacker's limits;
 - over-limit costly requests: 50 chats at once with a large JSON schema, n=4 and top_logprobs=20,
   the attacker already at its requests per minute; their 429 time, and /healthz's p99 meanwhile;
 - stream flood: 40 streams opened at once (past the cap of 8: 429);
+- flex flood against priority: another tenant keeps 40 flex chats of 64 tokens in flight (more
+  than the batch holds), while the victim's chats ask for the priority tier; compared with the
+  victim's priority chats alone (and, for scale, its flex chats beside it against its flex chats alone);
 - mis-spelled ids: poll and SSE of a real id in upper case and padded (404, and how fast);
 - cached tokens across tenants: the attacker sends the victim's last prompt; its cached_tokens.
 
-Per attack: the victim's TTFT p50/p99 beside it and its ratio to alone, /healthz p99, and the
-attack's own figure. Requests lost or answered twice: every victim request must end done with
+Per attack: the victim's TTFT p50/p99 beside it, its p99 alone just before and the ratio,
+/healthz p99 beside it, and the attack's own figure. Requests lost or answered twice: every victim request must end done with
 its whole text once. The machine (lscpu model and flags) under the table.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -67,6 +74,7 @@ class Victim:
 
     def __init__(self, url: str, key: str, streams: int):
         self.url, self.headers, self.streams = url, {"Authorization": f"Bearer {key}"}, streams
+        self.tier: str | None = None  # the service_tier its chats ask for (None: the field left out)
         self.ttfts: list[float] = []
         self.bad = 0
         self.last_prompt = ""
@@ -93,6 +101,8 @@ class Victim:
                 self.last_prompt = prompt
                 body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0,
                         "ignore_eos": True, "stream": True}
+                if self.tier is not None:
+                    body["service_tier"] = self.tier
                 start, first, tokens, done = time.perf_counter(), None, 0, False
                 with client.stream("POST", f"{self.url}/v1/chat/completions", json=body,
                                    headers=self.headers) as reply:
@@ -140,18 +150,40 @@ class Prober:
                 time.sleep(0.02)
 
 
-def rerank_bytes(stack: Stack, url: str, headers: dict, query_chars: int, documents: int) -> tuple[int, float]:
-    """A rerank's status, and the bytes Redis holds for it (MEMORY USAGE of the keys it made: its
-    queue entry's stream, record and token log) per body byte (the victim not running)."""
+READS = {"GET", "HGET", "HMGET", "HGETALL", "XRANGE", "XREVRANGE", "XREAD", "XREADGROUP", "XLEN", "EXISTS", "TTL",
+         "EVALSHA", "EVAL", "SPUBLISH", "PUBLISH", "SSUBSCRIBE", "SUNSUBSCRIBE", "SUBSCRIBE", "UNSUBSCRIBE"}
+
+
+def _watch(monitor, commands: list[dict]) -> None:
+    with contextlib.suppress(Exception):  # ends when the monitor's connection closes
+        for command in monitor.listen():
+            commands.append(command)
+
+
+def rerank_bytes(stack: Stack, url: str, headers: dict, query_chars: int, documents: int) -> tuple[int, float, float]:
+    """A rerank's status, and per body byte: the bytes written to Redis for it (MONITOR's view of
+    every write command naming its request id, the scripts' own writes included: its record, queue
+    entry, status changes, final event, expiries and ack; no script call, read or publish), and the
+    bytes Redis holds for it after (MEMORY USAGE of the keys it made: its record and token log, and
+    its lane's stream where the lane is new, with the stream's preallocation). The victim is not running."""
     body = {"query": ("where is my parcel " * (query_chars // 19 + 1))[:query_chars],
             "documents": [f"document {i} about parcels" for i in range(documents)]}
     size = len(json.dumps(body).encode())
-    with stack.redis() as client:
+    commands: list[dict] = []
+    with stack.redis() as client, client.monitor() as monitor:
+        watching = threading.Thread(target=_watch, args=(monitor, commands), daemon=True)
+        watching.start()
         before = set(client.scan_iter(count=1000))
         reply = httpx.post(f"{url}/v1/rerank", json=body, headers=headers, timeout=600)
         made = set(client.scan_iter(count=1000)) - before
         held = sum(client.memory_usage(key) or 0 for key in made if ":kv:" not in key)
-    return reply.status_code, held / size
+        client.ping()
+    # The request's id: the one its queue entry (written by the submit script) carries.
+    entry = next((c["command"] for c in commands if c["command"].startswith("XADD") and '"pool":' in c["command"]), "")
+    rid = found.group(1) if (found := re.search(r'"id":"([^"]+)"', entry)) else None
+    written = sum(len(c["command"]) for c in list(commands)
+                  if rid and rid in c["command"] and c["command"].split(" ", 1)[0].upper() not in READS)
+    return reply.status_code, written / size, held / size
 
 
 def batch_flood(url: str, headers: dict) -> str:
@@ -199,6 +231,30 @@ def stream_flood(url: str, headers: dict) -> str:
     return f"{codes.count(200)} streams, {codes.count(429)} refused 429 (cap {STREAM_CAP})"
 
 
+def flex_flood(url: str, headers: dict, seconds: float, clients: int = 40) -> str:
+    """`clients` threads, each sending one flex chat of 64 tokens after another for `seconds`."""
+    stop, counts = threading.Event(), {"done": 0, "bad": 0}
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                body = {"messages": [{"role": "user", "content": f"Write report {i}-{n} on the warehouse."}],
+                        "max_tokens": 64, "ignore_eos": True, "service_tier": "flex"}
+                reply = client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+                ok = reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 64
+                counts["done" if ok else "bad"] += 1
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    return f"{counts['done']} flex chats done whole, {counts['bad']} not"
+
+
 def misspelled(url: str, headers: dict) -> str:
     with httpx.Client(timeout=60) as client:
         rid = client.post(f"{url}/v1/requests", json={"prompt": "a", "max_tokens": 2}, headers=headers).json()["id"]
@@ -219,6 +275,12 @@ def cross_tenant_cache(url: str, headers: dict, prompt: str) -> str:
     return f"cached_tokens {reply['usage']['prompt_tokens_details']['cached_tokens']}"
 
 
+def attacker_process() -> ProcessPoolExecutor:
+    """The attack runs in a process of its own, as another tenant's clients would: its threads
+    never hold this process's interpreter lock while the victim's clients time their first tokens."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -232,40 +294,43 @@ def main() -> None:
         url = stack.url
         victim_key, attacker_key = keys(stack, "victim"), keys(stack, "attacker")
         limit(stack, "attacker", "--rpm", "60", "--concurrent", "2", "--tpm", "20000")
+        limit(stack, "victim", "--tiers", "priority,default,flex")
+        flexer = {"Authorization": f"Bearer {keys(stack, 'flexer')}"}  # unlimited; flex is every tenant's
         attacker = {"Authorization": f"Bearer {attacker_key}"}
         victim = Victim(url, victim_key, args.streams)
         prober = {"Authorization": f"Bearer {keys(stack, 'newcomer')}"}
-        victim.run(10)  # warm up
-        with Prober(url) as probe:
-            alone, lost = victim.run(args.seconds)
-        rows = [["alone", f"{pct(alone, .5) * 1000:.0f}", f"{pct(alone, .99) * 1000:.0f}", "1.00",
-                 f"{pct(probe.times, .99) * 1000:.1f}", lost, "-"]]
+        victim.run(30)  # warm up
+        rows = []
         # Bytes per body byte, with the victim's key (its limits would refuse the first: 429).
         small = rerank_bytes(stack, url, {"Authorization": f"Bearer {victim_key}"}, 2_000, 64)
         big = rerank_bytes(stack, url, attacker, 30_000, 256)
-        rows.append(["rerank bytes (alone)", "-", "-", "-", "-", 0,
-                     f"2 KB x 64: {small[0]}, {small[1]:.2f} B/B; 30 KB x 256: {big[0]}, {big[1]:.2f} B/B"])
-        attacks = {"batch flood": lambda: batch_flood(url, attacker),
-                   "50 over-limit costly": lambda: costly_flood(url, attacker),
-                   "stream flood": lambda: stream_flood(url, attacker),
-                   "mis-spelled ids": lambda: misspelled(url, attacker),
-                   "cross-tenant prompt": lambda: cross_tenant_cache(url, prober, victim.last_prompt)}
-        for name, attack in attacks.items():
-            result: list[str] = []
-            thread = threading.Thread(target=lambda a=attack, r=result: r.append(a()))
-            with Prober(url) as probe:
-                thread.start()
+        rows.append(["rerank bytes (alone)", "-", "-", "-", "-", "-", 0,
+                     f"2 KB x 64: {small[0]}, written {small[1]:.2f} B/B, held {small[2]:.2f} B/B; "
+                     f"30 KB x 256: {big[0]}, written {big[1]:.2f} B/B"])
+        attacks = {"batch flood": (batch_flood, url, attacker),
+                   "50 over-limit costly": (costly_flood, url, attacker),
+                   "stream flood": (stream_flood, url, attacker),
+                   "mis-spelled ids": (misspelled, url, attacker),
+                   "cross-tenant prompt": (cross_tenant_cache, url, prober, victim.last_prompt),
+                   "flex flood, victim priority": (flex_flood, url, flexer, args.seconds + 10),
+                   "flex flood, victim flex": (flex_flood, url, flexer, args.seconds + 10)}
+        for name, (attack, *attack_args) in attacks.items():
+            # Each attack beside the victim's chats right after the same chats alone: the machine's
+            # drift over the run (other work on a shared host) falls on both sides of the ratio.
+            victim.tier = name.rsplit(" ", 1)[1] if name.startswith("flex flood") else None
+            alone, lost_alone = victim.run(args.seconds)
+            with Prober(url) as probe, attacker_process() as pool:
+                result = pool.submit(attack, *attack_args)
+                if name.startswith("flex flood"):
+                    time.sleep(5)  # the flood fills the batch first
                 beside, lost = victim.run(args.seconds)
-                thread.join()
+                figure = result.result()
             rows.append([name, f"{pct(beside, .5) * 1000:.0f}", f"{pct(beside, .99) * 1000:.0f}",
-                         f"{pct(beside, .99) / pct(alone, .99):.2f}", f"{pct(probe.times, .99) * 1000:.1f}", lost,
-                         result[0] if result else "failed"])
-        with Prober(url) as probe:
-            again, lost = victim.run(args.seconds)
-        rows.append(["alone, again at the end", f"{pct(again, .5) * 1000:.0f}", f"{pct(again, .99) * 1000:.0f}",
-                     f"{pct(again, .99) / pct(alone, .99):.2f}", f"{pct(probe.times, .99) * 1000:.1f}", lost, "-"])
-    print_table(["attack", "victim TTFT p50 ms", "p99 ms", "p99 / alone", "/healthz p99 ms", "victim lost",
-                 "attack's own figure"], rows)
+                         f"{pct(alone, .99) * 1000:.0f}", f"{pct(beside, .99) / pct(alone, .99):.2f}",
+                         f"{pct(probe.times, .99) * 1000:.1f}", lost + lost_alone, figure])
+        victim.tier = None
+    print_table(["attack", "victim TTFT p50 ms", "p99 ms", "p99 alone ms", "p99 / alone", "/healthz p99 ms",
+                 "victim lost", "attack's own figure"], rows)
     print_machine(machine("auto", 0, streams=args.streams, seconds=args.seconds))
 
 
