@@ -29,7 +29,7 @@ from api.core.relay import Relay
 from api.core.tracing import TraceRequests
 from api.admin import health, lora, playground
 from api.core.openapi import errors
-from api.core.parsers import registry
+from api.core.parsers import reasoning, registry
 from api.anthropic import messages
 from api.native import requests, seed
 from api.openai import batches, chat, completions, files, models, tokenize
@@ -54,6 +54,7 @@ def create_app(settings: ApiSettings, tokenizer: Tokenizer | None = None,
                grammars: GrammarPool | None = None) -> FastAPI:
     """The app; `tokenizer` and `grammars` (its grammar pool) are built from the settings unless given."""
     registry.check(settings.tool_parser)  # a wrong name stops the replica here, not at its first model
+    reasoning.check(settings.reasoning_parser)
     hosts = allowed_names(settings.allowed_hosts, settings.host)  # so does a Host name that can never match
     metrics = ApiMetrics()
     app = FastAPI(title="streamq", version="0.1.0", lifespan=_lifespan(settings, tokenizer, grammars, metrics),

@@ -149,6 +149,11 @@ class ApiSettings(CommonSettings):
         description="The tool-call format each model's replies are read in (api/core/parsers/): auto = the one its "
                     "chat template certainly asks for (hermes), else generic; a format's name, for every model; "
                     "or MODEL=FORMAT pairs, comma-separated (the models not named: auto).")
+    reasoning_parser: str = Field(
+        "auto", min_length=1, max_length=4096,
+        description="How each model's thought is kept apart from its answer (api/core/parsers/reasoning.py): auto = "
+                    "think where the chat template knows </think>, else none; think (<think>...</think>, DeepSeek-R1, "
+                    "Qwen3); none; or MODEL=NAME pairs, comma-separated (the models not named: auto).")
 
 
 class _Section(BaseModel):

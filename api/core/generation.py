@@ -24,6 +24,7 @@ from api.core.errors import ApiError
 from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
+from api.core.parsers.reasoning import ThinkFormat
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from api.core.tokenize_pool import TokenizePool
@@ -75,12 +76,14 @@ class Generation:
                  flex_queue_timeout_s: float = 900.0, max_tokens_cap: int = 1_000_000,
                  backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
                  affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None,
-                 grammars: GrammarPool | None = None, tokenizing: TokenizePool | None = None):
+                 grammars: GrammarPool | None = None, tokenizing: TokenizePool | None = None,
+                 reasoning: ThinkFormat | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
         when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
         worker that holds their prompt's prefix; `tool_format`: the format its replies with tool calls
         are read in (api/core/parsers/registry.py; none: the generic one); `grammars`, `tokenizing`:
-        the replica's pools for its CPU work (none: pools of this Generation's own, with the defaults)."""
+        the replica's pools for its CPU work (none: pools of this Generation's own, with the defaults);
+        `reasoning`: the format of its replies' thought (api/core/parsers/reasoning.py; none: no thought)."""
         self.store = store
         self.relay = relay
         self.tokenizer = tokenizer
@@ -97,6 +100,7 @@ class Generation:
         self.log_prompts = log_prompts
         self.affinity = affinity
         self.tool_format = tool_format or registry.get(registry.FALLBACK)
+        self.reasoning = reasoning
         self.grammars = grammars or GrammarPool()
         self.tokenizing = tokenizing or TokenizePool()
 

@@ -14,7 +14,7 @@ from api.core.errors import ApiError
 from api.core.generation import Generation
 from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
-from api.core.parsers import registry
+from api.core.parsers import reasoning, registry
 from api.core.metrics import ApiMetrics
 from api.core.relay import Relay
 from api.core.tokenize_pool import TokenizePool
@@ -75,6 +75,7 @@ class Models:
                                                         PrefixScope.parse(settings.shared_prefix_tenants))
                                 if settings.prefix_affinity else None,
                                 tool_format=registry.choose(settings.tool_parser, name, tokenizer),
+                                reasoning=reasoning.choose(settings.reasoning_parser, name, tokenizer),
                                 grammars=self.grammars, tokenizing=self.tokenizing)
         self._loaded[name] = generation
         self.default = self.default or generation

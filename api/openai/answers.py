@@ -92,6 +92,10 @@ class AssistantMessage(Answer):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A model that thinks aloud (a reasoning parser, STREAMQ_REASONING_PARSER): its thought, apart
+    # from content; `reasoning` is vLLM's newer name for the same text
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class TopLogprob(Answer):
@@ -138,7 +142,8 @@ COMPLETION_EVENTS = ("`data:` chunks of the completion (`choices[].text` the new
 COMPLETION_EVENTS_EXAMPLE = (
     'data: {"id": "cmpl-2f0c", "object": "text_completion", "created": 1767225600, "model": "' + MODEL + '", '
     '"choices": [{"index": 0, "text": " Paris", "logprobs": null, "finish_reason": null}]}\n\ndata: [DONE]\n\n')
-CHAT_EVENTS = ("`data:` chat.completion.chunk objects: the role first, then `delta.content` (or "
+CHAT_EVENTS = ("`data:` chat.completion.chunk objects: the role first, then a thinking model's "
+               "`delta.reasoning_content` (and `delta.reasoning`), then `delta.content` (or "
                "`delta.tool_calls` pieces), then the finish_reason; then `data: [DONE]`.")
 CHAT_EVENTS_EXAMPLE = (
     'data: {"id": "chatcmpl-9a1b", "object": "chat.completion.chunk", "created": 1767225600, "model": "' + MODEL

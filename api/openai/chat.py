@@ -47,8 +47,8 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     choices = await generation.collect(payloads)
     out = []
     for i, c in enumerate(choices):
-        reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final))
-        out.append({"index": i, "message": _message(reply),
+        reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final), generation.reasoning)
+        out.append({"index": i, "message": _message(reply, thinks=generation.reasoning is not None),
                     "logprobs": chat_logprobs(tokenizer, c.tokens) if prompt.logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
@@ -56,11 +56,18 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
             "usage": totals, "service_tier": payloads[0].service_tier}
 
 
-def _message(reply: Reply) -> dict:
-    """The assistant message of a reply: its calls, or its answer."""
+def _message(reply: Reply, thinks: bool = False) -> dict:
+    """The assistant message of a reply: its calls, or its answer; and where the model thinks
+    aloud, its thought (None where it wrote none)."""
+    thought = {"reasoning_content": reply.reasoning, "reasoning": reply.reasoning} if thinks else {}
     if reply.tool_calls:
-        return {"role": "assistant", "content": None, "tool_calls": reply.tool_calls}
-    return {"role": "assistant", "content": reply.content}
+        return {"role": "assistant", "content": None, "tool_calls": reply.tool_calls, **thought}
+    return {"role": "assistant", "content": reply.content, **thought}
+
+
+def _thought(text: str) -> dict:
+    """A piece of the thought as a stream delta, by both of vLLM's names."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatCompletionRequest, prompt: Prompt,
@@ -78,7 +85,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
     completion_tokens, finals = 0, []
-    replies = [ReplyParser(prompt.tool_format) for _ in payloads]
+    replies = [ReplyParser(prompt.tool_format, generation.reasoning) for _ in payloads]
     held: list[list[TokenEvent]] = [[] for _ in payloads]  # each reply's tokens not streamed yet
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
@@ -88,7 +95,9 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
             deltas = replies[i].feed(event.text)
             held[i].append(event)
             for delta in deltas:
-                if delta.call is not None:  # a held reply's calls go out as they are written
+                if delta.reasoning:
+                    yield frame(i, _thought(delta.reasoning))
+                elif delta.call is not None:  # a held reply's calls go out as they are written
                     yield frame(i, call_delta(delta.call))
             if replies[i].holding:
                 continue
@@ -99,6 +108,11 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
         elif isinstance(event, FinalEvent):
             finals.append(event)
             reason = stream_reason(event)
+            for delta in replies[i].flush():  # what the reasoning stage kept back
+                if delta.reasoning:
+                    yield frame(i, _thought(delta.reasoning))
+                elif delta.content and not replies[i].holding:
+                    yield frame(i, {"content": delta.content})
             if replies[i].holding:  # read whole, as the reply without stream is
                 reply = replies[i].finish(reason)
                 if not replies[i].calls:  # its calls went out as written; else its answer, whole, now

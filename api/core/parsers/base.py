@@ -33,10 +33,12 @@ class CallDelta:
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of a reply as a parser gives it: answer text, or a piece of a tool call."""
+    """A piece of a reply as a parser gives it: answer text, a piece of a tool call, or of the
+    model's thought (api/core/parsers/reasoning.py)."""
 
     content: str = ""
     call: CallDelta | None = None
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Reply:
     content: str | None
     tool_calls: list[dict[str, Any]]
     finish_reason: str
+    reasoning: str | None = None  # the model's thought, where its reasoning format found one
 
 
 def read_reply(text: str, finish_reason: str, parse: Parse) -> Reply:
