@@ -14,6 +14,14 @@ class TextContent(Answer):
     text: str
 
 
+class ThinkingContent(Answer):
+    """A thinking model's thought (STREAMQ_REASONING_PARSER), before its answer; no signature is made here."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
 class ToolUseContent(Answer):
     type: Literal["tool_use"]
     id: str
@@ -44,7 +52,7 @@ class MessageAnswer(Answer):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: MessageUsage
@@ -74,7 +82,8 @@ class AnthropicError(Answer):
 
 
 MESSAGE_EVENTS = ("Named events: message_start, then per content block content_block_start, "
-                  "content_block_delta (text_delta or input_json_delta) and content_block_stop, ping, "
+                  "content_block_delta (thinking_delta and signature_delta, text_delta or input_json_delta) and "
+                  "content_block_stop, ping, "
                   "message_delta (stop_reason, usage), message_stop; `error` for a request that fails.")
 MESSAGE_EVENTS_EXAMPLE = ('event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, '
                           '"delta": {"type": "text_delta", "text": "Paris"}}\n\n'

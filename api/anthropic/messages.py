@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -27,7 +28,7 @@ from api.core.generation import Generation, Prompt
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer, json_or_stream
 from api.core.sse import ANTHROPIC, EventStreamResponse
-from api.core.parsers.base import Reply
+from api.core.parsers.base import Delta, Reply
 from api.core.parsers.reply import ReplyParser, read_whole
 from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
@@ -70,7 +71,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
         events = _stream(generation, prompt, body, payloads[0], mid)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choice = (await generation.collect(payloads))[0]
-    reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final))
+    reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final), generation.reasoning)
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
     return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
             "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -78,9 +79,10 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
 
 
 def _blocks(reply: Reply) -> list[dict[str, Any]]:
-    """A reply's content blocks: its text, then a tool_use block per call."""
+    """A reply's content blocks: its thought, its text, then a tool_use block per call."""
+    thought = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
     blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
-    return blocks + [_tool_use(call) for call in reply.tool_calls]
+    return thought + blocks + [_tool_use(call) for call in reply.tool_calls]
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +126,8 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
     yield _event("message_start", message={
         "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0, payload.service_tier)})
-    reply_parser, choice, index, text_open, call_open = ReplyParser(prompt.tool_format), Choice(), 0, False, False
+    reply_parser = ReplyParser(prompt.tool_format, generation.reasoning)
+    choice, index, text_open, call_open, thinking = Choice(), 0, False, False, False
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping
             yield ANTHROPIC.keepalive
@@ -132,6 +135,10 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             choice.tokens.append(event)
             choice.text.append(event.text)
             deltas = reply_parser.feed(event.text)
+            # The thought first, a thinking block of its own, closed when the answer begins.
+            frames, index, thinking = _thought_frames(deltas, index, thinking)
+            for frame in frames:
+                yield frame
             for call in (d.call for d in deltas if d.call is not None):  # a held reply's calls, as written
                 if call.name is not None:
                     yield _event("content_block_start", index=index, content_block={
@@ -155,7 +162,16 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             except ApiError as exc:
                 yield _event("error", error=anthropic_error(exc.status, exc.message)["error"])
                 return
-            reply = reply_parser.finish(reason)
+            rest = reply_parser.flush()  # what the reasoning stage kept back
+            frames, index, thinking = _thought_frames(rest, index, thinking, end=True)
+            for frame in frames:
+                yield frame
+            if (text := "".join(d.content for d in rest)) and not reply_parser.holding:
+                if not text_open:
+                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+            reply = replace(reply_parser.finish(reason), reasoning=None)  # its thought went out already
             if call_open:  # a call cut by max_tokens: its input stays as far as it got
                 yield _event("content_block_stop", index=index)
             elif reply_parser.holding and not reply_parser.calls:  # a held answer (tools, none called): whole, now
@@ -168,6 +184,34 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                          usage=_usage(event, prompt_tokens, len(choice.tokens), payload.service_tier))
             yield _event("message_stop")
+
+
+def _thought_frames(deltas: list[Delta], index: int, thinking: bool,
+                    end: bool = False) -> tuple[list[str], int, bool]:
+    """The frames of the thought's pieces among these deltas, then the next block's index and
+    whether the thinking block is still open: it opens at the thought's first piece and closes
+    (with an empty signature: none is made here) at the first piece of anything else, or at `end`."""
+    frames = []
+    for delta in deltas:
+        if delta.reasoning:
+            if not thinking:
+                frames.append(_event("content_block_start", index=index,
+                                     content_block={"type": "thinking", "thinking": "", "signature": ""}))
+                thinking = True
+            frames.append(_event("content_block_delta", index=index,
+                                 delta={"type": "thinking_delta", "thinking": delta.reasoning}))
+        elif thinking and (delta.content or delta.call is not None):
+            frames += _close_thought(index)
+            index, thinking = index + 1, False
+    if thinking and end:
+        frames += _close_thought(index)
+        index, thinking = index + 1, False
+    return frames, index, thinking
+
+
+def _close_thought(index: int) -> list[str]:
+    return [_event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""}),
+            _event("content_block_stop", index=index)]
 
 
 def _held_blocks(reply: Reply, first: int) -> list[str]:

@@ -5,7 +5,8 @@ messages whose content is a string or blocks (text; an assistant's tool_use; a u
 tool_result), max_tokens, temperature, top_p, top_k, stop_sequences, tools and tool_choice.
 Each becomes the core's ChatRequest (api/core/chat.py), as an OpenAI chat runs, so templating, tools,
 queueing, failover and tenants are that route's. What the engine cannot do is refused with a
-400 naming it (images, documents, thinking, server tools), never ignored. `cache_control` is
+400 naming it (images, documents, the `thinking` setting, server tools), never ignored; an
+assistant's earlier thinking blocks are dropped from the prompt, as Anthropic drops them. `cache_control` is
 accepted on any block and needs nothing: every prefix is cached, on every worker (the shared KV
 tier). `metadata.user_id` is accepted and kept as the chat request's `user`.
 """
@@ -37,6 +38,16 @@ class TextBlock(_Strict):
     citations: list[dict[str, Any]] | None = Field(None, max_length=0)  # none: the engine makes none
 
 
+class ThinkingBlock(_Strict):
+    """An assistant's earlier thought, as a Messages answer gave it: not part of the prompt (the
+    chat templates of thinking models drop earlier thoughts, as Anthropic drops them)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+    cache_control: CacheControl | None = None
+
+
 class ToolUseBlock(_Strict):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=256)
@@ -57,8 +68,8 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock
-BLOCK_TYPES = ("text", "tool_use", "tool_result")  # no image, document, thinking, server tool blocks
+Block = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
+BLOCK_TYPES = ("text", "thinking", "tool_use", "tool_result")  # no image, document, redacted thinking, server tool blocks
 
 
 class Message(_Strict):
@@ -180,8 +191,8 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
         return [{"role": message.role, "content": message.content}]
     texts = [b.text for b in message.content if isinstance(b, TextBlock)]
     if message.role == "user":
-        if any(isinstance(b, ToolUseBlock) for b in message.content):
-            raise ValueError("a user message cannot hold tool_use blocks")
+        if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in message.content):
+            raise ValueError("a user message cannot hold tool_use or thinking blocks")
         out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                for b in message.content if isinstance(b, ToolResultBlock)]
         return out + ([{"role": "user", "content": "".join(texts)}] if texts else [])

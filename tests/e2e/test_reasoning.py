@@ -1,28 +1,31 @@
-"""A model that thinks aloud, through the whole stack and the openai client: on a tiny llama whose
-chat template knows </think> (so the api reads its replies with the think parser), a reply
-written as <think>…</think> then the answer (a regex constraint writes it: a tiny model does not
-think by itself) comes back with the thought in reasoning_content and never in content, whole
-and streamed."""
+"""A model that thinks aloud, through the whole stack with the openai and anthropic clients: on a
+tiny llama whose chat template opens a thought (its generation prompt ends with <think>, so the
+api reads its replies with the think parser), a reply written as a thought, </think>, then the
+answer (a regex constraint writes it: a tiny model does not close a thought by itself) comes
+back with the thought in reasoning_content and never in content, whole and streamed; on
+Messages, a reply that never leaves its thought is one thinking block."""
 from __future__ import annotations
 
 import re
 
+import anthropic
 import openai
 import pytest
 
+from api.anthropic.answers import MessageAnswer
 from api.openai.answers import ChatCompletion
 from tests.stack import Stack
 from tests.unit.test_reasoning import THINKING_TEMPLATE
 from streamq.testing.tiny_models import build_model
 
-WRITTEN = {"structured_outputs": {"regex": r"<think>[a-z]{3,8} [a-z]{3,8}</think>[a-z]{3,8}"}, "temperature": 0}
+WRITTEN = {"structured_outputs": {"regex": r"[a-z]{3,8} [a-z]{3,8}</think>[a-z]{3,8}"}, "temperature": 0}
 ASK = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tmp_path_factory) -> Stack:
     model = build_model(tmp_path_factory.mktemp("tiny-llama-thinking"), "llama", context=1024,
-                        chat_template=THINKING_TEMPLATE.replace("{{ opening }}", ""))
+                        chat_template=THINKING_TEMPLATE.replace("{{ opening }}", "<think>\n"))
     with Stack(redis_url, model, tmp_path_factory.mktemp("reasoning")) as running:
         yield running
 
@@ -50,7 +53,29 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(stack, clien
 
 
 def test_a_thought_cut_by_max_tokens_is_all_reasoning(stack, client):
-    cut = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=10, extra_body=WRITTEN)  # "<think>" is 7 tokens here
+    cut = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=4, extra_body=WRITTEN)
     message = cut.choices[0].message.to_dict()
     assert cut.choices[0].finish_reason == "length" and message["content"] is None
     assert message["reasoning_content"] and "<" not in message["reasoning_content"]
+
+
+def test_messages_give_the_thought_as_a_thinking_block(stack, client):
+    chat = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=8, temperature=0)
+    thought = chat.choices[0].message.to_dict()["reasoning_content"]
+    assert thought and chat.choices[0].message.content is None  # never left its thought
+    claude = anthropic.Anthropic(base_url=stack.urls[0], api_key="unused", max_retries=0)
+    message = claude.messages.create(model=stack.model_name, max_tokens=8, messages=ASK, extra_body={"temperature": 0})
+    MessageAnswer.model_validate(message.to_dict())
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", thought)]
+    with claude.messages.stream(model=stack.model_name, max_tokens=8, messages=ASK,
+                                extra_body={"temperature": 0}) as stream:
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        streamed = stream.get_final_message()
+    assert [(b.type, b.thinking) for b in streamed.content] == [("thinking", thought)]
+    assert ("content_block_delta", "thinking_delta") in kinds and ("content_block_delta", "signature_delta") in kinds
+    # An assistant's earlier thinking block is taken back, and left out of the prompt.
+    again = [*ASK, {"role": "assistant", "content": [b.to_dict() for b in message.content] + [
+        {"type": "text", "text": "Hello."}]}, {"role": "user", "content": "Again."}]
+    assert claude.messages.count_tokens(model=stack.model_name, messages=again).input_tokens == \
+        claude.messages.count_tokens(model=stack.model_name, messages=[
+            *ASK, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again."}]).input_tokens
