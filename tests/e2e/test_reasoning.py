@@ -14,6 +14,7 @@ import pytest
 
 from api.anthropic.answers import MessageAnswer
 from api.openai.answers import ChatCompletion
+from api.openai.responses.answers import ResponseObject
 from tests.stack import Stack
 from tests.unit.test_reasoning import THINKING_TEMPLATE
 from streamq.testing.tiny_models import build_model
@@ -79,3 +80,24 @@ def test_messages_give_the_thought_as_a_thinking_block(stack, client):
     assert claude.messages.count_tokens(model=stack.model_name, messages=again).input_tokens == \
         claude.messages.count_tokens(model=stack.model_name, messages=[
             *ASK, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again."}]).input_tokens
+
+
+def test_responses_give_the_thought_as_a_reasoning_item(stack, client):
+    chat = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=8, temperature=0)
+    thought = chat.choices[0].message.to_dict()["reasoning_content"]
+    first = client.responses.create(model=stack.model_name, input="Say hello.", max_output_tokens=8, temperature=0)
+    ResponseObject.model_validate(first.to_dict())
+    assert [(i.type, i.content[0].text) for i in first.output] == [("reasoning", thought)]
+    assert first.status == "incomplete" and first.output_text == ""
+    events = list(client.responses.create(model=stack.model_name, input="Say hello.", max_output_tokens=8,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].response.output[0].content[0].text == thought
+    # The next turn takes the reasoning item back, by previous_response_id or in the input.
+    again = client.responses.create(model=stack.model_name, previous_response_id=first.id, input="Again.",
+                                    max_output_tokens=2, temperature=0)
+    sent = client.responses.create(model=stack.model_name, max_output_tokens=2, temperature=0,
+                                   input=[{"role": "user", "content": "Say hello."},
+                                          *[i.to_dict() for i in first.output], {"role": "user", "content": "Again."}])
+    assert again.usage.input_tokens == sent.usage.input_tokens

@@ -33,6 +33,11 @@ class ThinkFormat:
     opened: bool = False
     name: str = "think"
 
+    @property
+    def key(self) -> str:
+        """Its name as a stored response keeps it (`named` reads it back)."""
+        return "think_opened" if self.opened else "think"
+
     def stage(self) -> ThinkStage:
         return ThinkStage(self.opened)
 
@@ -105,6 +110,11 @@ def _tag_start(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def named(key: str | None) -> ThinkFormat | None:
+    """The format a `ThinkFormat.key` names; None for none (or a record written before there were any)."""
+    return {"think": ThinkFormat(False), "think_opened": ThinkFormat(True)}.get(key or NONE)
 
 
 def check(setting: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from api.core.openapi import Answer
-from api.openai.responses.schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem
+from api.openai.responses.schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
 
 RESP = "resp_6f1c0e9b"
 USAGE = {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
@@ -38,6 +38,21 @@ class OutputFunctionCall(Answer):
     call_id: str
     name: str
     arguments: str = Field(description="The call's arguments as a JSON object's text.")
+
+
+class ReasoningTextPart(Answer):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(Answer):
+    """A thinking model's thought (STREAMQ_REASONING_PARSER), before its answer."""
+
+    id: str
+    type: Literal["reasoning"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any]
+    content: list[ReasoningTextPart]
 
 
 class InputTokensDetails(Answer):
@@ -94,7 +109,7 @@ class ResponseObject(Answer):
     tool_choice: str | dict[str, Any]
     tools: list[dict[str, Any]]
     status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     usage: ResponseUsage | None
     error: ResponseError | None
     incomplete_details: IncompleteDetails | None
@@ -119,7 +134,7 @@ class InputItemList(Answer):
         "first_id": "msg_6f1c0e9b_in0", "last_id": "msg_6f1c0e9b_in0", "has_more": False}]})
 
     object: Literal["list"]
-    data: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = Field(
+    data: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem] = Field(
         description="Input items as the request wrote them, each with an id and a status.")
     first_id: str | None
     last_id: str | None
@@ -127,7 +142,8 @@ class InputItemList(Answer):
 
 
 RESPONSE_EVENTS = ("Named events (`event:` is the type), each with its `sequence_number`: response.created, "
-                   "response.in_progress, response.output_item.added, response.output_text.delta, ..., "
+                   "response.in_progress, response.output_item.added, a thinking model's "
+                   "response.reasoning_text.delta ... .done, response.output_text.delta, ..., "
                    "response.completed (or .incomplete, .failed).")
 RESPONSE_EVENTS_EXAMPLE = (
     'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "sequence_number": 4, '

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.core.parsers import registry
-from api.core.parsers.base import CallDelta
+from api.core.parsers import reasoning, registry
+from api.core.parsers.base import CallDelta, Delta
 from api.core.parsers.reply import ReplyParser
 from api.openai.responses.record import LIVE_STATUS, ResponseRecord
 from api.openai.responses.schemas import InputItem, load_items
@@ -35,7 +35,9 @@ class ResponseEvents:
         self.status = "queued"
         self.output: list[dict[str, Any]] = []
         self.text: list[str] = []
-        self.reply = ReplyParser(None if record.tools == "none" else registry.get(record.tools))
+        self.reply = ReplyParser(None if record.tools == "none" else registry.get(record.tools),
+                                 reasoning.named(record.reasoning))
+        self.thought: dict[str, Any] | None = None  # the reasoning item being streamed
         self.message: dict[str, Any] | None = None  # the message item being streamed
         self.call: dict[str, Any] | None = None  # the function call item being streamed
         self.usage: dict[str, Any] | None = None
@@ -67,16 +69,47 @@ class ResponseEvents:
     def token(self, token: TokenEvent) -> list[dict[str, Any]]:
         if not token.text:
             return []
-        self.text.append(token.text)
+        return self._deltas(self.reply.feed(token.text))
+
+    def _deltas(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for delta in self.reply.feed(token.text):
+        for delta in deltas:
+            if delta.reasoning:
+                out += self._thought_delta(delta.reasoning)
+                continue
+            if self.thought is not None and (delta.call is not None or delta.content):
+                out += self._close_thought("completed")  # the answer begins: the thought is whole
             if delta.call is not None:
                 out += self._call_delta(delta.call)
             elif delta.content:
                 out += self._open_message()
-                out.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
-                                       content_index=0, delta=delta.content, logprobs=[]))
+                self.text.append(delta.content)
+                out.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                       output_index=self.output.index(self.message), content_index=0,
+                                       delta=delta.content, logprobs=[]))
         return out
+
+    def _thought_delta(self, text: str) -> list[dict[str, Any]]:
+        """A piece of the thought: its reasoning item first (at its first piece), then the piece."""
+        out = []
+        if self.thought is None:
+            self.thought = {"id": f"rs_{self.stem}", "type": "reasoning", "status": "in_progress", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": ""}]}
+            self.output.append(self.thought)
+            out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                   item=json.loads(json.dumps(self.thought))))
+        self.thought["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                               output_index=self.output.index(self.thought), content_index=0, delta=text))
+        return out
+
+    def _close_thought(self, status: str) -> list[dict[str, Any]]:
+        item, self.thought = self.thought, None
+        item["status"] = status
+        index = self.output.index(item)
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))]
 
     def _open_message(self) -> list[dict[str, Any]]:
         if self.message is not None:
@@ -93,7 +126,9 @@ class ResponseEvents:
 
     def final(self, final: FinalEvent, completed_at: int | None) -> list[dict[str, Any]]:
         status = FINAL_STATUS[final.finish_reason]
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, Any]] = self._deltas(self.reply.flush())  # what the reasoning stage kept back
+        if self.thought is not None:  # a thought the reply never left
+            out += self._close_thought("completed" if status == "completed" else "incomplete")
         if self.reply.holding:
             reply = self.reply.finish(final.finish_reason.value)
             content, calls = reply.content, reply.tool_calls
@@ -102,12 +137,13 @@ class ResponseEvents:
             if content and not self.reply.calls:  # a held answer: the message's text is the answer's
                 out += self._open_message()
                 self.text = [content]
-                out.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
-                                       content_index=0, delta=content, logprobs=[]))
+                out.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                       output_index=self.output.index(self.message), content_index=0,
+                                       delta=content, logprobs=[]))
             for i, call in enumerate(calls[self.reply.calls:], start=self.reply.calls):  # none streamed: whole
                 out += self._function_call(i, call["function"]["name"], call["function"]["arguments"])
-        elif status in ("completed", "incomplete"):
-            out += self._open_message()
+        elif status in ("completed", "incomplete") and not any(i["type"] == "reasoning" for i in self.output):
+            out += self._open_message()  # an empty answer is an empty message (a thought alone is no answer)
         if self.message is not None:
             out += self._close_message("incomplete" if status != "completed" else "completed")
         self.status = status

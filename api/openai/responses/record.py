@@ -1,6 +1,6 @@
 """What is stored of a Responses API response (ResponseRecord), fixed when it is created: the
 request's settings as the response object repeats them, its input items, the conversation it
-continues (for a later `previous_response_id`), its tool format."""
+continues (for a later `previous_response_id`), its tool and reasoning formats."""
 from __future__ import annotations
 
 import json
@@ -28,18 +28,21 @@ class ResponseRecord:
     context: list[InputItem]  # the conversation it ran on: earlier turns, then its input
     tools: str  # the reply's tool format: "none", "generic" or "hermes"
     prompt_tokens: int
+    reasoning: str = "none"  # the reply's reasoning format (ThinkFormat.key), "none" where it has none
 
     def fields(self) -> dict[str, str]:
         return {"request_id": self.request_id, "model": self.model, "created_at": str(self.created_at),
                 "echo": json.dumps(self.echo, ensure_ascii=False), "input_items": dump_items(self.input_items),
-                "context": dump_items(self.context), "tools": self.tools, "prompt_tokens": str(self.prompt_tokens)}
+                "context": dump_items(self.context), "tools": self.tools, "prompt_tokens": str(self.prompt_tokens),
+                "reasoning": self.reasoning}
 
     @classmethod
     def of(cls, response_id: str, tenant: str, fields: dict[str, str]) -> ResponseRecord:
         return cls(id=response_id, tenant=tenant, request_id=fields["request_id"], model=fields["model"],
                    created_at=int(fields["created_at"]), echo=json.loads(fields["echo"]),
                    input_items=load_items(fields["input_items"]), context=load_items(fields["context"]),
-                   tools=fields["tools"], prompt_tokens=int(fields["prompt_tokens"]))
+                   tools=fields["tools"], prompt_tokens=int(fields["prompt_tokens"]),
+                   reasoning=fields.get("reasoning", "none"))
 
 
 def with_ids(response_id: str, items: list[InputItem]) -> list[InputItem]:

@@ -72,8 +72,26 @@ class FunctionCallOutputItem(_Item):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
-_ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    """A thinking model's earlier thought, as a response gave it: taken back, and left out of the
+    prompt (the chat templates of thinking models drop earlier thoughts)."""
+
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = Field(default_factory=list, max_length=0)  # none is written here
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None  # none is made here, so none can be read back
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+               "reasoning": ReasoningItem}
 
 
 def parse_item(value: Any) -> InputItem:
@@ -83,7 +101,7 @@ def parse_item(value: Any) -> InputItem:
     kind = value.get("type", "message")
     if not isinstance(kind, str) or kind not in _ITEM_TYPES:
         raise ValueError(f"input items of type {kind!r} are not supported (message, function_call, "
-                         "function_call_output)")
+                         "function_call_output, reasoning)")
     if kind == "message" and isinstance(value.get("content"), list):
         for part in value["content"]:
             if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
@@ -277,6 +295,8 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue  # an earlier thought: not part of the prompt
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
