@@ -39,7 +39,7 @@ class Tok:
 
     vocab_size, context_length, chat_template = 1000, 512, None
 
-    def encode_chat(self, messages, tools=None, add_generation_prompt=True, add_special_tokens=False):
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, add_special_tokens=False, extra=None):
         return [1, 2, 3]
 
     def encode(self, text, add_special_tokens=True):

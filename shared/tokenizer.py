@@ -32,6 +32,11 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+# The names render_chat gives the template itself: a request's chat_template_kwargs may not set them.
+TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                            "strftime_now"})
+
+
 class Tokenizer:
     """Encode, decode and apply the chat template of one model folder."""
 
@@ -83,9 +88,12 @@ class Tokenizer:
         return partial(DecodeStream(skip_special_tokens=True).step, self._tok)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> str:
         """The prompt text for chat messages (and `tools`, for a template that renders them), as
-        the model was trained to read them."""
+        the model was trained to read them; `extra`: more variables for the template (a request's
+        chat_template_kwargs, such as enable_thinking), never one the renderer sets itself."""
+        if taken := sorted(set(extra or ()) & TEMPLATE_NAMES):
+            raise ChatTemplateError(f"chat_template_kwargs may not set {taken}: the server sets them")
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
@@ -96,16 +104,17 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(**(extra or {}), messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                          tools=tools)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    extra: dict[str, Any] | None = None) -> list[int]:
         # The template writes the special tokens itself, as transformers does (unless asked to add them again).
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, extra), add_special_tokens)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's piece of the vocabulary, as it is written there (a byte-level BPE's Ġ for a space)."""

@@ -71,7 +71,7 @@ async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep
         events = _stream(generation, prompt, body, payloads[0], mid)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choice = (await generation.collect(payloads))[0]
-    reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final), generation.reasoning)
+    reply = read_whole(prompt.tool_format, "".join(choice.text), finish_reason(choice.final), prompt.reasoning)
     stop_reason, stop_sequence = _stop(reply, choice, body.stop_sequences, generation.tokenizer)
     return {"id": mid, "type": "message", "role": "assistant", "model": generation.model_name,
             "content": _blocks(reply), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -126,7 +126,7 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
     yield _event("message_start", message={
         "id": mid, "type": "message", "role": "assistant", "model": generation.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(None, prompt_tokens, 0, payload.service_tier)})
-    reply_parser = ReplyParser(prompt.tool_format, generation.reasoning)
+    reply_parser = ReplyParser(prompt.tool_format, prompt.reasoning)
     choice, index, text_open, call_open, thinking = Choice(), 0, False, False, False
     async for _, event in generation.follow([payload.id]):
         if event is None:  # the hub's keepalive tick: Anthropic's ping

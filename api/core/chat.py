@@ -184,6 +184,10 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (enable_thinking, ...); OpenAI's reasoning_effort
+    # reaches it as `reasoning_effort` (templates that read it, such as gpt-oss's)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -257,6 +261,13 @@ class ChatRequest(SamplingFields):
             return [generic.template_message(m) for m in self.messages]
         return self._format.template_messages(self.messages, chosen(self.tools, self.tool_choice), self.tool_choice)
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort unless they set it."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra or None
+
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
@@ -279,7 +290,7 @@ class ChatRequest(SamplingFields):
         prompt = Prompt(self.model, self.samples(self.n, self.max_completion_tokens or self.max_tokens, logprobs),
                         tools=self.template_tools(), priority=self.priority, backend=self.backend,
                         tool_format=self.tool_format, constraint_param=self.constraint_param(),
-                        service_tier=self.service_tier or "auto")
+                        service_tier=self.service_tier or "auto", template_kwargs=self.template_kwargs())
         try:
             prompt.messages = self.template_messages()
         except ValueError as exc:

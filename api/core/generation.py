@@ -24,7 +24,7 @@ from api.core.errors import ApiError
 from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
-from api.core.parsers.reasoning import ThinkFormat
+from api.core.parsers.reasoning import OPEN, ThinkFormat
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from api.core.tokenize_pool import TokenizePool
@@ -63,6 +63,9 @@ class Prompt:
     tool_format: ToolFormat | None = None  # the replies' tool format, where the request calls tools
     constraint_param: str = "structured_outputs"  # the body's field its samples' constraint came from
     service_tier: str = "auto"  # the tier asked for (Generation.tier resolves it)
+    template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (chat_template_kwargs)
+    # How its replies' thought is read: set by Generation.payloads for a chat on a thinking model
+    reasoning: ThinkFormat | None = None
 
     @property
     def logprobs(self) -> int | None:
@@ -133,14 +136,14 @@ class Generation:
 
     async def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                      tools: list[dict[str, Any]] | None = None, add_special_tokens: bool | None = None,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself.
         `add_special_tokens`: the tokenizer's own (a BOS) added; by default to a prompt, not to a chat,
         whose template writes them."""
         try:
             if messages is not None:
                 return await self.tokenize(self.tokenizer.encode_chat, messages, tools, add_generation_prompt,
-                                           bool(add_special_tokens), param="messages")
+                                           bool(add_special_tokens), template_kwargs, param="messages")
             return await self.tokenize(self.tokenizer.encode, prompt, add_special_tokens is not False)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
@@ -181,7 +184,10 @@ class Generation:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
                 raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
         else:
-            prompt_ids = await self.encode(prompt.text, prompt.messages, prompt.tools)
+            prompt_ids = await self.encode(prompt.text, prompt.messages, prompt.tools,
+                                           template_kwargs=prompt.template_kwargs)
+            if prompt.messages is not None and self.reasoning is not None:
+                prompt.reasoning = self.reasoning_of(prompt_ids)
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
         for payload in payloads:
             payload.service_tier = tier
@@ -196,6 +202,13 @@ class Generation:
         for constraint in constraints.values() if compile else ():  # the samples share one: compiled once
             await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
+
+    def reasoning_of(self, prompt_ids: list[int]) -> ThinkFormat:
+        """The model's reasoning format for a chat whose prompt is these ids: opened where this
+        prompt ends inside a thought (its template opened one; chat_template_kwargs such as
+        enable_thinking may have closed it instead)."""
+        tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip()
+        return ThinkFormat(opened=tail.endswith(OPEN))
 
     def build(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestPayload:
         """Check the request against the model and build what the worker runs."""

@@ -47,8 +47,8 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
     choices = await generation.collect(payloads)
     out = []
     for i, c in enumerate(choices):
-        reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final), generation.reasoning)
-        out.append({"index": i, "message": _message(reply, thinks=generation.reasoning is not None),
+        reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final), prompt.reasoning)
+        out.append({"index": i, "message": _message(reply, thinks=prompt.reasoning is not None),
                     "logprobs": chat_logprobs(tokenizer, c.tokens) if prompt.logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
@@ -85,7 +85,7 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
     for i in range(len(payloads)):
         yield frame(i, {"role": "assistant", "content": ""})
     completion_tokens, finals = 0, []
-    replies = [ReplyParser(prompt.tool_format, generation.reasoning) for _ in payloads]
+    replies = [ReplyParser(prompt.tool_format, prompt.reasoning) for _ in payloads]
     held: list[list[TokenEvent]] = [[] for _ in payloads]  # each reply's tokens not streamed yet
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:

@@ -37,6 +37,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool | None = None  # a chat: the assistant turn's opening after the messages (default true)
     continue_final_message: bool = False
     tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -44,8 +45,9 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
         if self.prompt is not None and (self.add_generation_prompt is not None or self.tools is not None
-                                        or self.continue_final_message):
-            raise ValueError("add_generation_prompt, continue_final_message and tools go with messages, not a prompt")
+                                        or self.continue_final_message or self.chat_template_kwargs is not None):
+            raise ValueError("add_generation_prompt, continue_final_message, tools and chat_template_kwargs go with "
+                             "messages, not a prompt")
         if self.continue_final_message:
             raise ValueError("continue_final_message is not supported")
         return self
@@ -77,11 +79,11 @@ async def tokenize(body: TokenizeRequest, served: ModelsDep, tenant: AdmittedDep
     else:
         # As a chat completion of these messages and tools would run them (its prompt tokens).
         try:
-            chat = ChatRequest(messages=body.messages, tools=body.tools)
+            chat = ChatRequest(messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
         except ValidationError as exc:
             raise ApiError(400, "; ".join(e["msg"] for e in exc.errors()), param="tools") from exc
         prompt = chat.as_prompt(generation.tool_format)
-        ids = await generation.encode(messages=prompt.messages, tools=prompt.tools,
+        ids = await generation.encode(messages=prompt.messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs,
                                       add_special_tokens=bool(body.add_special_tokens),
                                       add_generation_prompt=body.add_generation_prompt is not False)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": generation.tokenizer.context_length, "tokens": ids,

@@ -101,3 +101,16 @@ def test_responses_give_the_thought_as_a_reasoning_item(stack, client):
                                    input=[{"role": "user", "content": "Say hello."},
                                           *[i.to_dict() for i in first.output], {"role": "user", "content": "Again."}])
     assert again.usage.input_tokens == sent.usage.input_tokens
+
+
+def test_a_chat_whose_template_kwargs_close_the_thought_is_all_answer(stack, client):
+    thinking = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=8, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = plain.choices[0].message.to_dict()
+    assert message["content"] and message.get("reasoning_content") is None
+    # The template closed an empty thought in the prompt: more prompt tokens than the thinking chat's.
+    assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set"):
+        client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})

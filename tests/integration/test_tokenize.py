@@ -47,6 +47,22 @@ def test_chat_messages_go_through_the_template(client, theirs):
     assert doubled["tokens"] == [theirs.bos_token_id, *answer["tokens"]]
 
 
+def test_chat_template_kwargs_reach_the_template(redis_url, prefix, tmp_path):
+    from streamq.testing.tiny_models import build_model
+    from tests.unit.test_reasoning import THINKING_TEMPLATE
+    folder = build_model(tmp_path, "llama", chat_template=THINKING_TEMPLATE.replace("{{ opening }}", "<think>\n"))
+    theirs = AutoTokenizer.from_pretrained(folder)
+    settings = ApiSettings(_env_file=None, redis_url=redis_url, prefix=prefix, model=str(folder), served_model_name="m")
+    with TestClient(create_app(settings, Tokenizer(folder)), base_url="http://127.0.0.1") as client:
+        closed = client.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+        assert closed.json()["tokens"] == theirs.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                                     return_dict=False, enable_thinking=False)
+        opened = client.post("/tokenize", json={"messages": CHAT}).json()
+        assert opened["count"] < closed.json()["count"]
+        taken = client.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"bos_token": "x"}})
+        assert taken.status_code == 400 and "may not set ['bos_token']" in taken.json()["error"]["message"]
+
+
 def test_tokens_come_back_as_text(client, theirs):
     text = "Hello there, é 東京"
     ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
@@ -59,6 +75,7 @@ def test_tokens_come_back_as_text(client, theirs):
     ("/tokenize", {"prompt": "a", "messages": CHAT}, None),
     ("/tokenize", {}, None),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, None),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"enable_thinking": False}}, None),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, None),
     ("/tokenize", {"prompt": "a", "chat_template": "{{ x }}"}, "chat_template"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),

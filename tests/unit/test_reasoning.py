@@ -71,7 +71,9 @@ THINKING_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if '</think>' in message['content'] %}{{ message['content'].split('</think>')[-1] }}"
     "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{{ opening }}{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}{{ opening }}{% endif %}"
+    "{% endif %}")
 
 
 @pytest.mark.parametrize("opening, opened", [("", False), ("<think>\n", True)])

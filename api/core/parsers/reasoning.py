@@ -3,7 +3,8 @@ Qwen3, QwQ) writes its thought first and its answer after. The thought goes out 
 (chat completions' `reasoning_content`), never as content, however the stream splits a tag.
 
 A chat template may open the thought itself (its generation prompt ends with `<think>`): the
-reply then starts inside the thought. Otherwise a reply is a thought only where it opens with
+reply then starts inside the thought. Each chat's own prompt says so (chat_template_kwargs such
+as enable_thinking may close the thought in the prompt instead). Otherwise a reply is a thought only where it opens with
 `<think>` (after any blank space); any other reply is all answer. A thought never closed (cut
 by max_tokens) is all reasoning, with no answer.
 
@@ -128,7 +129,7 @@ def check(setting: str) -> None:
 def choose(setting: str, model: str, tokenizer: Tokenizer) -> ThinkFormat | None:
     """The reasoning format of `model`'s replies by the setting (a name, or MODEL=NAME pairs);
     under "auto", `think` where its chat template knows `</think>`, opened where its generation
-    prompt ends inside the thought."""
+    prompt ends inside the thought (each chat's own prompt decides that again: Generation.reasoning_of)."""
     name = setting.strip()
     if "=" in name:
         pairs = {m.strip(): n.strip() for m, _, n in (p.partition("=") for p in name.split(",") if p.strip())}

@@ -93,7 +93,7 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Admit
         echo={**body.echo(), "service_tier": payload.service_tier}, input_items=items, context=context,
         tools=prompt.tool_format.name if prompt.tool_format is not None else "none",
         prompt_tokens=len(payload.prompt_token_ids),
-        reasoning=generation.reasoning.key if generation.reasoning is not None else "none")
+        reasoning=prompt.reasoning.key if prompt.reasoning is not None else "none")
     # A stream's slot, before anything is stored or queued: a 429 leaves nothing behind.
     async with replica.streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await responses.create(record)  # before the request is queued: a retrieve right after finds it
