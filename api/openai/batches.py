@@ -106,6 +106,8 @@ async def _payloads(endpoint: str, item: BatchItem, generation, tenant: str) -> 
                             f"({'.'.join(str(p) for p in exc.errors()[0]['loc'])})", param="requests") from exc
     if body.stream or body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
         raise ApiError(400, f"request {item.custom_id!r}: batch requests take n=1 and no stream", param="requests")
+    if isinstance(body, CompletionRequest) and len(body.prompts()) != 1:
+        raise ApiError(400, f"request {item.custom_id!r}: a batch request takes one prompt", param="requests")
     try:
         prompt = body.as_prompt(generation.tool_format) if isinstance(body, ChatCompletionRequest) \
             else body.as_prompt()

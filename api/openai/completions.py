@@ -1,6 +1,6 @@
-"""`POST /v1/completions`: each of the `n` (or `best_of`) samples is one queued request (they
-share the prompt's KV blocks through the worker's prefix cache), followed through the relay; a
-streaming client that disconnects cancels them."""
+"""`POST /v1/completions`: each of a prompt's `n` (or `best_of`) samples is one queued request
+(they share the prompt's KV blocks through the worker's prefix cache), for each of its prompts,
+followed through the relay; a streaming client that disconnects cancels them."""
 from __future__ import annotations
 
 import contextlib
@@ -32,33 +32,39 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
-    payloads = await generation.payloads(body.as_prompt(), tenant)
+    groups = [await generation.payloads(prompt, tenant) for prompt in body.as_prompts()]
+    payloads = [p for group in groups for p in group]
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
-    prompt_ids, samples = payloads[0].prompt_token_ids, len(payloads)
-    ranking = samples > body.n
+    prompt_tokens = sum(len(group[0].prompt_token_ids) for group in groups)
+    samples = body.samples_per_prompt
     rid, created, model = ids.completion_id(), int(time.time()), generation.model_name
     if body.stream:
-        events = _stream_completion(generation, tokenizer, body, payloads, rid, created, model)
+        events = _stream_completion(generation, tokenizer, body, payloads, prompt_tokens, rid, created, model)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choices = await generation.collect(payloads)
-    reasons = [finish_reason(c.final) for c in choices]
-    order = list(range(samples))
-    if ranking:
-        order = sorted(order, key=lambda i: choices[i].cumulative_logprob, reverse=True)[:body.n]
-    out = []
-    for index, i in enumerate(order):
-        c = choices[i]
-        lp = completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
-        out.append({"index": index, "text": "".join(c.text), "logprobs": lp, "finish_reason": reasons[i]})
-    totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
+    out, finals = [], []
+    for p in range(len(groups)):  # prompt by prompt: each prompt's n best of its samples
+        mine = choices[p * samples:(p + 1) * samples]
+        order = list(range(samples))
+        if samples > body.n:
+            order = sorted(order, key=lambda i: mine[i].cumulative_logprob, reverse=True)[:body.n]
+        for j, i in enumerate(order):
+            c = mine[i]
+            lp = completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
+            out.append({"index": p * body.n + j, "text": "".join(c.text), "logprobs": lp,
+                        "finish_reason": finish_reason(c.final)})
+        finals.append([c.final for c in mine])
+    totals = usage(prompt_tokens, sum(len(c.tokens) for c in choices), *finals)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals,
             "service_tier": payloads[0].service_tier}
 
 
 async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,
-                             payloads: list[RequestPayload], rid: str, created: int, model: str) -> AsyncIterator[str]:
+                             payloads: list[RequestPayload], prompt_tokens: int, rid: str, created: int,
+                             model: str) -> AsyncIterator[str]:
+    """Each request's tokens as its choice's chunks (with no best_of, request i is choice i)."""
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "service_tier": payloads[0].service_tier}
@@ -77,11 +83,13 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             offsets[i] += len(event.text)
             choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
-            finals.append(event)
+            finals.append((i, event))
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
         if choice is not None:
             yield OPENAI.event({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
-        prompt_tokens = len(payloads[0].prompt_token_ids)
-        yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, finals)})
+        samples = body.samples_per_prompt
+        by_prompt = [[f for f in finals if f[0] // samples == p] for p in range(len(payloads) // samples)]
+        yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
+                                                                 *[[f for _, f in group] for group in by_prompt])})
     yield OPENAI.last

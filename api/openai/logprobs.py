@@ -30,9 +30,10 @@ def chat_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent]) -> dict:
                         for t in tokens]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, finals: list[FinalEvent | None]) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, *finals: list[FinalEvent | None]) -> dict:
     """OpenAI's usage; its cached_tokens are the prompt tokens a worker took from a cache (the
-    prefix cache or the shared KV tier), the most of the request's samples."""
-    cached = max((f.usage.cached_tokens for f in finals if f is not None), default=0)
+    prefix cache or the shared KV tier): for each prompt, the most of its samples (`finals`: each
+    prompt's samples' final events), added over the prompts."""
+    cached = sum(max((f.usage.cached_tokens for f in group if f is not None), default=0) for group in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}

@@ -9,8 +9,15 @@ from api.core.generation import Prompt
 from shared.sampling import MAX_TOKEN_ID
 
 
+MAX_PROMPTS = 64  # requests one completion may queue: its prompts times each one's samples
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
+    """OpenAI's completion body: `prompt` in any of OpenAI's forms, a text, texts, token ids, or
+    lists of token ids; each prompt runs its `n` (or `best_of`) samples, and the choices come
+    prompt by prompt (`choices[].index` = prompt × n + sample)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_ID)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -27,23 +34,44 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.echo:
             raise ValueError("echo is not supported")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise ValueError("one prompt per request (send several requests, or use n)")
+        prompts = self.prompts()
+        if not prompts:
+            raise ValueError("prompt must hold at least one prompt")
+        if len(prompts) * self.samples_per_prompt > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts times samples (n or best_of) in one request; got "
+                             f"{len(prompts)} x {self.samples_per_prompt}")
+        if any(isinstance(p, list) and not p for p in prompts):
+            raise ValueError("a prompt of token ids needs at least one token")
         return self
 
-    def as_prompt(self) -> Prompt:
-        """What this completion runs: its text or token ids, `n` (or `best_of`) samples."""
-        samples = self.best_of or self.n
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.best_of or self.n
+
+    def as_prompts(self) -> list[Prompt]:
+        """What this completion runs: each prompt's text or token ids, `n` (or `best_of`) samples each."""
+        samples = self.samples_per_prompt
         logprobs = self.logprobs if self.logprobs is not None else (0 if samples > self.n else None)
-        text = self.prompt if isinstance(self.prompt, str) else None
-        if self.prompt and isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            text = self.prompt[0]
-        return Prompt(self.model, self.samples(samples, self.max_tokens, logprobs), text=text,
-                      token_ids=list(self.prompt) if text is None else None, priority=self.priority,
-                      backend=self.backend, constraint_param=self.constraint_param(),
-                      service_tier=self.service_tier or "auto")
+        return [Prompt(self.model, self.samples(samples, self.max_tokens, logprobs),
+                       text=p if isinstance(p, str) else None, token_ids=p if isinstance(p, list) else None,
+                       priority=self.priority, backend=self.backend, constraint_param=self.constraint_param(),
+                       service_tier=self.service_tier or "auto")
+                for p in self.prompts()]
 
-
+    def as_prompt(self) -> Prompt:
+        """The one prompt's Prompt (ValueError for several: a batch line holds one)."""
+        prompts = self.as_prompts()
+        if len(prompts) != 1:
+            raise ValueError("one prompt per batch request")
+        return prompts[0]
 
 
 class ChatCompletionRequest(ChatRequest):

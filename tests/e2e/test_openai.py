@@ -38,6 +38,37 @@ def test_completion_stream_adds_up_and_reports_usage(client, model):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
 
 
+def test_several_prompts_in_one_completion_in_every_form(client, model, tiny_llama):
+    tok = Tokenizer(tiny_llama)
+    texts = ["Seoul", "Once upon a time", "The"]
+    alone = [client.completions.create(model=model, prompt=t, max_tokens=6, temperature=0) for t in texts]
+    for prompt in (texts, [tok.encode(t) for t in texts]):
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, n=2)
+        Completion.model_validate(reply.to_dict())
+        assert [c.index for c in reply.choices] == list(range(6))  # prompt by prompt, n each
+        assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+        assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert reply.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.completions.create(model=model, prompt=texts, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    assert chunks[-1].usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ranked = client.completions.create(model=model, prompt=texts[:2], max_tokens=6, temperature=1, seed=3, n=1, best_of=3)
+    assert [c.index for c in ranked.choices] == [0, 1]
+
+
+@pytest.mark.parametrize("prompt, words", [([], "at least one prompt"), ([[1], []], "at least one token"),
+                                           ([[1], [10 ** 6]], "vocabulary"), (["a"] * 65, "at most 64 prompts times samples"),
+                                           (["a", 1], "prompt")])
+def test_bad_prompt_forms_are_400s(client, model, prompt, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2)
+
+
 def test_chat_n_samples_with_seed_logprobs(client, model):
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                            temperature=1.0, seed=7, n=3, logprobs=True, top_logprobs=2,
