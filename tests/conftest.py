@@ -10,6 +10,7 @@ import pytest_asyncio
 from redis.asyncio import Redis
 
 from shared.redis_server import RedisServer
+from shared.tokenizer import Tokenizer
 from tests.stack import Stack
 from streamq.testing.tiny_models import build_model
 
@@ -54,6 +55,18 @@ def prefix() -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture
+def counted_tokenizer(tiny_llama):
+    """The tiny llama's tokenizer, and the names of its encode calls as they are made (a test
+    that a request was refused before its prompt was tokenized reads them)."""
+    tokenizer = Tokenizer(tiny_llama)
+    calls = []
+    for name in ("encode", "encode_chat"):
+        method = getattr(tokenizer, name)
+        setattr(tokenizer, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    return tokenizer, calls
 
 
 @pytest.fixture(scope="session")

@@ -1,28 +1,16 @@
 """A tenant past its limits is refused before any CPU work on its request: its 429 comes before the
 body's constraint is compiled (a schema llguidance refuses would otherwise be a 400) and before its
 prompt is tokenized. Real Redis, the real app, keys on."""
-import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.core.limits import Limits
 from shared.api_keys import KeyStore
 from shared.settings import ApiSettings
-from shared.tokenizer import Tokenizer
 
 # A pattern llguidance cannot compile: read with the body, it is a 400 naming the field.
 BROKEN = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": BROKEN}
-
-
-@pytest.fixture
-def counted_tokenizer(tiny_llama):
-    tokenizer = Tokenizer(tiny_llama)
-    calls = []
-    for name in ("encode", "encode_chat"):
-        method = getattr(tokenizer, name)
-        setattr(tokenizer, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
-    return tokenizer, calls
 
 
 async def test_an_over_limit_request_is_refused_before_its_body_costs_anything(redis, redis_url, prefix, tiny_llama,

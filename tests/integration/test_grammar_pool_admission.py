@@ -36,16 +36,6 @@ def hold(tmp_path):
     hold.close()
 
 
-@pytest.fixture
-def counted_tokenizer(tiny_llama):
-    tokenizer = Tokenizer(tiny_llama)
-    calls = []
-    for name in ("encode", "encode_chat"):
-        method = getattr(tokenizer, name)
-        setattr(tokenizer, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
-    return tokenizer, calls
-
-
 async def _keys(redis, prefix) -> dict[str, dict[str, str]]:
     """The flooder (one request a minute) and another tenant (no limits): each one's headers."""
     store = KeyStore(redis, prefix)
