@@ -89,6 +89,7 @@ def test_responses_give_the_thought_as_a_reasoning_item(stack, client):
     ResponseObject.model_validate(first.to_dict())
     assert [(i.type, i.content[0].text) for i in first.output] == [("reasoning", thought)]
     assert first.status == "incomplete" and first.output_text == ""
+    assert first.usage.output_tokens_details.reasoning_tokens == first.usage.output_tokens == 8  # all thought
     events = list(client.responses.create(model=stack.model_name, input="Say hello.", max_output_tokens=8,
                                           temperature=0, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought

@@ -97,3 +97,9 @@ def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
     reasoning.check("a=think,b=none")
     with pytest.raises(ValueError, match="known: auto, none, think"):
         reasoning.check("deepseek_r2")
+
+
+def test_the_thoughts_tokens_are_counted():
+    assert reasoning.thought_tokens(ThinkFormat(), ["<think>", "a", "b", "</think>", "x"]) == 3
+    assert reasoning.thought_tokens(ThinkFormat(True), ["a", "", "b", "</", "think>", "x", "y"]) == 4
+    assert reasoning.thought_tokens(ThinkFormat(), ["x", "y"]) == 0 and reasoning.thought_tokens(None, ["x"]) == 0

@@ -105,6 +105,18 @@ class ThinkStage(OutputParser):
         return [Delta(reasoning=text)] if self.state in ("think", "reopen") else [Delta(content=text)]
 
 
+def thought_tokens(fmt: ThinkFormat | None, texts: list[str]) -> int:
+    """How many of a reply's tokens (their texts, in order) belong to its thought: those after
+    which the thought still lasts, and the one that gives its last piece."""
+    if fmt is None:
+        return 0
+    stage, count = fmt.stage(), 0
+    for text in texts:
+        deltas = stage.feed(Delta(content=text))
+        count += stage.state in ("think", "reopen") or any(d.reasoning for d in deltas)
+    return count
+
+
 def _tag_start(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

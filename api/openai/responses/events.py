@@ -34,7 +34,8 @@ class ResponseEvents:
         self.sequence = 0
         self.status = "queued"
         self.output: list[dict[str, Any]] = []
-        self.text: list[str] = []
+        self.text: list[str] = []  # the message's text
+        self.token_texts: list[str] = []  # every token's, for the thought's share of them
         self.reply = ReplyParser(None if record.tools == "none" else registry.get(record.tools),
                                  reasoning.named(record.reasoning))
         self.thought: dict[str, Any] | None = None  # the reasoning item being streamed
@@ -67,6 +68,7 @@ class ResponseEvents:
         return [created, self._event("response.in_progress", response=self.response())]
 
     def token(self, token: TokenEvent) -> list[dict[str, Any]]:
+        self.token_texts.append(token.text)
         if not token.text:
             return []
         return self._deltas(self.reply.feed(token.text))
@@ -147,7 +149,8 @@ class ResponseEvents:
         if self.message is not None:
             out += self._close_message("incomplete" if status != "completed" else "completed")
         self.status = status
-        self.usage = _usage(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens)
+        self.usage = _usage(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens,
+                            reasoning.thought_tokens(self.reply.reasoning, self.token_texts))
         if status == "incomplete":
             self.incomplete = {"reason": "max_output_tokens"}
         if status == "failed":
@@ -204,9 +207,9 @@ class ResponseEvents:
                                       for item in self.output]))
 
 
-def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
 
