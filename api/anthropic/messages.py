@@ -151,10 +151,9 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
                     yield _event("content_block_stop", index=index)
                     index, call_open = index + 1, False
             if text := "".join(d.content for d in deltas):
-                if not text_open:
-                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                    text_open = True
-                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+                for frame in _text_frames(text, index, text_open):
+                    yield frame
+                text_open = True
         elif isinstance(event, FinalEvent):
             choice.final = event
             try:
@@ -167,10 +166,9 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             for frame in frames:
                 yield frame
             if (text := "".join(d.content for d in rest)) and not reply_parser.holding:
-                if not text_open:
-                    yield _event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                    text_open = True
-                yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+                for frame in _text_frames(text, index, text_open):
+                    yield frame
+                text_open = True
             reply = replace(reply_parser.finish(reason), reasoning=None)  # its thought went out already
             if call_open:  # a call cut by max_tokens: its input stays as far as it got
                 yield _event("content_block_stop", index=index)
@@ -184,6 +182,12 @@ async def _stream(generation: Generation, prompt: Prompt, body: MessagesRequest,
             yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                          usage=_usage(event, prompt_tokens, len(choice.tokens), payload.service_tier))
             yield _event("message_stop")
+
+
+def _text_frames(text: str, index: int, text_open: bool) -> list[str]:
+    """A piece of the answer's text: its text block opened first where it is not yet."""
+    start = [] if text_open else [_event("content_block_start", index=index, content_block={"type": "text", "text": ""})]
+    return start + [_event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})]
 
 
 def _thought_frames(deltas: list[Delta], index: int, thinking: bool,

@@ -69,7 +69,8 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "service_tier": payloads[0].service_tier}
     offsets = [0] * len(payloads)
-    completion_tokens, finals = 0, []
+    samples = body.samples_per_prompt
+    completion_tokens, finals = 0, [[] for _ in range(len(payloads) // samples)]  # each prompt's samples'
     async for i, event in generation.follow([p.id for p in payloads]):
         if event is None:
             yield OPENAI.keepalive
@@ -83,13 +84,10 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             offsets[i] += len(event.text)
             choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": None}
         elif isinstance(event, FinalEvent):
-            finals.append((i, event))
+            finals[i // samples].append(event)
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
         if choice is not None:
             yield OPENAI.event({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
     if usage_on:
-        samples = body.samples_per_prompt
-        by_prompt = [[f for f in finals if f[0] // samples == p] for p in range(len(payloads) // samples)]
-        yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
-                                                                 *[[f for _, f in group] for group in by_prompt])})
+        yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, *finals)})
     yield OPENAI.last

@@ -2,6 +2,7 @@
 whole and streamed, however the stream splits a tag (every split point of recorded replies)."""
 import pytest
 
+from api.core.generation import Generation
 from api.core.parsers import reasoning, registry
 from api.core.parsers.reasoning import ThinkFormat
 from api.core.parsers.reply import ReplyParser, read_whole
@@ -80,10 +81,17 @@ THINKING_TEMPLATE = (
 def test_auto_chooses_think_for_a_template_that_writes_it(tmp_path, opening, opened):
     template = THINKING_TEMPLATE.replace("{{ opening }}", opening)
     tokenizer = Tokenizer(build_model(tmp_path, "llama", chat_template=template))
-    assert reasoning.choose("auto", "m", tokenizer) == ThinkFormat(opened)
+    assert reasoning.choose("auto", "m", tokenizer) == ThinkFormat()
     assert reasoning.choose("none", "m", tokenizer) is None
-    assert reasoning.choose("other=none", "m", tokenizer) == ThinkFormat(opened)
+    assert reasoning.choose("other=none", "m", tokenizer) == ThinkFormat()
     assert reasoning.choose("m=none", "m", tokenizer) is None
+    # Whether the reply starts inside the thought, by the chat's own prompt: the template's opening,
+    # unless its kwargs close the thought in the prompt.
+    generation = Generation(None, None, tokenizer, "m", default_max_tokens=1, reasoning=ThinkFormat())
+    ask = [{"role": "user", "content": "Hi"}]
+    assert generation.reasoning_of(tokenizer.encode_chat(ask)) == ThinkFormat(opened)
+    closed = tokenizer.encode_chat(ask, extra={"enable_thinking": False})
+    assert generation.reasoning_of(closed) == ThinkFormat(False)
 
 
 def test_a_template_without_it_gets_none_unless_named(tiny_llama):
@@ -100,6 +108,12 @@ def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
 
 
 def test_the_thoughts_tokens_are_counted():
-    assert reasoning.thought_tokens(ThinkFormat(), ["<think>", "a", "b", "</think>", "x"]) == 3
-    assert reasoning.thought_tokens(ThinkFormat(True), ["a", "", "b", "</", "think>", "x", "y"]) == 4
-    assert reasoning.thought_tokens(ThinkFormat(), ["x", "y"]) == 0 and reasoning.thought_tokens(None, ["x"]) == 0
+    def counted(fmt, texts):
+        parser = ReplyParser(None, fmt)
+        for text in texts:
+            parser.feed(text)
+        return parser.thought_tokens
+
+    assert counted(ThinkFormat(), ["<think>", "a", "b", "</think>", "x"]) == 3
+    assert counted(ThinkFormat(True), ["a", "", "b", "</", "think>", "x", "y"]) == 4
+    assert counted(ThinkFormat(), ["x", "y"]) == 0 and counted(None, ["x"]) == 0

@@ -32,7 +32,6 @@ class ThinkFormat:
     """`<think>…</think>` before the answer; `opened`: the chat template opens it itself."""
 
     opened: bool = False
-    name: str = "think"
 
     @property
     def key(self) -> str:
@@ -105,18 +104,6 @@ class ThinkStage(OutputParser):
         return [Delta(reasoning=text)] if self.state in ("think", "reopen") else [Delta(content=text)]
 
 
-def thought_tokens(fmt: ThinkFormat | None, texts: list[str]) -> int:
-    """How many of a reply's tokens (their texts, in order) belong to its thought: those after
-    which the thought still lasts, and the one that gives its last piece."""
-    if fmt is None:
-        return 0
-    stage, count = fmt.stage(), 0
-    for text in texts:
-        deltas = stage.feed(Delta(content=text))
-        count += stage.state in ("think", "reopen") or any(d.reasoning for d in deltas)
-    return count
-
-
 def _tag_start(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -140,23 +127,12 @@ def check(setting: str) -> None:
 
 def choose(setting: str, model: str, tokenizer: Tokenizer) -> ThinkFormat | None:
     """The reasoning format of `model`'s replies by the setting (a name, or MODEL=NAME pairs);
-    under "auto", `think` where its chat template knows `</think>`, opened where its generation
-    prompt ends inside the thought (each chat's own prompt decides that again: Generation.reasoning_of)."""
+    under "auto", `think` where its chat template knows `</think>`. Whether a reply starts inside
+    the thought is each chat's own prompt's to say (Generation.reasoning_of)."""
     name = setting.strip()
     if "=" in name:
         pairs = {m.strip(): n.strip() for m, _, n in (p.partition("=") for p in name.split(",") if p.strip())}
         name = pairs.get(model, AUTO)
-    template = tokenizer.chat_template or ""
-    if name == NONE or (name == AUTO and CLOSE not in template):
+    if name == NONE or (name == AUTO and CLOSE not in (tokenizer.chat_template or "")):
         return None
-    return ThinkFormat(opened=_opens_thought(tokenizer))
-
-
-def _opens_thought(tokenizer: Tokenizer) -> bool:
-    """Whether the template's generation prompt leaves the reply inside an open thought."""
-    try:
-        prompt = tokenizer.render_chat([{"role": "user", "content": "x"}])
-    except ValueError:
-        return False
-    tail = prompt.rstrip()
-    return tail.endswith(OPEN)
+    return ThinkFormat()

@@ -20,6 +20,9 @@ class ReplyParser:
         self.stages: list[OutputParser] = [tool_format.stream()] if tool_format is not None else []
         self.pieces: list[str] = []
         self.calls = 0  # tool calls streamed so far
+        # Of the texts fed (a token's each), those of the thought: after which it still lasts, or
+        # that give its last piece
+        self.thought_tokens = 0
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas the reply's next text gives (none while a stage holds it)."""
@@ -27,6 +30,7 @@ class ReplyParser:
         first = [Delta(content=text)]
         if self.thought is not None:
             first = self.thought.feed(first[0])
+            self.thought_tokens += self.thought.state in ("think", "reopen") or any(d.reasoning for d in first)
         return self._after_thought(first)
 
     def flush(self) -> list[Delta]:

@@ -35,7 +35,6 @@ class ResponseEvents:
         self.status = "queued"
         self.output: list[dict[str, Any]] = []
         self.text: list[str] = []  # the message's text
-        self.token_texts: list[str] = []  # every token's, for the thought's share of them
         self.reply = ReplyParser(None if record.tools == "none" else registry.get(record.tools),
                                  reasoning.named(record.reasoning))
         self.thought: dict[str, Any] | None = None  # the reasoning item being streamed
@@ -68,9 +67,7 @@ class ResponseEvents:
         return [created, self._event("response.in_progress", response=self.response())]
 
     def token(self, token: TokenEvent) -> list[dict[str, Any]]:
-        self.token_texts.append(token.text)
-        if not token.text:
-            return []
+        # Fed even without text (a character still partial): it is one of the thought's tokens, or not.
         return self._deltas(self.reply.feed(token.text))
 
     def _deltas(self, deltas: list[Delta]) -> list[dict[str, Any]]:
@@ -150,7 +147,7 @@ class ResponseEvents:
             out += self._close_message("incomplete" if status != "completed" else "completed")
         self.status = status
         self.usage = _usage(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens,
-                            reasoning.thought_tokens(self.reply.reasoning, self.token_texts))
+                            self.reply.thought_tokens)
         if status == "incomplete":
             self.incomplete = {"reason": "max_output_tokens"}
         if status == "failed":
