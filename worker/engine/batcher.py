@@ -8,9 +8,9 @@ recomputed later; cached blocks of its prefix stay shareable). Before that, wher
 a better tier than `flex` waits with no batch slot or too few free blocks for its first chunk,
 running `flex` requests are preempted, newest first, to make room for it (shared/service_tier.py),
 and while a `priority` request waits or has yet to give its first token, running `flex` requests
-sit the steps out (their cache kept), so its prompt runs beside no flex decode. Then, unless the cache ran short, it admits
-waiting requests while batch slots, the token budget and free blocks allow, sharing the
-cached blocks of their prefix. A finished request's slot is refilled at the very next step.
+sit the steps out (their cache kept), so its prompt runs beside no flex decode. Then, unless the
+cache ran short, it admits waiting requests while batch slots, the token budget and free blocks
+allow, sharing the cached blocks of their prefix. A finished request's slot is refilled at the very next step.
 Which waiting request goes next is the fair queue's choice: tenants share the batch by
 weight, whatever their backlogs (every token scheduled is charged to its tenant). A request
 whose grammar is still being built waits in the queue as WAITING_FOR_GRAMMAR, passed over

@@ -4,8 +4,8 @@ Qwen3, QwQ) writes its thought first and its answer after. The thought goes out 
 
 A chat template may open the thought itself (its generation prompt ends with `<think>`): the
 reply then starts inside the thought. Each chat's own prompt says so (chat_template_kwargs such
-as enable_thinking may close the thought in the prompt instead). Otherwise a reply is a thought only where it opens with
-`<think>` (after any blank space); any other reply is all answer. A thought never closed (cut
+as enable_thinking may close the thought in the prompt instead). Otherwise a reply is a thought
+only where it opens with `<think>` (after any blank space); any other reply is all answer. A thought never closed (cut
 by max_tokens) is all reasoning, with no answer.
 
 The api chooses a format per served model (`choose`): the one STREAMQ_REASONING_PARSER names, or

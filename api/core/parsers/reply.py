@@ -1,7 +1,8 @@
 """One reply's chain of output parsers: its text in, as it streams, deltas out (answer text, tool
 call pieces, thought); at its end, the whole text read once (`finish`). The chain is the tool
 format's stage where the request calls tools; a reasoning stage goes before it where a model
-thinks aloud (its thought passes the tool stage by). Chat completions, Responses and Messages read every reply through this class."""
+thinks aloud (its thought passes the tool stage by). Chat completions, Responses and Messages
+read every reply through this class."""
 from __future__ import annotations
 
 from dataclasses import replace
