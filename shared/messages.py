@@ -114,7 +114,9 @@ class PoolSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: Literal["embed", "score"]
+    # embed: a vector per input; score: a decoder's yes/no answer (below); classify: an encoder's
+    # classification head (a cross-encoder), its first segment `head`, the second the input and `tail`
+    task: Literal["embed", "score", "classify"]
     lengths: list[int] = Field(min_length=1, max_length=MAX_POOL_INPUTS)
     # embed: the mean of the final hidden states over the input's tokens, scaled to length 1 where `normalize`
     normalize: bool = True
@@ -122,6 +124,9 @@ class PoolSpec(BaseModel):
     candidates: list[int] | None = Field(None, min_length=2, max_length=2)
     head: list[int] = Field(default_factory=list)  # the tokens before every input
     tail: list[int] = Field(default_factory=list)  # ... and after it
+    # embed on an encoder: skips[i], input i's first tokens (its prompt) left out of its pooling where
+    # the model's Pooling says include_prompt false (shared/pooling_model.py); empty: none
+    skips: list[int] = Field(default_factory=list, max_length=MAX_POOL_INPUTS)
 
     def prompt_tokens(self) -> int:
         """The tokens the model runs for every input: its own, its head's and its tail's."""
@@ -133,6 +138,13 @@ class PoolSpec(BaseModel):
         if any(n < 1 for n in value):
             raise ValueError("every input needs at least one token")
         return value
+
+    @model_validator(mode="after")
+    def _skips_within_inputs(self) -> PoolSpec:
+        if self.skips and (len(self.skips) != len(self.lengths)
+                           or any(not 0 <= k < n for k, n in zip(self.skips, self.lengths))):
+            raise ValueError("skips gives each input a count of its tokens, fewer than it has")
+        return self
 
     @model_validator(mode="after")
     def _candidates_for_score(self) -> PoolSpec:

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 # What the api needs of a hub repo, and what a worker needs besides: safetensors only, so no
 # .bin duplicates, other GGUFs or consolidated checkpoints (.bin only where a repo has no safetensors).
 TOKENIZER_FILES = list(tokenizer_files.HUB)
-WEIGHT_FILES = TOKENIZER_FILES + ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json"]
+WEIGHT_FILES = TOKENIZER_FILES + ["model.safetensors", "model-*.safetensors", "model.safetensors.index.json",
+                                  "*_Dense/model.safetensors"]  # an embedding model's Dense layers
 BIN_FILES = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json"]
 
 

@@ -6,6 +6,7 @@ so both sides agree on every token.
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,11 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.decoders import DecodeStream
+
+from shared import pooling_model
+from shared.pooling_model import PoolingModel
+
+log = logging.getLogger(__name__)
 
 
 class ChatTemplateError(ValueError):
@@ -46,6 +52,10 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing; run `streamq prepare-model` to build it")
         self._tok = _RustTokenizer.from_file(str(path))
+        # A tokenizer.json may pad or cut every encoding to a fixed length (sentence-transformers'
+        # exports often do): here an input's tokens are its own, and a length over a limit is a 400.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         model_config = _read_json(folder / "config.json")
         generation = _read_json(folder / "generation_config.json")
@@ -56,7 +66,14 @@ class Tokenizer:
         self.chat_template: str | None = (
             template_file.read_text() if template_file.is_file() else config.get("chat_template")
         )
+        try:  # an embedding model or cross-encoder: what it computes, and its own input limit
+            self.pooling: PoolingModel | None = pooling_model.read(folder)
+        except pooling_model.UnsupportedEncoder as exc:  # no worker serves it either: it refuses to start
+            log.warning("%s", exc)
+            self.pooling = None
         self.context_length = served_context(model_config)
+        if self.pooling is not None and self.pooling.max_seq_length:
+            self.context_length = min(self.context_length, int(self.pooling.max_seq_length))
         # The size of the final hidden states (embeddings): OPT's project_out gives word_embed_proj_dim
         self.hidden_size = int(model_config.get("word_embed_proj_dim") or model_config.get("hidden_size") or 0)
         eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
@@ -77,6 +94,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def prompt_length(self, prompt: str) -> int:
+        """The tokens a prompt put before a text takes, its opening special tokens included and a
+        closing one not (as sentence-transformers counts the prompt it leaves out of pooling)."""
+        enc = self._tok.encode(prompt)
+        return len(enc.ids) - (1 if enc.special_tokens_mask and enc.special_tokens_mask[-1] else 0)
+
+    def pair_frame(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """The tokens of a pair before its second text (the first text with the special tokens around
+        it) and after it, as the tokenizer frames a pair (BERT: [CLS] a [SEP] b [SEP]); `second`, any
+        text the frame is measured with (a pair's frame does not depend on it)."""
+        a = self._tok.encode(first, add_special_tokens=False)
+        b = self._tok.encode(second, add_special_tokens=False)
+        both = self._tok.post_process(a, b, add_special_tokens=True)
+        mask = both.special_tokens_mask
+        lead = next((i for i, m in enumerate(mask) if not m), len(mask))
+        start = lead + len(a.ids)
+        while start < len(mask) and mask[start]:
+            start += 1
+        return both.ids[:start], both.ids[start + len(b.ids):]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

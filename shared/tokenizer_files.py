@@ -20,7 +20,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from shared import redis_keys
+from shared import pooling_model, redis_keys
 from shared.atomic_folder import atomic_folder
 from shared.model_source import ModelNotFound
 
@@ -30,14 +30,17 @@ log = logging.getLogger(__name__)
 # (context length, EOS ids): the files a worker publishes.
 API = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CONFIG = ("config.json", "generation_config.json")
-FILES = API + CONFIG
+FILES = API + CONFIG + (pooling_model.PUBLISHED,)
 # The tokenizer as transformers saves it (vLLM reads the special tokens' map too): what goes beside
 # weights written into a folder of their own.
 TOKENIZER = (*API, "special_tokens_map.json")
 # What transformers builds tokenizer.json from where a repo has none, and an older chat template's file.
 SOURCES = ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json")
+# What sentence-transformers reads of an encoder's repo, but its modules' weights (shared/pooling_model.py).
+SENTENCE_TRANSFORMERS = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+                         "*_Pooling/config.json", "*_Dense/config.json")
 # What the api needs of a hub repo.
-HUB = CONFIG + TOKENIZER + SOURCES
+HUB = CONFIG + TOKENIZER + SOURCES + SENTENCE_TRANSFORMERS
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -48,6 +51,8 @@ async def publish(redis: Redis, prefix: str, model: str, folder: Path) -> None:
     files = {name: (folder / name).read_text() for name in FILES if (folder / name).is_file()}
     if "tokenizer.json" not in files:  # e.g. the null backend, which needs no model
         return
+    if (encoder := pooling_model.read(folder)) is not None:  # what an embedding model or cross-encoder computes
+        files[pooling_model.PUBLISHED] = encoder.to_json()
     key = redis_keys.model_files(prefix, model)
     async with redis.pipeline(transaction=False) as pipe:  # no MULTI: not on a Redis Cluster's async client
         pipe.hset(key, mapping=files)

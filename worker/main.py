@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 
+import torch
+
 from shared.redis_client import ClusterUnsupported, connect, refuse_cluster, until_redis_answers
 
 from shared import tokenizer_files, tracing
@@ -23,6 +25,8 @@ from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.drafter import DraftProposer
 from worker.engine.core import Engine
+from worker.engine.encoder_engine import EncoderEngine
+from worker.model import encoders
 from worker.engine.kv_tier import WEIGHT_FILES, KVTier, space_of, weights_fingerprint
 from worker.model.lora import Adapters
 from worker.model.forward_plan import supports
@@ -57,7 +61,7 @@ def batch_for_cache(batching: BatchingSettings, cache: CacheSettings, blocks: in
     return max(1, min(batching.batch_size, blocks * cache.block_size // TOKENS_PER_REQUEST))
 
 
-def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine:
+def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEngine | NullEngine:
     """One of the built-in engines (they step synchronously: the service runs them in a thread)."""
     batching, cache, step = settings.batching, settings.cache, settings.step
     if settings.backend == "null":
@@ -65,6 +69,8 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
         return NullEngine(batching.batch_size, settings.null_tokens_per_s)
     tokenizer = Tokenizer(prepare_model(settings, weights=False))
     device = pick_device(step.device)
+    if tokenizer.pooling is not None:
+        return build_encoder(settings, tokenizer, device)
     dtype = pick_dtype(step.dtype, device)
     model = load_weights(settings, device, dtype)
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
@@ -103,6 +109,27 @@ def build_engine(settings: WorkerSettings) -> Engine | StaticEngine | NullEngine
     batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer),
                   build_tier(settings, runner), PrefixScope.parse(settings.shared_prefix_tenants))
+
+
+def build_encoder(settings: WorkerSettings, tokenizer: Tokenizer, device) -> EncoderEngine:
+    """The engine of an embedding model or a cross-encoder (shared/pooling_model.py). dtype auto is
+    fp32 on a CPU: an embedding is read as a value, and sentence-transformers gives it in fp32."""
+    step, batching = settings.step, settings.batching
+    for name, value, default in (("quantization", step.quantization, "none"),
+                                 ("speculative_method", settings.speculative.method, "off")):
+        if value != default:
+            raise ValueError(f"{name}={value}: an encoder model runs on the built-in engine with {name}={default}")
+    if settings.lora.paths or settings.lora.enable:
+        raise ValueError("LoRA adapters are served on decoder models; this one is an encoder")
+    if gguf_file(settings) is not None:
+        raise ValueError(f"{settings.model}: encoder models load from a folder or a hub id, not yet from a GGUF")
+    dtype = torch.float32 if step.dtype == "auto" and device.type == "cpu" else pick_dtype(step.dtype, device)
+    encoder = encoders.load(weights_dir(settings), tokenizer.pooling, device, dtype)
+    log.info("loaded %s: a %s %s (%s) on %s as %s; %d inputs, %d tokens a step", settings.model, encoder.family,
+             "cross-encoder" if tokenizer.pooling.kind == "classify" else "embedding model",
+             ", ".join(tokenizer.pooling.modes) if tokenizer.pooling.kind == "embed" else tokenizer.pooling.activation,
+             device, dtype, batching.batch_size, batching.max_num_batched_tokens)
+    return EncoderEngine(encoder, tokenizer, batching.batch_size, batching.max_num_batched_tokens)
 
 
 def build_adapters(settings: WorkerSettings, runner: PagedRunner) -> Adapters | None:

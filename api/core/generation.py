@@ -261,6 +261,11 @@ class Generation:
         """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""
         if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
             return
+        if self.tokenizer.pooling is not None and any(p.pool is None for p in payloads):
+            what = "a cross-encoder (/v1/rerank, /v1/score)" if self.tokenizer.pooling.kind == "classify" \
+                else "an embedding model (/v1/embeddings, /v1/rerank, /v1/score)"
+            raise ApiError(400, f"{self.model_name!r} is {what}: it generates no text", param="model",
+                           code="model_not_generative")
         if self.adapter is not None:
             await self._check_adapter(tenant)
             if bad := sorted({p.backend for p in payloads if p.backend and p.backend not in self.adapter_backends}):

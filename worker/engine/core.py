@@ -183,7 +183,10 @@ class Engine(BaseEngine):
         outputs, most = [], self.batcher.max_tokens_per_request()
         for job in arrivals:
             longest = max(map(job.length, range(job.size)))
-            if longest > most:
+            if job.task == "classify":  # the api sends it to cross-encoders only
+                outputs.append(job.output(FinishReason.ERROR, "this model is a decoder, not a cross-encoder: "
+                                                              "it has no classification head"))
+            elif longest > most:
                 outputs.append(job.output(FinishReason.ERROR, f"an input of {longest} tokens needs more KV cache "
                                                               f"than this worker's, which holds {most} tokens"))
             else:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    engine: str  # paged | static | null | vllm
-    forward: str  # paged: llama-kernels | llama-fused | llama-eager | gemma3 | opt; else the engine's
+    engine: str  # paged | static | encoder | null | vllm
+    forward: str  # paged: llama-kernels | llama-fused | llama-eager | gemma3 | opt; encoder: its family; else the engine's
     projections: str  # each Weight kind, +-joined: panels (AVX2/AVX-512 kernels) | panels, onednn from N rows | onednn | matmul (a GPU) | quantized... ("..., tiled": deterministic mode) | modules | n/a
     one_token_stack: bool  # a one-token step runs the whole layer stack in one kernel call
     cuda_graphs: bool
@@ -39,6 +39,12 @@ def paged_plan(runner) -> ExecutionPlan:
 def static_plan(dtype: str, device: str) -> ExecutionPlan:
     """The static-batch engine's: the model's own modules, in `dtype` on `device`."""
     return ExecutionPlan("static", "static", "n/a", False, False, dtype.removeprefix("torch."), device, "n/a",
+                         False, False)
+
+
+def encoder_plan(family: str, dtype: str, device: str) -> ExecutionPlan:
+    """An encoder's (worker/engine/encoder_engine.py): packed inputs through the model's own modules."""
+    return ExecutionPlan("encoder", family, "modules", False, False, dtype.removeprefix("torch."), device, "n/a",
                          False, False)
 
 

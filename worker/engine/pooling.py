@@ -30,7 +30,7 @@ class PoolJob:
     `tail` once, however many documents it scores)."""
 
     id: str
-    task: str  # embed | score
+    task: str  # embed | score | classify (shared.messages.PoolSpec)
     bodies: list[list[int]]
     normalize: bool
     candidates: list[int] | None
@@ -38,6 +38,7 @@ class PoolJob:
     lane: str
     head: list[int] = field(default_factory=list)
     tail: list[int] = field(default_factory=list)
+    skips: list[int] = field(default_factory=list)  # an encoder's embed: each input's prompt tokens left out of pooling
     results: list[str] = field(default_factory=list)  # base64 float32, one per input done, in order
     scheduled_at: float | None = None
 
@@ -45,7 +46,7 @@ class PoolJob:
     def of(cls, payload: RequestPayload) -> PoolJob:
         spec = payload.pool
         return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
-                   payload.created_at, lane_of(payload), spec.head, spec.tail)
+                   payload.created_at, lane_of(payload), spec.head, spec.tail, spec.skips)
 
     @property
     def size(self) -> int:
@@ -68,6 +69,10 @@ class PoolJob:
     def num_tokens(self) -> int:
         return sum(self.length(i) for i in range(self.size))
 
+    def put(self, value: torch.Tensor) -> None:
+        """The next input's result."""
+        self.results.append(encode_floats(value))
+
     def take(self, rows: torch.Tensor) -> None:
         """The next input's result from its rows of the step's output: every token's final hidden
         state (embed), or its last token's logits (score)."""
@@ -78,7 +83,7 @@ class PoolJob:
         else:
             yes, no = rows[-1, self.candidates].float()
             value = torch.sigmoid(yes - no).reshape(1)  # = softmax over the two candidates, first one's
-        self.results.append(encode_floats(value))
+        self.put(value)
 
     def output(self, reason: FinishReason = FinishReason.STOP, error: str | None = None) -> StepOutput:
         """Its end, with the results where it is done."""

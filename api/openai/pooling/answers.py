@@ -58,3 +58,24 @@ class Rerank(Answer):
     model: str
     usage: PoolingUsage
     results: list[RerankResult]
+
+
+class Score(Answer):
+    index: int = Field(description="The pair's place in the request.")
+    object: Literal["score"]
+    score: float
+
+
+class ScoreList(Answer):
+    """One score per (text_1, text_2) pair, in order (vLLM's score API)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"id": "score-3c2d", "object": "list", "created": 1767225600, "model": MODEL,
+         "usage": {"prompt_tokens": 18, "total_tokens": 18}, "data": [{"index": 0, "object": "score", "score": 0.93}]}]})
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    usage: PoolingUsage
+    data: list[Score]

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from api.core.errors import ApiError
 from api.core.generation import Generation
+from api.openai.pooling import encoders
 from shared.ids import request_id
 from shared.messages import FinalEvent, FinishReason, PoolSpec, RequestPayload, now
 from shared.sampling import SamplingParams
@@ -52,33 +53,85 @@ class Caps:
 
 
 async def embed(generation: Generation, inputs: list[str | list[int]], tenant: str, priority: int, caps: Caps,
-                request: Request | None = None) -> tuple[list[str], int]:
+                request: Request | None = None, prompt_name: str | None = None) -> tuple[list[str], int]:
     """Each input's embedding (base64 float32) and the tokens they took."""
     caps.check_inputs(len(inputs), "input")
+    model = generation.tokenizer.pooling
+    if model is None and prompt_name is not None:
+        raise ApiError(400, f"prompt_name: {generation.model_name!r} has no named prompts (an embedding model's "
+                            "sentence-transformers files give them)", param="prompt_name")
+    if model is not None:
+        encoders.check_task(generation, "embed", "/v1/embeddings")
+        if prompt_name is not None and not all(isinstance(item, str) for item in inputs):
+            raise ApiError(400, "prompt_name goes before texts; token-id inputs are taken whole",
+                           param="prompt_name")
+    prompt = encoders.prompt_of(model, prompt_name) if model is not None else ""
     ids, total = [], 0
     for i, item in enumerate(inputs):  # stops at the cap, before tokenizing the rest
-        ids.append(await _tokens(generation, item, i))
+        ids.append(await _tokens(generation, item, i, prompt))
         total += len(ids[-1])
         caps.check_tokens(total, "input")
-    return await _run(generation, ids, PoolSpec(task="embed", lengths=[len(x) for x in ids]), tenant, priority, request)
+    if model is None:
+        spec = PoolSpec(task="embed", lengths=[len(x) for x in ids])
+    else:
+        skip = await generation.tokenize(encoders.prompt_skip, generation, prompt, param="prompt_name")
+        spec = encoders.spec_for_embed(ids, [skip if isinstance(item, str) else 0 for item in inputs])
+    return await _run(generation, ids, spec, tenant, priority, request)
 
 
 async def rerank(generation: Generation, query: str, documents: list[str], tenant: str, priority: int, caps: Caps,
                  request: Request | None = None) -> tuple[list[float], int]:
-    """Each document's relevance score to `query` (0 to 1) and the tokens they took. The query and
-    the prompt around each document are tokenized and queued once (PoolSpec head and tail)."""
+    """Each document's relevance score to `query` (0 to 1 on a decoder) and the tokens they took.
+    The query and the prompt around each document are tokenized and queued once (PoolSpec head
+    and tail). An encoder scores with its classification head (a cross-encoder) or by cosine (an
+    embedding model): api/openai/pooling/encoders.py."""
     caps.check_inputs(len(documents), "documents")
+    model = generation.tokenizer.pooling
+    if model is not None and model.kind == "embed":
+        return await _cosine_rerank(generation, model, query, documents, tenant, priority, caps, request)
+    if model is not None and model.num_labels != 1:
+        raise ApiError(400, f"{generation.model_name!r} is a cross-encoder of {model.num_labels} labels; a relevance "
+                            "score needs one", param="model", code="pooling_not_supported")
     tok = generation.tokenizer
-    head, tail = await generation.tokenize(rerank_frame, tok, query, param="query")
+    if model is None:
+        head, tail = await generation.tokenize(rerank_frame, tok, query, param="query")
+    else:
+        head, tail = (await generation.tokenize(tok.pair_frame, query, documents[0], param="query"))[0], []
     caps.check_tokens(len(documents) * (len(head) + len(tail)), "documents")
-    bodies = await generation.tokenize(lambda: [rerank_body(tok, doc) for doc in documents], param="documents")
+    if model is None:
+        bodies = await generation.tokenize(lambda: [rerank_body(tok, doc) for doc in documents], param="documents")
+    else:
+        bodies = (await generation.tokenize(encoders.pair_inputs, generation, query, documents, param="documents"))[1]
     for i, ids in enumerate(bodies):
         _check_length(generation, head + ids + tail, f"documents[{i}]")
     spec = PoolSpec(task="score", lengths=[len(x) for x in bodies], candidates=rerank_candidates(tok),
-                    head=head, tail=tail)
+                    head=head, tail=tail) if model is None else \
+        PoolSpec(task="classify", lengths=[len(x) for x in bodies], head=head)
     caps.check_tokens(spec.prompt_tokens(), "documents")
     pooled, tokens = await _run(generation, bodies, spec, tenant, priority, request)
     return [floats(value)[0] for value in pooled], tokens
+
+
+async def _cosine_rerank(generation: Generation, model, query: str, documents: list[str], tenant: str,
+                         priority: int, caps: Caps, request: Request | None) -> tuple[list[float], int]:
+    """An embedding model's scores: the cosine of the query's embedding and each document's, in one
+    request (the query first), each with its named prompt where the model has one."""
+    prompts = [model.prompts.get("query", "")] + [model.prompts.get("document", "")] * len(documents)
+    ids, total = [], 0
+    for i, (prompt, text) in enumerate(zip(prompts, [query, *documents])):
+        ids.append(await _tokens(generation, text, max(i - 1, 0), prompt, param="query" if i == 0 else "documents"))
+        total += len(ids[-1])
+        caps.check_tokens(total, "documents")
+    by_prompt = {p: await generation.tokenize(encoders.prompt_skip, generation, p, param="documents")
+                 for p in dict.fromkeys(prompts)}
+    spec = encoders.spec_for_embed(ids, [by_prompt[p] for p in prompts])
+    pooled, tokens = await _run(generation, ids, spec, tenant, priority, request)
+    vectors = [floats(v) for v in pooled]
+    return encoders.cosines(vectors[0], vectors[1:]), tokens
+
+
+def encode_floats(values: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
 
 def floats(encoded: str) -> list[float]:
@@ -155,16 +208,20 @@ async def _final(generation: Generation, request_id: str) -> FinalEvent:
     raise ApiError(500, f"request {request_id} ended without its final event")
 
 
-async def _tokens(generation: Generation, item: str | list[int], i: int) -> list[int]:
+async def _tokens(generation: Generation, item: str | list[int], i: int, prompt: str = "",
+                  param: str = "input") -> list[int]:
     if isinstance(item, str):
-        ids = await generation.tokenize(generation.tokenizer.encode, item, param="input")
+        if generation.tokenizer.pooling is not None:
+            ids = await generation.tokenize(encoders.encode_text, generation, prompt, item, param=param)
+        else:
+            ids = await generation.tokenize(generation.tokenizer.encode, item, param=param)
     else:
         vocab = generation.tokenizer.vocab_size
         if bad := [t for t in item if not 0 <= t < vocab]:
-            raise ApiError(400, f"input[{i}]: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
-                           param="input")
+            raise ApiError(400, f"{param}[{i}]: token ids {bad[:5]} are outside the vocabulary (0 to {vocab - 1})",
+                           param=param)
         ids = list(item)
-    _check_length(generation, ids, f"input[{i}]")
+    _check_length(generation, ids, f"{param}[{i}]")
     return ids
 
 

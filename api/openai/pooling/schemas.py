@@ -20,7 +20,12 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Only the model's own size: it is not Matryoshka-trained.")
+    dimensions: int | None = Field(None, ge=1, description="Cut the embedding to its first n values, scaled to length "
+                                                           "1 again: only for a model trained for it (Matryoshka); "
+                                                           "else only the model's own size.")
+    # Text Embeddings Inference's field: the model's named prompt put before each text
+    # (config_sentence_transformers.json); without it, the model's default prompt, if any.
+    prompt_name: str | None = Field(None, min_length=1, max_length=256)
     user: str | None = Field(None, max_length=256)  # the caller's end user, for its own records: changes nothing
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
@@ -76,3 +81,38 @@ class RerankRequest(BaseModel):
 
     def texts(self) -> list[str]:
         return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /v1/score: text_1 scored against each text_2 (one text_1 for all, or one each)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+    @field_validator("text_1", "text_2")
+    @classmethod
+    def _texts_not_empty(cls, value: str | list[str]) -> str | list[str]:
+        items = [value] if isinstance(value, str) else value
+        if not items:
+            raise ValueError("give at least one text")
+        for i, text in enumerate(items):
+            if not text:
+                raise ValueError(f"text {i} is empty")
+            if len(text) > MAX_TEXT_CHARS:
+                raise ValueError(f"text {i} has {len(text)} characters; at most {MAX_TEXT_CHARS}")
+        return value
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(text_1, text_2) of each score, in order; a 400 where the lists' lengths do not pair up."""
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(first) == 1:
+            return [(first[0], t) for t in second]
+        if len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, "
+                             "or as many as text_2")
+        return list(zip(first, second))

