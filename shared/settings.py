@@ -443,7 +443,23 @@ class SchedulerSettings(CommonSettings):
 
 
 class ServeSettings(CommonSettings):
-    """Settings of `streamq serve` (`make run`) for the private redis-server it starts."""
+    """Settings of `streamq serve` (`make run`): the private redis-server it starts, and the models
+    it serves beside the main one."""
+
+    extra_models: str = Field("", max_length=4096,
+                              description="Comma-separated models (hub ids or folders) served beside `model`, one worker "
+                                          "each, e.g. an embedding model or a cross-encoder for /v1/embeddings and "
+                                          "/v1/rerank; `name=source` serves one under `name`. Requests pick one by "
+                                          "its name in `model`.")
+
+    def extra_model_list(self) -> list[tuple[str | None, str]]:
+        """(served name or None, source) of each model served beside the main one."""
+        out = []
+        for item in (m.strip() for m in self.extra_models.split(",")):
+            if item:
+                name, _, source = item.rpartition("=")
+                out.append((name.strip() or None, source.strip()))
+        return out
 
     state_dir: Path = Field(default_factory=_default_state_dir,
                             description="Where `streamq serve` keeps its redis-server's append-only file, so a "

@@ -60,15 +60,20 @@ def serve(host: str, port: int, api_replicas: int = 1, workers: int = 1) -> int:
                      redis.maxmemory_mb, redis.folder)
         log.info("preparing model %s (the first run converts it; later runs reuse the cache)", settings.model)
         prepare_model(env, quiet=False)
+        for name, model in settings.extra_model_list():
+            log.info("preparing model %s, served beside it (STREAMQ_EXTRA_MODELS)", model)
+            prepare_model(_model_env(env, name, model), quiet=False)
         url = f"http://{_loopback_if_any(host)}:{port}"
         children, ports = _children(env, host, port, api_replicas, workers, nginx, folder)
+        children[workers:workers] = [Child(f"worker-{_slug(name or m)}", cli() + ["worker"], _model_env(env, name, m),
+                                           with_parent=True) for name, m in settings.extra_model_list()]
         replicas = [f"http://127.0.0.1:{p}" for p in ports] or [url]
         for child in children:
             child.start()
         # Every replica first, then the public address (through nginx when there is one).
         if not _all_ready(replicas + ([url] if api_replicas > 1 else []), children):
             return 1
-        _banner(url, served_name(settings), replicas if api_replicas > 1 else [], workers)
+        _banner(url, served_name(settings), replicas if api_replicas > 1 else [], workers, settings.extra_model_list())
         _supervise(children)
         return 0
     except _Stop:
@@ -122,6 +127,31 @@ def _children(env: dict[str, str], host: str, port: int, api_replicas: int, work
                  for i, p in enumerate(ports)]
     children.append(_nginx_child(nginx, host, port, ports, folder / "nginx", env))
     return children, ports
+
+
+def _extra_lines(url: str, extra: list[tuple[str | None, str]]) -> str:
+    """The banner's lines for the models served beside the main one (STREAMQ_EXTRA_MODELS)."""
+    if not extra:
+        return ""
+    names = [name or served_name(ServeSettings(model=m, served_model_name=None)) for name, m in extra]
+    return (f"  Also:    {', '.join(names)}, each on a worker of its own (at {url}/v1/models once loaded):\n"
+            f"           curl -s {url}/v1/embeddings -H 'Content-Type: application/json' \\\n"
+            f"             -d '{{\"model\": \"{names[0]}\", \"input\": [\"streams\", \"batches\"]}}'\n")
+
+
+def _model_env(env: dict[str, str], name: str | None, model: str) -> dict[str, str]:
+    """A worker's environment for a model served beside the main one: under `name`, else named after
+    its source."""
+    out = {**env, "STREAMQ_MODEL": model}
+    out.pop("STREAMQ_SERVED_MODEL_NAME", None)
+    if name:
+        out["STREAMQ_SERVED_MODEL_NAME"] = name
+    return out
+
+
+def _slug(model: str) -> str:
+    name = Path(model.rstrip("/")).name
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40]
 
 
 def _all_ready(addresses: list[str], children: list[Child]) -> bool:
@@ -225,7 +255,7 @@ def _supervise(children: list[Child]) -> None:
         time.sleep(0.5)
 
 
-def _banner(url: str, model: str, replicas: list[str], workers: int) -> None:
+def _banner(url: str, model: str, replicas: list[str], workers: int, extra: list[tuple[str | None, str]] = ()) -> None:
     topology = ""
     if replicas or workers > 1:
         behind = f"{len(replicas)} api replicas behind nginx: {' '.join(replicas)}" if replicas else "1 api replica"
@@ -239,6 +269,6 @@ streamq is ready: serving {model} at {url}
   Stream:  curl -sN {url}/v1/requests -H 'Content-Type: application/json' \\
              -d '{{"prompt": "Once upon a time", "max_tokens": 48, "stream": true}}'
   Docs:    {url}/docs
-
+{_extra_lines(url, extra)}
 Press Ctrl-C to stop.
 """, flush=True)

@@ -35,12 +35,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _serve(model, cache: Path, watch: dict[str, threading.Event]):
+def _serve(model, cache: Path, watch: dict[str, threading.Event], **settings: str):
     """Start `streamq serve` with its own Redis; each event in `watch` is set when its text is printed."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "STREAMQ_REDIS_URL")}
     env.update(STREAMQ_MODEL=str(model), STREAMQ_DTYPE="float32", STREAMQ_MODEL_CACHE_DIR=str(cache),
-               STREAMQ_STATE_DIR=str(cache / "state"))
+               STREAMQ_STATE_DIR=str(cache / "state"), **settings)
     # Its own process group, as a shell gives a foreground job: a Ctrl-C signals the whole group.
     proc = subprocess.Popen([sys.executable, "-m", "streamq.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -111,3 +111,28 @@ def test_serve_restarts_a_worker_that_dies(tiny_llama, tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
+
+
+def test_serve_runs_an_embedding_model_beside_the_chat_model(tiny_llama, tmp_path):
+    from streamq.testing.tiny_encoders import minilm
+
+    ready = threading.Event()
+    proc, port, lines = _serve(tiny_llama, tmp_path, {"Press Ctrl-C to stop": ready},
+                               STREAMQ_EXTRA_MODELS=f"minilm={minilm()}")
+    try:
+        assert ready.wait(180), "".join(lines)
+        assert len(_children(proc.pid)) == 5  # redis-server, two workers, scheduler, api
+        banner = "".join(lines)
+        also = re.search(r"Also:.*\n\s+(curl .*?)\n\s+(-d .*?)\n", banner)
+        command = also.group(1).rstrip("\\ ") + " " + also.group(2)
+        models = f"http://127.0.0.1:{port}/v1/models"
+        deadline = time.monotonic() + 120
+        while "minilm" not in subprocess.run(["curl", "-s", models], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)  # start-up polling: the second worker loads its model
+        reply = json.loads(subprocess.run(command, shell=True, capture_output=True, text=True, check=True).stdout)
+        assert [len(d["embedding"]) for d in reply["data"]] == [384, 384] and reply["model"] == "minilm"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    assert proc.returncode == 0, "".join(lines)
