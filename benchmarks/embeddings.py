@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/embeddings.py                       # bf16 where the CPU has it, and fp32
     .venv/bin/python benchmarks/embeddings.py --inputs 32 --rounds 3
+    .venv/bin/python benchmarks/embeddings.py --minilm --inputs 1024   # all-MiniLM-L6-v2 through the stack
+
+With --minilm: all-MiniLM-L6-v2 on a worker of its own behind the api (Redis, real processes)
+against SentenceTransformer.encode(batch_size=32) in the same run (minilm_through_the_stack).
 
 The engine (in this process, as a worker runs it) embeds --inputs texts (the chat prompts of
 benchmarks/workload_w.json, user turns) as one pooling request, with the weights as served (the
@@ -16,6 +20,7 @@ to transformers' on the same prompts, and how many of 10 hand-written queries
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import statistics
 import sys
@@ -83,12 +88,80 @@ def reference(folder: Path, inputs: list[list[int]], rerank: list[list[int]], ye
     return torch.nn.functional.normalize(torch.stack(rows), dim=1).numpy(), np.array(scores)
 
 
+def minilm_through_the_stack(texts: list[str], rounds: int, requests: int, concurrency: int) -> None:
+    """all-MiniLM-L6-v2 served by a worker of its own behind the api (Redis, real processes), against
+    SentenceTransformer.encode(batch_size=32) in this process, rounds alternating: the texts sent as
+    `requests` requests of equal share, `concurrency` at a time, answered in base64 as the openai
+    client asks; inputs/s of each (median of rounds)
+    and the largest difference of a value between the two."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from sentence_transformers import SentenceTransformer
+
+    from streamq.stack import Stack
+    from streamq.testing.tiny_encoders import minilm
+
+    folder = minilm()
+    reference_model = SentenceTransformer(str(folder), device="cpu")
+    share = -(-len(texts) // requests)
+    batches = [texts[i:i + share] for i in range(0, len(texts), share)]
+    with tempfile.TemporaryDirectory() as tmp, Stack(Path(tmp), {"STREAMQ_MODEL": str(folder),
+                                                                  "STREAMQ_SERVED_MODEL_NAME": "minilm"}) as stack:
+        url = stack.urls[0]
+
+        def embed(batch: list[str]) -> list[np.ndarray]:  # base64, as the openai client asks
+            reply = httpx.post(f"{url}/v1/embeddings", json={"model": "minilm", "input": batch,
+                                                            "encoding_format": "base64"}, timeout=600)
+            reply.raise_for_status()
+            return [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in reply.json()["data"]]
+
+        embed(texts[:8])  # warm: the worker's first forward
+        ours, theirs = [], []
+        with ThreadPoolExecutor(concurrency) as pool_:
+            for _ in range(rounds):
+                start = time.perf_counter()
+                want = reference_model.encode(texts, batch_size=32)
+                theirs.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                got = np.array([v for vectors in pool_.map(embed, batches) for v in vectors], dtype=np.float32)
+                ours.append(time.perf_counter() - start)
+    tokens = sum(len(ids) - 2 for ids in reference_model.tokenizer(texts)["input_ids"])
+    row = {"texts": len(texts), "tokens": tokens, "requests": len(batches), "concurrency": concurrency,
+           "streamq_s": ours, "sentence_transformers_s": theirs,
+           "streamq_inputs_per_s": len(texts) / statistics.median(ours),
+           "sentence_transformers_inputs_per_s": len(texts) / statistics.median(theirs),
+           "max_abs_diff": float(np.abs(got - want).max())}
+    row["ratio"] = row["streamq_inputs_per_s"] / row["sentence_transformers_inputs_per_s"]
+    print(json.dumps(row, indent=1))
+    print()
+    print_table(["model", "texts (tokens)", "streamq through the stack, inputs/s",
+                 "SentenceTransformer.encode(batch_size=32), inputs/s", "ratio", "largest |diff|"],
+                [("all-MiniLM-L6-v2 fp32", f"{len(texts)} ({tokens})",
+                  f"{row['streamq_inputs_per_s']:.0f} ({len(batches)} requests, {concurrency} at a time)",
+                  f"{row['sentence_transformers_inputs_per_s']:.0f}", f"{row['ratio']:.2f}",
+                  f"{row['max_abs_diff']:.1e}")])
+    print_machine(machine("float32", torch.get_num_threads(), texts=len(texts), rounds=rounds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="auto,float32", help="comma-separated: auto, float32, bfloat16")
     parser.add_argument("--inputs", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--minilm", action="store_true",
+                        help="all-MiniLM-L6-v2 through the stack against sentence-transformers instead")
+    parser.add_argument("--requests", type=int, default=16, help="--minilm: the texts split into this many requests")
+    parser.add_argument("--concurrency", type=int, default=4, help="--minilm: requests in flight at once")
     args = parser.parse_args()
+    if args.minilm:
+        data = json.loads((ROOT / "benchmarks" / "workload_w.json").read_text())
+        turns = [m["content"] for chat in data["messages"] for m in chat if m["role"] in ("user", "assistant")]
+        texts = [" ".join(t.split()[:150]) for t in turns]  # within MiniLM's 256 tokens
+        texts = (texts * (1 + args.inputs // len(texts)))[:args.inputs]
+        minilm_through_the_stack(texts, args.rounds, args.requests, args.concurrency)
+        return
 
     settings = WorkerSettings(_env_file=None)
     folder = prepare_model(settings)
