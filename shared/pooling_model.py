@@ -18,7 +18,7 @@ from typing import Any, Literal
 PUBLISHED = "streamq_pooling.json"  # the description, beside the tokenizer files a worker publishes
 
 # transformers model types of the encoders the worker runs (worker/model/encoders.py FAMILIES)
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "mpnet"})
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "mpnet", "nomic_bert", "modernbert"})
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                  "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -79,7 +79,9 @@ class PoolingModel:
 
 
 def is_encoder(config: dict[str, Any]) -> bool:
-    return config.get("model_type") in ENCODER_TYPES
+    """An encoder the worker runs; Gemma 3 only with bidirectional attention (EmbeddingGemma)."""
+    kind = config.get("model_type")
+    return kind in ENCODER_TYPES or (kind == "gemma3_text" and bool(config.get("use_bidirectional_attention")))
 
 
 def read(folder: Path) -> PoolingModel | None:
@@ -104,7 +106,11 @@ def describe(folder: Path) -> PoolingModel | None:
                   default_prompt_name=st.get("default_prompt_name"),
                   max_seq_length=bert_config.get("max_seq_length"),
                   do_lower_case=bool(bert_config.get("do_lower_case", False)))
+    if config.get("model_type") == "gemma3_text" and config.get("attn_logit_softcapping"):
+        raise UnsupportedEncoder(f"{folder}: attention logit softcapping is not run by this server's encoders")
     if _classifies(config, st, bert_config):
+        if config.get("model_type") == "gemma3_text":
+            raise UnsupportedEncoder(f"{folder}: a Gemma 3 classifier is not served as a cross-encoder here")
         labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
         return PoolingModel("classify", num_labels=labels, activation=_activation_of(config, st, labels), **common)
     hidden = int(config["hidden_size"])

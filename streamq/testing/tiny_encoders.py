@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 HIDDEN, HEADS, LAYERS, FFN, POSITIONS = 32, 4, 2, 64, 128
-FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet", "nomic_bert", "modernbert", "gemma3_text")
+CROSS_FAMILIES = FAMILIES[:-1]  # Gemma 3 serves embeddings only here (EmbeddingGemma)
+WINDOW = 4  # the local layers' window, short enough that the test texts cross it
 
 
 def minilm() -> Path:
@@ -22,7 +24,7 @@ def _tokenizer(family: str):
     """MiniLM's WordPiece tokenizer; without segment ids for the families that have none."""
     import transformers
 
-    names = {} if family == "bert" else {"model_input_names": ["input_ids", "attention_mask"]}
+    names = {} if family in ("bert", "nomic_bert") else {"model_input_names": ["input_ids", "attention_mask"]}
     return transformers.BertTokenizerFast.from_pretrained(minilm(), **names)
 
 
@@ -41,6 +43,20 @@ def _config(family: str, vocab: int, labels: int | None):
         return transformers.XLMRobertaConfig(**common, pad_token_id=1, type_vocab_size=1), "XLMRoberta"
     if family == "mpnet":
         return transformers.MPNetConfig(**common, pad_token_id=1), "MPNet"
+    if family == "nomic_bert":
+        return transformers.NomicBertConfig(**common), "NomicBert"
+    if family == "modernbert":
+        common.update(num_hidden_layers=3)
+        return transformers.ModernBertConfig(**common, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+                                             cls_token_id=101, sep_token_id=102, local_attention=2 * WINDOW,
+                                             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                             classifier_pooling="mean"), "ModernBert"
+    if family == "gemma3_text":
+        common.update(num_hidden_layers=3, num_key_value_heads=2, head_dim=HIDDEN // HEADS, pad_token_id=0)
+        return transformers.Gemma3TextConfig(**common, use_bidirectional_attention=True, sliding_window=WINDOW,
+                                             query_pre_attn_scalar=HIDDEN // HEADS,
+                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+                                             ), "Gemma3Text"
     raise ValueError(family)
 
 

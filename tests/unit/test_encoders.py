@@ -9,7 +9,7 @@ import torch
 
 from shared.pooling_model import UnsupportedEncoder, describe
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_encoders import FAMILIES, build_cross_encoder, build_encoder, minilm
+from streamq.testing.tiny_encoders import CROSS_FAMILIES, FAMILIES, build_cross_encoder, build_encoder, minilm
 from worker.model.encoders import Packed, load
 
 st = pytest.importorskip("sentence_transformers")
@@ -77,7 +77,7 @@ def test_all_minilm_l6_v2_as_sentence_transformers():
     assert describe(folder).max_seq_length == 256 and Tokenizer(folder).context_length == 256
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CROSS_FAMILIES)
 def test_each_cross_encoder_scores_as_sentence_transformers(tmp_path, family):
     folder = build_cross_encoder(tmp_path, family)
     reference = torch.as_tensor(st.CrossEncoder(str(folder), device="cpu").predict(PAIRS))

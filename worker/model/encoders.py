@@ -1,6 +1,6 @@
-"""Encoder models (BERT, RoBERTa / XLM-RoBERTa, MPNet) run on packed inputs: a step's inputs lie
-back to back in one row of tokens, never padded to the longest; every projection runs once over
-the whole row, and attention runs per input (each sees its own tokens only, both ways).
+"""Encoder models run on packed inputs: a step's inputs lie back to back in one row of tokens,
+never padded to the longest; every projection runs once over the whole row, and attention runs per
+input (each sees its own tokens only, both ways). The families: worker/model/encoder_forwards.py.
 
 The weights are transformers' modules, loaded as transformers loads them; the forward here is
 ours, so that inputs of any lengths share a step without padding. What comes after the encoder
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.pooling_model import Dense, PoolingModel
+from worker.model.encoder_forwards import FORWARDS
 
 ACTIVATION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "gelu": F.gelu}
@@ -51,26 +52,6 @@ class Packed:
         return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, lengths: tuple[int, ...],
-           bias: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """Bidirectional attention of each input over its own tokens; q, k, v: (tokens, heads × dim).
-    Inputs of one length go through one call together. `bias(n)`: a (heads, n, n) score bias."""
-    size = q.shape[-1] // heads
-    out = torch.empty_like(q)
-    by_length: dict[int, list[int]] = {}
-    start = 0
-    for n in lengths:
-        by_length.setdefault(n, []).append(start)
-        start += n
-    for n, starts in by_length.items():
-        index = torch.cat([torch.arange(s, s + n, device=q.device) for s in starts])
-        shape = (len(starts), n, heads, size)
-        mask = bias(n).unsqueeze(0) if bias is not None else None
-        o = F.scaled_dot_product_attention(*(x[index].view(shape).transpose(1, 2) for x in (q, k, v)), attn_mask=mask)
-        out[index] = o.transpose(1, 2).reshape(len(starts) * n, heads * size)
-    return out
-
-
 class Encoder:
     """One encoder model and what follows it: `embed` gives each input's embedding, `classify` its
     scores (after the cross-encoder's activation)."""
@@ -84,57 +65,11 @@ class Encoder:
         self.dense = dense
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._biases: dict[int, torch.Tensor] = {}
-
-    @property
-    def type_vocab_size(self) -> int:
-        return int(getattr(self.config, "type_vocab_size", 0) or 0)
 
     @torch.inference_mode()
     def hidden(self, packed: Packed) -> torch.Tensor:
         """Every token's final hidden state, (tokens, hidden size)."""
-        if self.family == "mpnet":
-            return self._mpnet(packed)
-        return self._bert(packed)
-
-    def _bert(self, packed: Packed) -> torch.Tensor:
-        emb = self.base.embeddings
-        offset = 0 if self.family == "bert" else self.config.pad_token_id + 1  # RoBERTa counts from padding_idx + 1
-        x = emb.word_embeddings(packed.ids) + emb.position_embeddings(packed.positions(offset))
-        if getattr(emb, "token_type_embeddings", None) is not None:
-            types = packed.types if self.type_vocab_size > 1 else torch.zeros_like(packed.types)
-            x = x + emb.token_type_embeddings(types)
-        x = emb.LayerNorm(x)
-        heads = self.config.num_attention_heads
-        for layer in self.base.encoder.layer:
-            a = layer.attention.self
-            ctx = attend(a.query(x), a.key(x), a.value(x), heads, packed.lengths)
-            x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
-            x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
-                layer.intermediate.dense(x))) + x)
-        return x
-
-    def _mpnet(self, packed: Packed) -> torch.Tensor:
-        emb = self.base.embeddings
-        x = emb.LayerNorm(emb.word_embeddings(packed.ids)
-                          + emb.position_embeddings(packed.positions(emb.padding_idx + 1)))
-        heads = self.config.num_attention_heads
-        for layer in self.base.encoder.layer:
-            a = layer.attention.attn
-            ctx = attend(a.q(x), a.k(x), a.v(x), heads, packed.lengths, self._relative_bias)
-            x = layer.attention.LayerNorm(a.o(ctx) + x)
-            x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
-                layer.intermediate.dense(x))) + x)
-        return x
-
-    def _relative_bias(self, n: int) -> torch.Tensor:
-        """MPNet's relative-position bias for an input of n tokens, (heads, n, n), kept per length."""
-        if n not in self._biases:
-            if len(self._biases) > 512:
-                self._biases.clear()
-            probe = torch.empty(1, n, 1, device=self.device)
-            self._biases[n] = self.base.encoder.compute_position_bias(probe)[0].to(self.dtype)
-        return self._biases[n]
+        return FORWARDS[self.family](self.model, packed)
 
     # -- what follows the encoder -----------------------------------------------------------
     @torch.inference_mode()
@@ -156,16 +91,19 @@ class Encoder:
 
     @torch.inference_mode()
     def classify(self, packed: Packed) -> list[torch.Tensor]:
-        """Each input's scores: the classification head on its first token, then the activation."""
+        """Each input's scores: the model's classification head, then the saved activation."""
         hidden = self.hidden(packed)
         first = hidden[[start for start, _ in packed.spans()]]
         head = self.model.classifier
-        if self.family == "bert":
+        if self.family in ("bert", "nomic_bert"):  # the pooler (dense, tanh) on the first token, then a linear
             logits = head(self.base.pooler.dense(first).tanh())
+        elif self.family == "modernbert":  # the first token or the mean, then dense, activation, norm
+            if self.config.classifier_pooling == "mean":
+                first = torch.stack([hidden[a:b].mean(dim=0) for a, b in packed.spans()])
+            logits = head(self.model.head(first))
         else:  # RoBERTa's and MPNet's head: dense, tanh, out_proj
             logits = head.out_proj(head.dense(first).tanh())
-        scores = ACTIVATION[self.description.activation](logits.float())
-        return list(scores)
+        return list(ACTIVATION[self.description.activation](logits.float()))
 
 
 def _pool(mode: str, tokens: torch.Tensor) -> torch.Tensor:
