@@ -325,3 +325,26 @@ def test_of_two_first_processes_the_one_that_records_first_wins(redis_url, prefi
     monkeypatch.setattr(hub_revision, "_resolve", resolve_while_another_records)
     settings = CommonSettings(model="org/tiny", redis_url=redis_url, prefix=prefix)
     assert hub_revision.hub_commit(settings, "org/tiny") == "b" * 40
+
+
+def test_a_hub_sentence_transformers_repo_brings_its_modules(hub, env, tmp_path):
+    """An embedding model's repo: the api side fetches its module configs (not its weights), the
+    worker's its Dense layer's weights too; both read the same description of it."""
+    pytest.importorskip("sentence_transformers")
+    from shared.pooling_model import describe
+    from streamq.testing.tiny_encoders import build_encoder
+
+    folder = build_encoder(tmp_path / "st", "bert", pooling="cls", dense=[(16, "Tanh")],
+                           prompts={"query": "query: "})
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert "2_Dense/model.safetensors" in files and "1_Pooling/config.json" in files
+    hub.push("org/embedder", files, "main")
+    api = side(env("api", STREAMQ_MODEL="org/embedder"), "model_dir")
+    assert api["heavy"] == []
+    assert describe(Path(api["model_dir"])) == describe(folder)
+    assert Tokenizer(api["model_dir"]).pooling.dense[0].out_features == 16
+    assert not {"model.safetensors", "2_Dense/model.safetensors"} & set(hub.served("org/embedder"))
+    worker = side(env("worker", STREAMQ_MODEL="org/embedder"), "weights_dir")
+    weights = Path(worker["weights_dir"])
+    assert (weights / "2_Dense" / "model.safetensors").read_bytes() == files["2_Dense/model.safetensors"]
+    assert (weights / "model.safetensors").is_file()
