@@ -140,6 +140,7 @@ class Generation:
         """Prompt token ids, in the tokenize pool; `tools`, for a chat template that renders them itself.
         `add_special_tokens`: the tokenizer's own (a BOS) added; by default to a prompt, not to a chat,
         whose template writes them."""
+        self.require_generative()
         try:
             if messages is not None:
                 return await self.tokenize(self.tokenizer.encode_chat, messages, tools, add_generation_prompt,
@@ -147,6 +148,14 @@ class Generation:
             return await self.tokenize(self.tokenizer.encode, prompt, add_special_tokens is not False)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
+
+    def require_generative(self) -> None:
+        """400 for an encoder model (an embedding model or a cross-encoder): it generates no text."""
+        if (encoder := self.tokenizer.pooling) is not None:
+            what = "a cross-encoder (/v1/rerank, /v1/score)" if encoder.kind == "classify" \
+                else "an embedding model (/v1/embeddings, /v1/rerank, /v1/score)"
+            raise ApiError(400, f"{self.model_name!r} is {what}: it generates no text", param="model",
+                           code="model_not_generative")
 
     async def tokenize(self, fn: Callable[..., T], *args: Any, param: str = "prompt") -> T:
         """fn(*args), tokenizer work, in the tokenize pool: 503 where its threads stay busy past the
@@ -261,11 +270,8 @@ class Generation:
         """Queue the requests for `tenant`, all or none (past the backlog limit, 503)."""
         if not payloads:  # e.g. /generate with no prompts: nothing to queue, nothing to count
             return
-        if self.tokenizer.pooling is not None and any(p.pool is None for p in payloads):
-            what = "a cross-encoder (/v1/rerank, /v1/score)" if self.tokenizer.pooling.kind == "classify" \
-                else "an embedding model (/v1/embeddings, /v1/rerank, /v1/score)"
-            raise ApiError(400, f"{self.model_name!r} is {what}: it generates no text", param="model",
-                           code="model_not_generative")
+        if any(p.pool is None for p in payloads):
+            self.require_generative()
         if self.adapter is not None:
             await self._check_adapter(tenant)
             if bad := sorted({p.backend for p in payloads if p.backend and p.backend not in self.adapter_backends}):
