@@ -111,3 +111,17 @@ def test_a_module_the_worker_does_not_run_is_named(tmp_path):
 
 def test_a_decoder_is_no_encoder(tiny_llama):
     assert describe(tiny_llama) is None and Tokenizer(tiny_llama).pooling is None
+
+
+def test_bf16_matmuls_the_cpu_default_stay_within_a_cosine_of_fp32():
+    """dtype auto on a CPU with fast bf16: fp32 weights, bf16 matmuls (autocast). Run here on any
+    CPU (autocast computes bf16 on every x86 CPU, slowly where it lacks the instructions)."""
+    folder = minilm()
+    reference = st.SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    encoder = load(folder, describe(folder), CPU, torch.float32, torch.bfloat16)
+    tok = Tokenizer(folder)
+    ids = [tok.encode(t) for t in TEXTS]
+    got = torch.stack(encoder.embed(Packed.of([(i, len(i)) for i in ids], CPU), [0] * len(ids)))
+    assert got.dtype == torch.float32 and encoder.numerics == "float32, bfloat16 matmuls"
+    cosines = torch.nn.functional.cosine_similarity(got, reference)
+    assert cosines.min() >= 0.9999 and not torch.equal(got, reference)

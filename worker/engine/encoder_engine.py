@@ -60,7 +60,7 @@ class EncoderEngine(BaseEngine):
 
     @property
     def plan(self) -> ExecutionPlan:
-        return encoder_plan(self.encoder.family, str(self.encoder.dtype), self.encoder.device.type)
+        return encoder_plan(self.encoder.family, self.encoder.numerics, self.encoder.device.type)
 
     def step(self) -> list[StepOutput]:
         outputs = self._take_arrivals() + self._end_cancelled()

@@ -56,8 +56,12 @@ class Encoder:
     """One encoder model and what follows it: `embed` gives each input's embedding, `classify` its
     scores (after the cross-encoder's activation)."""
 
-    def __init__(self, model: torch.nn.Module, description: PoolingModel, dense: list[torch.nn.Linear]):
+    def __init__(self, model: torch.nn.Module, description: PoolingModel, dense: list[torch.nn.Linear],
+                 matmul_dtype: torch.dtype | None = None):
         self.model = model.eval()
+        # Where set: the projections and attention compute in this dtype (torch.autocast) while the
+        # weights, norms and the residual stream stay in theirs (dtype auto on a CPU with fast bf16).
+        self.matmul_dtype = matmul_dtype
         self.description = description
         self.config = model.config
         self.family = model.config.model_type
@@ -69,7 +73,16 @@ class Encoder:
     @torch.inference_mode()
     def hidden(self, packed: Packed) -> torch.Tensor:
         """Every token's final hidden state, (tokens, hidden size)."""
-        return FORWARDS[self.family](self.model, packed)
+        if self.matmul_dtype is None:
+            return FORWARDS[self.family](self.model, packed)
+        with torch.autocast(self.device.type, dtype=self.matmul_dtype):
+            return FORWARDS[self.family](self.model, packed).to(self.dtype)
+
+    @property
+    def numerics(self) -> str:
+        """What it computes in: the weights' dtype, and the matmuls' where autocast lowers them."""
+        name = str(self.dtype).removeprefix("torch.")
+        return name if self.matmul_dtype is None else f"{name}, {str(self.matmul_dtype).removeprefix('torch.')} matmuls"
 
     # -- what follows the encoder -----------------------------------------------------------
     @torch.inference_mode()
@@ -123,15 +136,17 @@ def _pool(mode: str, tokens: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown pooling mode {mode!r}")
 
 
-def load(folder: Path, description: PoolingModel, device: torch.device, dtype: torch.dtype) -> Encoder:
-    """The encoder of `folder` (a sentence-transformers folder or a transformers one)."""
+def load(folder: Path, description: PoolingModel, device: torch.device, dtype: torch.dtype,
+         matmul_dtype: torch.dtype | None = None) -> Encoder:
+    """The encoder of `folder` (a sentence-transformers folder or a transformers one), its weights
+    in `dtype`, its matmuls in `matmul_dtype` where given (Encoder)."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     where = folder / description.transformer_path
     auto = AutoModelForSequenceClassification if description.kind == "classify" else AutoModel
     model = auto.from_pretrained(where, dtype=dtype).to(device)
     dense = [_load_dense(folder, module, device) for module in description.dense]
-    return Encoder(model, description, dense)
+    return Encoder(model, description, dense, matmul_dtype)
 
 
 def _load_dense(folder: Path, module: Dense, device: torch.device) -> torch.nn.Linear:
