@@ -15,7 +15,7 @@ from typing import Annotated, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_LOGPROBS, SamplingParams
 from shared.service_tier import Tier
 
 
@@ -115,8 +115,9 @@ class PoolSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # embed: a vector per input; score: a decoder's yes/no answer (below); classify: an encoder's
-    # classification head (a cross-encoder), its first segment `head`, the second the input and `tail`
-    task: Literal["embed", "score", "classify"]
+    # classification head (a cross-encoder), its first segment `head`, the second the input and `tail`;
+    # logprobs: each prompt token's logprob after the tokens before it, and the `top` likeliest there
+    task: Literal["embed", "score", "classify", "logprobs"]
     lengths: list[int] = Field(min_length=1, max_length=MAX_POOL_INPUTS)
     # embed: the mean of the final hidden states over the input's tokens, scaled to length 1 where `normalize`
     normalize: bool = True
@@ -127,6 +128,7 @@ class PoolSpec(BaseModel):
     # embed on an encoder: skips[i], input i's first tokens (its prompt) left out of its pooling where
     # the model's Pooling says include_prompt false (shared/pooling_model.py); empty: none
     skips: list[int] = Field(default_factory=list, max_length=MAX_POOL_INPUTS)
+    top: int = Field(0, ge=0, le=MAX_LOGPROBS)  # logprobs: the likeliest tokens given at each position
 
     def prompt_tokens(self) -> int:
         """The tokens the model runs for every input: its own, its head's and its tail's."""

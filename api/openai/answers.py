@@ -45,9 +45,15 @@ class CompletionUsage(Answer):
 
 class CompletionLogprobs(Answer):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="With echo, the first prompt token's is null.")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(Answer):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None  # abort: cancelled (vLLM's word)
@@ -58,6 +64,9 @@ class CompletionChoice(Answer):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = Field(
+        None, description="With prompt_logprobs (vLLM's): null for the first prompt token, then each token id's "
+                          "entry: the token itself and the likeliest there.")
 
 
 class Completion(Answer):

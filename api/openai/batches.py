@@ -108,6 +108,9 @@ async def _payloads(endpoint: str, item: BatchItem, generation, tenant: str) -> 
         raise ApiError(400, f"request {item.custom_id!r}: batch requests take n=1 and no stream", param="requests")
     if isinstance(body, CompletionRequest) and len(body.prompts()) != 1:
         raise ApiError(400, f"request {item.custom_id!r}: a batch request takes one prompt", param="requests")
+    if isinstance(body, CompletionRequest) and (body.echo or body.prompt_logprobs is not None):
+        raise ApiError(400, f"request {item.custom_id!r}: echo and prompt_logprobs run online only, not in a batch",
+                       param="requests")
     try:
         prompt = body.as_prompt(generation.tool_format) if isinstance(body, ChatCompletionRequest) \
             else body.as_prompt()

@@ -3,6 +3,7 @@
 followed through the relay; a streaming client that disconnects cancels them."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Any
@@ -12,13 +13,14 @@ from fastapi import APIRouter
 
 from api.core.auth import AdmittedDep
 from api.core.choice import finish_reason, stream_reason
-from api.core.deps import ModelsDep, StreamsDep
+from api.core.deps import ModelsDep, SettingsDep, StreamsDep
 from api.core.generation import Generation
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_or_stream
 from api.core.sse import OPENAI, EventStreamResponse
 from api.openai.answers import COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE, Completion, OpenAIError
-from api.openai.logprobs import completion_logprobs, usage
+from api.openai.logprobs import completion_logprobs, echo_logprobs, usage, vllm_prompt_logprobs
+from api.openai.pooling import inputs as pooling
 from api.openai.schemas import CompletionRequest
 from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
@@ -29,11 +31,14 @@ router = APIRouter(tags=["openai"], route_class=StrictJSONRoute, responses=error
 
 @router.post("/v1/completions", responses=json_or_stream(
     Completion, "The completion.", COMPLETION_EVENTS, COMPLETION_EVENTS_EXAMPLE))
-async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
+async def completions(body: CompletionRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep,
+                      settings: SettingsDep):
     generation = await served.get(body.model)
     tokenizer = generation.tokenizer
     groups = [await generation.payloads(prompt, tenant) for prompt in body.as_prompts()]
-    payloads = [p for group in groups for p in group]
+    payloads = [p for group in groups for p in group] if body.max_tokens != 0 else []
+    if body.scores_prompt:
+        await pooling.require_pooling(generation)  # before anything is queued
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -43,22 +48,51 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
     if body.stream:
         events = _stream_completion(generation, tokenizer, body, payloads, prompt_tokens, rid, created, model)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
-    choices = await generation.collect(payloads)
+    scored: list[list[pooling.PromptLogprob]] | None = None
+    if body.scores_prompt:  # beside the generation, in the workers' pooling steps
+        top = max(body.logprobs or 0, body.prompt_logprobs or 0)
+        caps = pooling.Caps(settings.max_pooling_inputs, settings.max_pooling_tokens)
+        try:
+            scored, _ = await pooling.prompt_logprobs(generation, [g[0].prompt_token_ids for g in groups], top,
+                                                      tenant, body.priority, caps)
+        except BaseException:
+            await asyncio.shield(generation.cancel(payloads))
+            raise
+    choices = await generation.collect(payloads) if payloads else []
     out, finals = [], []
-    for p in range(len(groups)):  # prompt by prompt: each prompt's n best of its samples
+    for p, group in enumerate(groups):  # prompt by prompt: each prompt's n best of its samples
         mine = choices[p * samples:(p + 1) * samples]
-        order = list(range(samples))
-        if samples > body.n:
-            order = sorted(order, key=lambda i: mine[i].cumulative_logprob, reverse=True)[:body.n]
+        order = list(range(body.n))
+        if mine and samples > body.n:
+            order = sorted(range(samples), key=lambda i: mine[i].cumulative_logprob, reverse=True)[:body.n]
+        prompt_ids = group[0].prompt_token_ids
+        echoed = _prompt_text(tokenizer, body.prompts()[p], prompt_ids) if body.echo else ""
         for j, i in enumerate(order):
-            c = mine[i]
-            lp = completion_logprobs(tokenizer, c.tokens, 0) if body.logprobs is not None else None
-            out.append({"index": p * body.n + j, "text": "".join(c.text), "logprobs": lp,
-                        "finish_reason": finish_reason(c.final)})
+            c = mine[i] if mine else None
+            tokens = c.tokens if c is not None else []
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(tokenizer, tokens, len(echoed))
+                if body.echo:
+                    lp = _joined(echo_logprobs(tokenizer, prompt_ids, scored[p], body.logprobs), lp)
+            choice = {"index": p * body.n + j, "text": echoed + ("".join(c.text) if c is not None else ""),
+                      "logprobs": lp, "finish_reason": finish_reason(c.final) if c is not None else "length"}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_ids, scored[p], body.prompt_logprobs)
+            out.append(choice)
         finals.append([c.final for c in mine])
     totals = usage(prompt_tokens, sum(len(c.tokens) for c in choices), *finals)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out, "usage": totals,
-            "service_tier": payloads[0].service_tier}
+            "service_tier": groups[0][0].service_tier}
+
+
+def _prompt_text(tokenizer: Tokenizer, prompt: str | list[int], prompt_ids: list[int]) -> str:
+    """The prompt as echo gives it back: its text, or its token ids decoded (special tokens kept)."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,

@@ -15,9 +15,51 @@ def completion_logprobs(tokenizer: Tokenizer, tokens: list[TokenEvent], offset: 
         text = token_text(tokenizer, t.token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append({token_text(tokenizer, i): lp for i, lp in t.top_logprobs or []})
+        out["top_logprobs"].append(_by_text(tokenizer, t.top_logprobs or []))
         out["text_offset"].append(offset)
         offset += len(t.text)
+    return out
+
+
+def _by_text(tokenizer: Tokenizer, top: list) -> dict[str, float]:
+    """The likeliest tokens keyed by their text, as OpenAI's legacy shape has them; of two ids with
+    one text (a byte token's replacement character), the likelier keeps the entry."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(token_text(tokenizer, token_id), logprob)
+    return out
+
+
+def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], scored: list, top: int) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): every prompt
+    token, the first with no logprob (nothing comes before it); `scored`, the others' PromptLogprob
+    (api/openai/pooling/inputs.py), of which the `top` likeliest tokens are given."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for k, token_id in enumerate(prompt_ids):
+        text = token_text(tokenizer, token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if k == 0:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            entry = scored[k - 1]
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append(_by_text(tokenizer, entry.top[:top]))
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], scored: list, top: int) -> list:
+    """vLLM's choices[].prompt_logprobs: None for the first token, then for each token a map of token
+    id to {logprob, rank, decoded_token}: the token itself and the `top` likeliest there."""
+    out: list = [None]
+    for token_id, entry in zip(prompt_ids[1:], scored):
+        ranks = {i: (lp, r + 1) for r, (i, lp) in enumerate(entry.top[:top])}
+        ranks[token_id] = (entry.logprob, entry.rank)
+        out.append({str(i): {"logprob": lp, "rank": rank, "decoded_token": token_text(tokenizer, i)}
+                    for i, (lp, rank) in ranks.items()})
     return out
 
 

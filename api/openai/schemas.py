@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from api.core.chat import ChatRequest, SamplingFields
 from api.core.generation import Prompt
-from shared.sampling import MAX_TOKEN_ID
+from shared.sampling import MAX_LOGPROBS, MAX_TOKEN_ID
 
 
 MAX_PROMPTS = 64  # requests one completion may queue: its prompts times each one's samples
@@ -18,9 +18,13 @@ class CompletionRequest(SamplingFields):
     prompt by prompt (`choices[].index` = prompt × n + sample)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKEN_ID)
+    # 0 only with echo: the prompt scored, nothing generated (what lm-eval's loglikelihood asks)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKEN_ID)
     logprobs: int | None = Field(None, ge=0, le=5)
+    # The prompt back before the completion; with logprobs, each prompt token's too (the first: null)
     echo: bool = False
+    # vLLM's field: each prompt token's logprob and the n likeliest tokens there (choices[].prompt_logprobs)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=16)
     suffix: str | None = None
 
@@ -32,8 +36,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of cannot be used with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 returns nothing without echo: give echo true to score the prompt")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("echo and prompt_logprobs are answered whole: not with stream")
         prompts = self.prompts()
         if not prompts:
             raise ValueError("prompt must hold at least one prompt")
@@ -56,11 +62,17 @@ class CompletionRequest(SamplingFields):
     def samples_per_prompt(self) -> int:
         return self.best_of or self.n
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs are asked for (echo with logprobs, or prompt_logprobs)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
     def as_prompts(self) -> list[Prompt]:
-        """What this completion runs: each prompt's text or token ids, `n` (or `best_of`) samples each."""
+        """What this completion runs: each prompt's text or token ids, `n` (or `best_of`) samples each
+        (with max_tokens 0 nothing is generated: the samples' parameters only carry the prompt's checks)."""
         samples = self.samples_per_prompt
         logprobs = self.logprobs if self.logprobs is not None else (0 if samples > self.n else None)
-        return [Prompt(self.model, self.samples(samples, self.max_tokens, logprobs),
+        return [Prompt(self.model, self.samples(samples, 1 if self.max_tokens == 0 else self.max_tokens, logprobs),
                        text=p if isinstance(p, str) else None, token_ids=p if isinstance(p, list) else None,
                        priority=self.priority, backend=self.backend, constraint_param=self.constraint_param(),
                        service_tier=self.service_tier or "auto")

@@ -84,7 +84,8 @@ def test_a_generation_and_a_task_the_model_lacks_end_with_an_error(encoder):
     engine.add(RequestPayload(id="gen", model="m", prompt_token_ids=[101, 102], params=SamplingParams(max_tokens=4)))
     engine.add(_payload("cls", [[101, 102]], task="classify"))
     engine.add(_payload("yesno", [[101, 102]], task="score"))
+    engine.add(_payload("prompt", [[101, 102]], task="logprobs"))
     ends = {o.request_id: o.end for o in engine.step()}
-    assert {rid: end.finish_reason for rid, end in ends.items()} == dict.fromkeys(["gen", "cls", "yesno"],
+    assert {rid: end.finish_reason for rid, end in ends.items()} == dict.fromkeys(["gen", "cls", "yesno", "prompt"],
                                                                                    FinishReason.ERROR)
     assert "generates no text" in ends["gen"].error and "no classification head" in ends["cls"].error

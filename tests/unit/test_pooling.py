@@ -221,3 +221,28 @@ def test_a_cancelled_pooling_request_stops_between_its_inputs(tiny_llama):
     ends.update(drain(engine))
     assert ends["queued"].finish_reason is FinishReason.STOP  # the other one goes on
     assert engine.batcher.blocks.num_free == len(engine.batcher.blocks.blocks)
+
+
+@pytest.mark.parametrize("path", ["kernels", "portable", "eager"])
+def test_prompt_logprobs_equal_transformers(model_dir, path):
+    """task logprobs: each prompt token's logprob after the tokens before it, its rank, and the top
+    k there, as transformers' log-softmax of the same logits gives them (fp32, within 1e-4)."""
+    if path != "eager" and model_dir.name.endswith("opt"):
+        pytest.skip("the kernels run the llama-family layers only")
+    engine = make_engine(model_dir, path)
+    inputs = [engine.tokenizer.encode(t) for t in TEXTS if len(engine.tokenizer.encode(t)) > 1]
+    top = 3
+    engine.add(pool_payload("lp", inputs, task="logprobs", top=top))
+    end = drain(engine)["lp"]
+    assert end.finish_reason is FinishReason.STOP and len(end.pooled) == len(inputs)
+    for ids, got in zip(inputs, end.pooled):
+        rows = floats(got).reshape(len(ids) - 1, 2 + 2 * top)
+        with torch.no_grad():
+            logits = _reference_model(str(model_dir), True)(torch.tensor([ids])).logits[0, :-1]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        chosen = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        np.testing.assert_allclose(rows[:, 0], chosen.numpy(), atol=1e-4)
+        np.testing.assert_array_equal(rows[:, 1], ((want > chosen[:, None]).sum(dim=1) + 1).numpy())
+        values, top_ids = want.topk(top, dim=-1)
+        np.testing.assert_array_equal(rows[:, 2::2], top_ids.numpy())
+        np.testing.assert_allclose(rows[:, 3::2], values.numpy(), atol=1e-4)

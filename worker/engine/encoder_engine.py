@@ -86,7 +86,7 @@ class EncoderEngine(BaseEngine):
             seq.finish(FinishReason.ERROR, "this model is an encoder (embeddings, scores): it generates no text")
             outputs.append(step_output(seq, None, True))
         for job in arrivals:
-            if job.task == "score" or (job.task == "classify") != (self.encoder.description.kind == "classify"):
+            if job.task != ("classify" if self.encoder.description.kind == "classify" else "embed"):
                 what = "a cross-encoder: it scores pairs" if self.encoder.description.kind == "classify" \
                     else "an embedding model: it has no classification head"
                 outputs.append(job.output(FinishReason.ERROR, f"a {job.task} request cannot run here: this model is {what}"))

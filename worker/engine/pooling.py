@@ -30,7 +30,7 @@ class PoolJob:
     `tail` once, however many documents it scores)."""
 
     id: str
-    task: str  # embed | score | classify (shared.messages.PoolSpec)
+    task: str  # embed | score | classify | logprobs (shared.messages.PoolSpec)
     bodies: list[list[int]]
     normalize: bool
     candidates: list[int] | None
@@ -39,6 +39,7 @@ class PoolJob:
     head: list[int] = field(default_factory=list)
     tail: list[int] = field(default_factory=list)
     skips: list[int] = field(default_factory=list)  # an encoder's embed: each input's prompt tokens left out of pooling
+    top: int = 0  # logprobs: the most likely tokens given at each position
     results: list[str] = field(default_factory=list)  # base64 float32, one per input done, in order
     scheduled_at: float | None = None
 
@@ -46,7 +47,7 @@ class PoolJob:
     def of(cls, payload: RequestPayload) -> PoolJob:
         spec = payload.pool
         return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
-                   payload.created_at, lane_of(payload), spec.head, spec.tail, spec.skips)
+                   payload.created_at, lane_of(payload), spec.head, spec.tail, spec.skips, spec.top)
 
     @property
     def size(self) -> int:
@@ -75,8 +76,10 @@ class PoolJob:
 
     def take(self, rows: torch.Tensor) -> None:
         """The next input's result from its rows of the step's output: every token's final hidden
-        state (embed), or its last token's logits (score)."""
-        if self.task == "embed":
+        state (embed), its last token's logits (score), or every token's logits (logprobs)."""
+        if self.task == "logprobs":
+            value = prompt_logprobs(rows, self.tokens(len(self.results)), self.top)
+        elif self.task == "embed":
             value = rows.float().mean(dim=0)
             if self.normalize:
                 value = torch.nn.functional.normalize(value, dim=0)
@@ -90,6 +93,23 @@ class PoolJob:
         pooled = tuple(self.results) if reason is FinishReason.STOP and error is None else None
         end = RequestEnd(reason, error, "", self.num_tokens, 0, pooled=pooled)
         return StepOutput(self.id, None, True, self.created_at, self.scheduled_at, self.lane, end)
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> torch.Tensor:
+    """Each prompt token's logprob given the tokens before it (the first has none), its rank, and
+    the `top` most likely tokens there: rows of (logprob, rank, id_1, logprob_1, ... id_top,
+    logprob_top), flattened (token ids are exact in float32 below 2**24)."""
+    if len(tokens) < 2:
+        return torch.empty(0)
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    actual = torch.tensor(tokens[1:], device=logprobs.device)
+    chosen = logprobs.gather(1, actual[:, None])
+    rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
+    columns = [chosen, rank.float()]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        columns.append(torch.stack([ids.float(), values], dim=-1).flatten(1))
+    return torch.cat(columns, dim=1).flatten()
 
 
 def encode_floats(values: torch.Tensor) -> str:
@@ -121,7 +141,7 @@ def run(picked: list[tuple[PoolJob, int]], blocks: BlockManager, execute) -> Non
         tokens, seq_id = job.tokens(i), f"pool:{job.id}:{i}"
         blocks.append_slots(seq_id, len(tokens))
         ids.append(seq_id)
-        rows = len(tokens) if job.task == "embed" else 1
+        rows = len(tokens) if job.task in ("embed", "logprobs") else 1
         chunks.append(Chunk(None, 0, list(tokens), blocks.table(seq_id), rows))
     try:
         with float_activations():  # not int8-rounded: an embedding or a score is read as a value

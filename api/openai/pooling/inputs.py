@@ -130,6 +130,34 @@ async def _cosine_rerank(generation: Generation, model, query: str, documents: l
     return encoders.cosines(vectors[0], vectors[1:]), tokens
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's logprob after the tokens before it, its rank there, and the likeliest
+    tokens there (id, logprob), the most likely first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+async def prompt_logprobs(generation: Generation, prompts: list[list[int]], top: int, tenant: str, priority: int,
+                          caps: Caps) -> tuple[list[list[PromptLogprob]], int]:
+    """Each prompt's tokens scored by the model (one pooling request of task logprobs, every prompt
+    an input): from the second token on, since the first has nothing before it."""
+    caps.check_inputs(len(prompts), "prompt")
+    caps.check_tokens(sum(map(len, prompts)), "prompt")
+    pooled, tokens = await _run(generation, prompts, PoolSpec(task="logprobs", lengths=[len(p) for p in prompts],
+                                                              top=top), tenant, priority, None)
+    width, out = 2 + 2 * top, []
+    for ids, encoded in zip(prompts, pooled):
+        values = floats(encoded)
+        rows = [values[i:i + width] for i in range(0, len(values), width)]
+        assert len(rows) == max(len(ids) - 1, 0), "a logprob per prompt token after the first"
+        out.append([PromptLogprob(r[0], int(r[1]), [(int(r[2 + 2 * j]), r[3 + 2 * j]) for j in range(top)])
+                    for r in rows])
+    return out, tokens
+
+
 def encode_floats(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
@@ -143,12 +171,13 @@ async def require_pooling(generation: Generation) -> None:
     """400 unless a live worker of the model runs pooling requests (the paged engine's do; the vLLM
     and null backends' and a static-batch worker's do not): queued, it would wait for nothing."""
     if generation.adapter is not None:
-        raise ApiError(400, f"embeddings and rerank run on base models only; {generation.adapter!r} is a LoRA "
+        raise ApiError(400, f"embeddings, rerank and prompt logprobs run on base models only; {generation.adapter!r} is a LoRA "
                             f"adapter of {generation.base_model!r}", param="model", code="pooling_not_supported")
     workers = await generation.live_workers()
     if not any(w.pools for w in workers):
         backends = sorted({w.backend for w in workers})
-        raise ApiError(400, f"no live worker of {generation.model_name!r} computes embeddings or rerank scores "
+        raise ApiError(400, f"no live worker of {generation.model_name!r} computes embeddings, rerank scores or prompt "
+                            "logprobs (echo, prompt_logprobs) "
                             f"(the built-in paged engine does; live backends: {backends})",
                        param="model", code="pooling_not_supported")
 
