@@ -36,11 +36,17 @@ class PromptTokensDetails(Answer):
     cached_tokens: int = Field(description="Prompt tokens a worker took from a cache (prefix cache, KV tier).")
 
 
+class CompletionTokensDetails(Answer):
+    reasoning_tokens: int = Field(description="Of the completion's tokens, those of the thought (a thinking model's).")
+
+
 class CompletionUsage(Answer):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="Chat completions of a model that thinks aloud (a reasoning parser on).")
 
 
 class CompletionLogprobs(Answer):

@@ -45,13 +45,20 @@ async def chat_completions(body: ChatCompletionRequest, served: ModelsDep, tenan
         events = _stream_chat(generation, tokenizer, body, prompt, payloads, rid, created, model)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
     choices = await generation.collect(payloads)
-    out = []
+    out, thought_tokens = [], 0
     for i, c in enumerate(choices):
+        if prompt.reasoning is not None:  # the thought's tokens, counted as a stream counts them
+            counter = ReplyParser(None, prompt.reasoning)
+            for text in c.text:
+                counter.feed(text)
+            thought_tokens += counter.thought_tokens
         reply = read_whole(prompt.tool_format, "".join(c.text), finish_reason(c.final), prompt.reasoning)
         out.append({"index": i, "message": _message(reply, thinks=prompt.reasoning is not None),
                     "logprobs": chat_logprobs(tokenizer, c.tokens) if prompt.logprobs is not None else None,
                     "finish_reason": reply.finish_reason})
     totals = usage(len(prompt_ids), sum(len(c.tokens) for c in choices), [c.final for c in choices])
+    if prompt.reasoning is not None:
+        totals["completion_tokens_details"] = {"reasoning_tokens": thought_tokens}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": totals, "service_tier": payloads[0].service_tier}
 
@@ -121,8 +128,10 @@ async def _stream_chat(generation: Generation, tokenizer: Tokenizer, body: ChatC
                 reason = reply.finish_reason
             yield frame(i, {}, None, reason)
     if usage_on:
-        yield OPENAI.event({**base, "choices": [], "usage": usage(len(payloads[0].prompt_token_ids), completion_tokens,
-                                                                 finals)})
+        totals = usage(len(payloads[0].prompt_token_ids), completion_tokens, finals)
+        if prompt.reasoning is not None:
+            totals["completion_tokens_details"] = {"reasoning_tokens": sum(r.thought_tokens for r in replies)}
+        yield OPENAI.event({**base, "choices": [], "usage": totals})
     yield OPENAI.last
 
 

@@ -44,8 +44,13 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(stack, clien
     assert re.fullmatch(r"[a-z]{3,8} [a-z]{3,8}", thought) and re.fullmatch(r"[a-z]{3,8}", answer)
     assert message["reasoning"] == thought and whole.choices[0].finish_reason == "stop"
 
+    reasoning_tokens = whole.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning_tokens < whole.usage.completion_tokens
+
     chunks = list(client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=64,
-                                                 extra_body=WRITTEN, stream=True))
+                                                 extra_body=WRITTEN, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
     deltas = [c.choices[0].delta.to_dict() for c in chunks if c.choices]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
     assert "".join(d.get("reasoning") or "" for d in deltas) == thought
@@ -57,6 +62,7 @@ def test_a_thought_cut_by_max_tokens_is_all_reasoning(stack, client):
     cut = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=4, extra_body=WRITTEN)
     message = cut.choices[0].message.to_dict()
     assert cut.choices[0].finish_reason == "length" and message["content"] is None
+    assert cut.usage.completion_tokens_details.reasoning_tokens == cut.usage.completion_tokens == 4
     assert message["reasoning_content"] and "<" not in message["reasoning_content"]
 
 
