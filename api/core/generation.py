@@ -151,7 +151,7 @@ class Generation:
 
     def require_generative(self) -> None:
         """400 for an encoder model (an embedding model or a cross-encoder): it generates no text."""
-        if (encoder := self.tokenizer.pooling) is not None:
+        if (encoder := self.tokenizer.pooling if self.tokenizer is not None else None) is not None:
             what = "a cross-encoder (/v1/rerank, /v1/score)" if encoder.kind == "classify" \
                 else "an embedding model (/v1/embeddings, /v1/rerank, /v1/score)"
             raise ApiError(400, f"{self.model_name!r} is {what}: it generates no text", param="model",
