@@ -65,20 +65,10 @@ def build_encoder(folder: Path, family: str, *, pooling: str | list[str] = "mean
                   include_prompt: bool = True, matryoshka: list[int] | None = None, seed: int = 0) -> Path:
     """An embedding model in `folder`; dense: each Dense layer's (out_features, torch.nn activation name)."""
     import torch
-    import transformers
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
 
-    tok = _tokenizer(family)
-    config, prefix = _config(family, tok.vocab_size, None)
-    if matryoshka:
-        config.matryoshka_dimensions = matryoshka
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}Model")(config)
-    _liven(model)
-    base = folder / "base"
-    model.save_pretrained(base)
-    tok.save_pretrained(base)
+    base = _base(folder, family, None, seed, {"matryoshka_dimensions": matryoshka} if matryoshka else {})
     modules = [models.Transformer(str(base), max_seq_length=POSITIONS - 8),
                models.Pooling(HIDDEN, pooling, include_prompt=include_prompt)]
     size = modules[1].get_embedding_dimension()
@@ -94,20 +84,29 @@ def build_encoder(folder: Path, family: str, *, pooling: str | list[str] = "mean
 
 def build_cross_encoder(folder: Path, family: str, labels: int = 1, seed: int = 0) -> Path:
     """A cross-encoder (…ForSequenceClassification) saved by sentence-transformers' CrossEncoder."""
+    from sentence_transformers import CrossEncoder
+
+    base = _base(folder, family, labels, seed)
+    CrossEncoder(str(base), max_length=POSITIONS - 8).save(str(folder / "model"))
+    return folder / "model"
+
+
+def _base(folder: Path, family: str, labels: int | None, seed: int, extra: dict | None = None) -> Path:
+    """A random transformers model of `family` and its tokenizer, saved in folder/base: the bare
+    encoder, or with `labels` a …ForSequenceClassification."""
     import torch
     import transformers
-    from sentence_transformers import CrossEncoder
 
     tok = _tokenizer(family)
     config, prefix = _config(family, tok.vocab_size, labels)
+    for key, value in (extra or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}ForSequenceClassification")(config)
+    model = getattr(transformers, f"{prefix}{'Model' if labels is None else 'ForSequenceClassification'}")(config)
     _liven(model)
-    base = folder / "base"
-    model.save_pretrained(base)
-    tok.save_pretrained(base)
-    CrossEncoder(str(base), max_length=POSITIONS - 8).save(str(folder / "model"))
-    return folder / "model"
+    model.save_pretrained(folder / "base")
+    tok.save_pretrained(folder / "base")
+    return folder / "base"
 
 
 def _liven(model) -> None:

@@ -72,9 +72,7 @@ def bert(model, packed) -> torch.Tensor:
     for layer in base.encoder.layer:
         a = layer.attention.self
         ctx = attend(a.query(x), a.key(x), a.value(x), heads, packed.lengths)
-        x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
-        x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
-            layer.intermediate.dense(x))) + x)
+        x = _feed_forward(layer, layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x))
     return x
 
 
@@ -92,9 +90,7 @@ def mpnet(model, packed) -> torch.Tensor:
     for layer in base.encoder.layer:
         a = layer.attention.attn
         ctx = attend(a.q(x), a.k(x), a.v(x), config.num_attention_heads, packed.lengths, bias)
-        x = layer.attention.LayerNorm(a.o(ctx) + x)
-        x = layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
-            layer.intermediate.dense(x))) + x)
+        x = _feed_forward(layer, layer.attention.LayerNorm(a.o(ctx) + x))
     return x
 
 
@@ -148,6 +144,12 @@ def gemma3_text(model, packed) -> torch.Tensor:
         x = x + layer.post_attention_layernorm(a.o_proj(ctx))
         x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
     return base.norm(x)
+
+
+def _feed_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    """A BERT-style layer's feed-forward block after its attention: up, activation, down, residual, norm."""
+    return layer.output.LayerNorm(layer.output.dense(layer.intermediate.intermediate_act_fn(
+        layer.intermediate.dense(x))) + x)
 
 
 def _segments(config, packed) -> torch.Tensor:
