@@ -34,6 +34,39 @@ class BanTokens(BaseModel):
 LogitsProcessor = BanTokens
 
 
+class ThinkingBudget(BaseModel):
+    """A thinking model's budget: once the reply has `tokens` tokens and its thought is still open,
+    the tokens of `end` (the end-of-thought tag) are forced, one a step, and the answer follows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int = Field(ge=1, le=MAX_TOKEN_ID)
+    end: list[TokenId] = Field(min_length=1, max_length=32)
+
+    def forced(self, output_ids: list[int]) -> int | None:
+        """The token the budget forces next after `output_ids`, or None: the thought has closed,
+        or the budget is not spent yet. A close already begun (a prefix of `end` ending the output)
+        goes on where it is."""
+        end, n = self.end, len(output_ids)
+        if _holds(output_ids, end):
+            return None
+        begun = next((k for k in range(min(len(end) - 1, n), 0, -1) if output_ids[n - k:] == end[:k]), 0)
+        return end[begun] if n - begun >= self.tokens else None
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    """Whether `part` occurs in `ids` (its first token found by list.index, in C)."""
+    start = 0
+    while True:
+        try:
+            start = ids.index(part[0], start)
+        except ValueError:
+            return False
+        if ids[start:start + len(part)] == part:
+            return True
+        start += 1
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens. temperature 0 is greedy decoding."""
 
@@ -65,6 +98,8 @@ class SamplingParams(BaseModel):
                                                 "where the worker has it on (greedy output is the same either way).")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Constrain the output: one of json (a schema), json_object, regex, choice, grammar.")
+    thinking_budget: ThinkingBudget | None = Field(
+        None, description="A thinking model's thought closed after this many tokens (Messages' thinking.budget_tokens).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -96,5 +131,6 @@ class SamplingParams(BaseModel):
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling depends on the tokens so far (penalties)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling depends on the tokens so far (penalties, a thinking budget)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.thinking_budget is not None)

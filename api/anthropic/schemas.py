@@ -5,7 +5,8 @@ messages whose content is a string or blocks (text; an assistant's tool_use; a u
 tool_result), max_tokens, temperature, top_p, top_k, stop_sequences, tools and tool_choice.
 Each becomes the core's ChatRequest (api/core/chat.py), as an OpenAI chat runs, so templating, tools,
 queueing, failover and tenants are that route's. What the engine cannot do is refused with a
-400 naming it (images, documents, the `thinking` setting, server tools), never ignored; an
+400 naming it (images, documents, server tools), never ignored; `thinking` is a thinking model's
+budget (enabled) or, for a template that reads `enable_thinking`, its thought turned off (disabled); an
 assistant's earlier thinking blocks are dropped from the prompt, as Anthropic drops them. `cache_control` is
 accepted on any block and needs nothing: every prefix is cached, on every worker (the shared KV
 tier). `metadata.user_id` is accepted and kept as the chat request's `user`.
@@ -153,6 +154,13 @@ class CountTokensRequest(_Strict):
         return out
 
 
+class Thinking(_Strict):
+    """Anthropic's extended thinking: `enabled` with a budget of thought tokens, or `disabled`."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=MAX_TOKEN_ID)
     stop_sequences: list[str] | None = Field(None, max_length=16)
@@ -164,6 +172,18 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     # Anthropic's: `auto` the tenant's own tier (shared/service_tier.py), `standard_only` the default tier
     service_tier: Literal["auto", "standard_only"] = "auto"
+    thinking: Thinking | None = None
+
+    @field_validator("thinking")
+    @classmethod
+    def _budget_when_enabled(cls, value: Thinking | None, info) -> Thinking | None:
+        if value is None:
+            return value
+        if (value.type == "enabled") != (value.budget_tokens is not None):
+            raise ValueError("thinking.budget_tokens is given with type enabled, and only then")
+        if value.budget_tokens is not None and value.budget_tokens >= info.data.get("max_tokens", MAX_TOKEN_ID):
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return value
 
     def chat(self) -> ChatRequest:
         sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
@@ -175,6 +195,8 @@ class MessagesRequest(CountTokensRequest):
             sampling["top_k"] = self.top_k
         if self.metadata and self.metadata.user_id:
             sampling["user"] = self.metadata.user_id
+        if self.thinking is not None and self.thinking.type == "disabled":  # Qwen3's templates read it
+            sampling["chat_template_kwargs"] = {"enable_thinking": False}
         return self.chat_request(**sampling)
 
 

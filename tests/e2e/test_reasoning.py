@@ -121,3 +121,52 @@ def test_a_chat_whose_template_kwargs_close_the_thought_is_all_answer(stack, cli
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set"):
         client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+def test_a_thinking_budget_closes_the_thought_and_the_answer_follows(stack, client):
+    """Messages' thinking.budget_tokens: the tiny model never closes its thought itself; with a budget
+    of 5 the sampler writes </think> after 5 thought tokens, and the reply goes on as the answer."""
+    five = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=5, temperature=0)
+    first_five = five.choices[0].message.to_dict()["reasoning_content"]  # the greedy thought's first 5 tokens
+    claude = anthropic.Anthropic(base_url=stack.urls[0], api_key="unused", max_retries=0)
+    budget = {"type": "enabled", "budget_tokens": 5}
+    message = claude.messages.create(model=stack.model_name, max_tokens=24, messages=ASK, thinking=budget,
+                                     extra_body={"temperature": 0})
+    MessageAnswer.model_validate(message.to_dict())
+    kinds = [b.type for b in message.content]
+    assert kinds == ["thinking", "text"], kinds
+    assert message.content[0].thinking == first_five
+    assert message.content[1].text and "</think>" not in message.content[1].text
+    assert message.usage.output_tokens == 24 and message.stop_reason == "max_tokens"
+    with claude.messages.stream(model=stack.model_name, max_tokens=24, messages=ASK, thinking=budget,
+                                extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in streamed.content] == \
+        [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content]
+    unbounded = claude.messages.create(model=stack.model_name, max_tokens=24, messages=ASK,
+                                       extra_body={"temperature": 0})
+    assert [b.type for b in unbounded.content] == ["thinking"]  # without the budget: all thought
+
+
+def test_thinking_disabled_is_the_templates_enable_thinking_off(stack):
+    claude = anthropic.Anthropic(base_url=stack.urls[0], api_key="unused", max_retries=0)
+    message = claude.messages.create(model=stack.model_name, max_tokens=8, messages=ASK,
+                                     thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    assert [b.type for b in message.content] == ["text"]
+
+
+@pytest.mark.parametrize("thinking, extra", [
+    ({"type": "enabled", "budget_tokens": 16}, {}),  # not below max_tokens
+    ({"type": "enabled"}, {}),
+    ({"type": "disabled", "budget_tokens": 4}, {}),
+    ({"type": "enabled", "budget_tokens": 4}, {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                               "tool_choice": {"type": "any"}}),
+])
+def test_a_thinking_setting_that_cannot_run_is_a_400(stack, thinking, extra):
+    import httpx
+
+    reply = httpx.post(f"{stack.urls[0]}/v1/messages", json={"model": stack.model_name, "max_tokens": 16,
+                                                             "messages": ASK, "thinking": thinking, **extra},
+                       timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "thinking" in reply.text

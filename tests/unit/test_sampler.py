@@ -183,3 +183,22 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does(dtype):
     picked = verify(logits, seqs, [[] for _ in seqs], [None] * 3, [None] * 3)
     assert [tokens for tokens, _ in picked] == [[7], [0], [5]]
     assert [t[0] for t, _ in picked] == logits.float().argmax(dim=-1).tolist()
+
+
+def test_a_spent_thinking_budget_forces_the_end_tag_token_by_token():
+    budget = {"tokens": 3, "end": [4, 0]}  # the "end tag": tokens 4 then 0, both far from the argmax (1)
+    assert draw(seq([1, 1], temperature=0, thinking_budget=budget), 1) == [1]  # 2 of 3: free
+    assert draw(seq([1, 1, 1], temperature=0, thinking_budget=budget), 1) == [4]  # spent: the tag's first
+    assert draw(seq([1, 1, 1, 4], temperature=0, thinking_budget=budget), 1) == [0]  # then its next
+    assert draw(seq([1, 1, 1, 4, 0], temperature=0, thinking_budget=budget), 1) == [1]  # closed: free again
+    assert draw(seq([4, 0, 1, 1, 1], temperature=0, thinking_budget=budget), 1) == [1]  # closed early: free
+    assert set(draw(seq([1, 1, 1], temperature=1.5, seed=3, thinking_budget=budget), 20)) == {4}  # sampled too
+
+
+def test_the_thinking_budget_lets_a_close_begun_by_the_model_go_on():
+    from shared.sampling import ThinkingBudget
+
+    budget = ThinkingBudget(tokens=4, end=[7, 8, 9])
+    assert budget.forced([1, 2, 7]) is None  # begun before the budget: the model's own
+    assert budget.forced([1, 2, 3, 4, 7]) == 8 and budget.forced([1, 2, 3, 4, 7, 8]) == 9
+    assert budget.forced([1, 2, 3, 7, 5]) == 7  # a false start, and the budget is spent

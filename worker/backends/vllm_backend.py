@@ -284,6 +284,8 @@ class VllmBackend(Backend):
         kwargs = sampling_kwargs(seq.params, max_tokens)
         eos, context = self.tokenizer.eos_token_ids, self.context_length
         try:
+            if seq.params.thinking_budget is not None:  # the built-in sampler's; never dropped silently
+                raise ValueError("a thinking budget runs on the built-in engine, not on the vLLM backend")
             if kwargs["structured_outputs"] is not None:
                 if seq.output_ids:  # vLLM's grammar would start at the delivered tokens, not before them
                     raise ValueError("a request with structured_outputs cannot be continued on the vLLM backend")

@@ -188,6 +188,11 @@ def _adjust(row: torch.Tensor, req: SamplingRow) -> None:
     for proc in p.logits_processors:
         banned = [t for t in proc.token_ids if 0 <= t < vocab]
         row[banned] = float("-inf")
+    if p.thinking_budget is not None and (forced := p.thinking_budget.forced(req.output_ids)) is not None:
+        if 0 <= forced < vocab:  # the thought's budget is spent: its end tag, whatever the logits say
+            row[torch.arange(vocab, device=row.device) != forced] = float("-inf")
+            row[forced] = 0.0
+        return
     if p.needs_history:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=row.device)
