@@ -38,6 +38,7 @@ class Tok:
     """The tokenizer (shared/tokenizer.py) as a stand-in."""
 
     vocab_size, context_length, chat_template = 1000, 512, None
+    pooling = None  # a decoder: it generates
 
     def encode_chat(self, messages, tools=None, add_generation_prompt=True, add_special_tokens=False, extra=None):
         return [1, 2, 3]
