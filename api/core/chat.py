@@ -245,8 +245,8 @@ class ChatRequest(SamplingFields):
 
     @property
     def tool_format(self) -> ToolFormat | None:
-        """The reply's tool format, where it calls tools."""
-        return self._format if self.calls_tools else None
+        """The reply's tool format, where it calls tools, bound to the request's tools."""
+        return self._format.bind(chosen(self.tools, self.tool_choice)) if self.calls_tools else None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template renders itself (in a format that has it do so), or None."""

@@ -108,5 +108,10 @@ class ToolFormat(ABC):
     def stream(self) -> OutputParser:
         """A streaming parser for one reply."""
 
+    def bind(self, tools: list[Tool]) -> ToolFormat:
+        """This format for one request's tools, for a format whose reading of a reply needs them
+        (the Qwen3-Coder one types parameter values by their schemas); by default itself."""
+        return self
+
     def reply(self, text: str, finish_reason: str) -> Reply:
         return read_reply(text, finish_reason, self.parse)

@@ -47,7 +47,8 @@ def _knows(tokenizer: Tokenizer, template: str | None) -> bool:
         rendered = tokenizer.render_chat([{"role": "user", "content": "hi"}], tools=[_PROBE])
     except ValueError:  # ChatTemplateError: the template cannot take tools after all
         return False
-    return _PROBE["function"]["name"] in rendered
+    # Qwen3-Coder's template names <tool_call> too, but asks for <function=...> blocks in it
+    return _PROBE["function"]["name"] in rendered and "<function=" not in rendered
 
 
 def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
