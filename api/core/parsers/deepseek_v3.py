@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from api.core.parsers.base import CallDelta, Delta, OutputParser, ToolFormat
 from api.core.parsers.registry import register
+from api.core.parsers.tool_stream import ObjectEnd
 from api.core.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
@@ -148,7 +149,7 @@ class DeepSeekV3Stream(OutputParser):
         self.pos = 0  # where the scan goes on
         self.calls = 0  # calls started
         self.open = False  # inside a call's arguments
-        self.depth, self.in_string, self.escaped = 0, False, False
+        self.value: ObjectEnd | None = None  # the open call's arguments
 
     @property
     def holding(self) -> bool:
@@ -177,38 +178,18 @@ class DeepSeekV3Stream(OutputParser):
                 if head is None:
                     return out
                 self.open, self.pos = True, head.end()
-                self.depth, self.in_string, self.escaped = 0, False, False
+                self.value = ObjectEnd()
                 out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", head[1]))
                 self.calls += 1
-            start, end = self.pos, self._arguments_end()
+            start, stop = self.pos, self.value.scan(self.text, self.pos)
+            end = stop is not None
+            self.pos = stop if end else len(self.text)
             piece = self.text[start:self.pos]
             if piece or end:
                 out.append(CallDelta(self.calls - 1, piece, closed=end))
             if not end:
                 return out
             self.open = False
-
-    def _arguments_end(self) -> bool:
-        """Move self.pos on through the arguments; True where their object closed there."""
-        for i in range(self.pos, len(self.text)):
-            c = self.text[i]
-            self.pos = i + 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return True
-        return False
 
 
 class DeepSeekV3Format(ToolFormat):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from api.core.parsers.base import CallDelta, Delta, OutputParser, ToolFormat
 from api.core.parsers.registry import register
+from api.core.parsers.tool_stream import ObjectEnd
 from api.core.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
@@ -146,7 +147,7 @@ class CallStream:
         self.pos = 0  # where the scan goes on
         self.calls = 0  # calls opened
         self.inside = False  # within a call's arguments
-        self.depth, self.in_string, self.escaped = 0, False, False
+        self.value: ObjectEnd | None = None  # the open call's arguments
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas that `text`, the reply's next characters, gives."""
@@ -158,37 +159,17 @@ class CallStream:
                 if opening is None:
                     return out
                 self.inside, self.pos = True, opening.end()
-                self.depth, self.in_string, self.escaped = 0, False, False
+                self.value = ObjectEnd()
                 out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{opening[1]}"')))
                 self.calls += 1
-            start, closed = self.pos, self._scan()
+            start, end = self.pos, self.value.scan(self.text, self.pos)
+            closed = end is not None
+            self.pos = end if closed else len(self.text)
             if self.pos > start or closed:
                 out.append(CallDelta(self.calls - 1, self.text[start:self.pos], closed=closed))
             if not closed:
                 return out
             self.inside = False
-
-    def _scan(self) -> bool:
-        """Moves self.pos on through the arguments' text; True where their object closed there."""
-        while self.pos < len(self.text):
-            c = self.text[self.pos]
-            self.pos += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return True
-        return False
 
 
 class Llama3JsonStream(OutputParser):

@@ -15,6 +15,7 @@ import uuid
 from typing import Protocol
 
 from api.core.parsers.base import CallDelta, Delta, OutputParser
+from api.core.parsers.tool_stream import ObjectEnd
 
 MARKER = "[TOOL_CALLS]"
 # A v11 call's head, whole: the name (OpenAI's names are [A-Za-z0-9_-]), a call id where the model
@@ -64,7 +65,7 @@ class V11CallStream:
         self.text = ""
         self.pos = 0  # where the scan goes on
         self.calls = 0  # calls started
-        self.object: _ObjectEnd | None = None  # the open call's arguments, while they are open
+        self.object: ObjectEnd | None = None  # the open call's arguments, while they are open
 
     def feed(self, text: str) -> list[CallDelta]:
         self.text += text
@@ -75,7 +76,7 @@ class V11CallStream:
                 if head is None:
                     return out  # not whole yet (or not a call: the whole reply's parse says so)
                 out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", head[1]))
-                self.calls, self.pos, self.object = self.calls + 1, head.end(), _ObjectEnd()
+                self.calls, self.pos, self.object = self.calls + 1, head.end(), ObjectEnd()
             end = self.object.scan(self.text, self.pos)
             piece = self.text[self.pos:end if end is not None else len(self.text)]
             self.pos += len(piece)
@@ -84,31 +85,3 @@ class V11CallStream:
             if end is None:
                 return out
             self.object = None
-
-
-class _ObjectEnd:
-    """Where a JSON value that opens with a bracket closes, read in pieces."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped = 0, False, False
-
-    def scan(self, text: str, start: int) -> int | None:
-        """Past the value's last character, or None where `text` ends before it (read on from there)."""
-        for i in range(start, len(text)):
-            c = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return None

@@ -26,7 +26,8 @@ class ToolCallStream:
         self.pos = 0  # where the scan goes on
         self.calls = 0  # calls started
         self.open = False  # inside a call's arguments
-        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+        self.value: ObjectEnd | None = None  # the open call's arguments
+        self.started = False
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas that `text`, the reply's next characters, completes."""
@@ -38,10 +39,10 @@ class ToolCallStream:
                 if found is None:
                     return out
                 self.open, self.pos = True, found.end()
-                self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+                self.value, self.started = ObjectEnd(), False
                 out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{found[1]}"')))
                 self.calls += 1
-            start, end = self.pos, self._scan()
+            start, end = self.pos, self.value.scan(self.text, self.pos)
             piece = self.text[start:end if end is not None else len(self.text)]
             self.pos = end if end is not None else len(self.text)
             if not self.started:  # the value opens past any spacing the pattern could not see yet
@@ -53,10 +54,18 @@ class ToolCallStream:
                 return out
             self.open = False
 
-    def _scan(self) -> int | None:
-        """Past the end of the arguments' value from self.pos, or None where it is not whole yet."""
-        for i in range(self.pos, len(self.text)):
-            c = self.text[i]
+
+class ObjectEnd:
+    """Where a JSON value that opens with a bracket closes, read in pieces: brackets counted,
+    strings and their escapes minded (every tool format's streaming stage reads arguments so)."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """Past the value's last character, or None where `text` ends before it (read on from there)."""
+        for i in range(start, len(text)):
+            c = text[i]
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -71,7 +80,5 @@ class ToolCallStream:
             elif c in "}]":
                 self.depth -= 1
                 if self.depth == 0:
-                    self.pos = i + 1
                     return i + 1
-            self.pos = i + 1
         return None
