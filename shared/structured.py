@@ -32,6 +32,17 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 FORMS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
+class ThoughtPrefix(BaseModel):
+    """A thinking model's thought before the constraint applies: free text up to `close` (its
+    end-of-thought tag), where the prompt opened it (`open` empty), or opened by the model with
+    `open` and optional; the constraint holds from there on (Generation.payloads sets it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    open: str = Field("", max_length=64)
+    close: str = Field(min_length=1, max_length=64)
+
+
 class StructuredOutputs(BaseModel):
     """Exactly one of the constraint's forms."""
 
@@ -45,6 +56,8 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
                                      description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="A Lark or GBNF grammar.")
+    # Set by the api for a thinking model's chat, never by a client (the body's schemas leave it out)
+    after_thought: ThoughtPrefix | None = Field(None, description="Set by the server: the thought stays free.")
 
     @model_validator(mode="after")
     def _one_form_within_the_caps(self) -> StructuredOutputs:
@@ -71,7 +84,12 @@ class StructuredOutputs(BaseModel):
         return f"{'json' if self.form == 'json_schema' else self.form}: {error}" if error else ""
 
     def grammar_text(self) -> str:
-        """The constraint as llguidance's grammar (ValueError where it cannot be built)."""
+        """The constraint as llguidance's grammar (ValueError where it cannot be built); after a
+        free thought where `after_thought` says so."""
+        inner = self._form_grammar()
+        return inner if self.after_thought is None else _after_thought(inner, self.after_thought)
+
+    def _form_grammar(self) -> str:
         from llguidance import LLMatcher, grammar_from
 
         if self.json_schema is not None:
@@ -83,6 +101,17 @@ class StructuredOutputs(BaseModel):
         if self.choice is not None:
             return grammar_from("choice", json.dumps(self.choice))
         return grammar_from("grammar", self.grammar or "")
+
+
+def _after_thought(inner: str, prefix: ThoughtPrefix) -> str:
+    """`inner` (llguidance's grammar: Lark text, or its JSON of grammars) after a thought: a lazy
+    run of any text up to the first end-of-thought tag, then the inner grammar, referenced by name."""
+    grammars = json.loads(inner)["grammars"] if inner.lstrip().startswith("{") else [{"lark_grammar": inner}]
+    thought = f"thought[lazy]: THOUGHT_TEXT {json.dumps(prefix.close)}\nTHOUGHT_TEXT: /(.|\\n)*/\n"
+    start = ("start: thought @constrained\n" if not prefix.open
+             else f"start: ({json.dumps(prefix.open)} thought)? @constrained\n")
+    return json.dumps({"grammars": [{"lark_grammar": start + thought}, {**grammars[0], "name": "constrained"},
+                                    *grammars[1:]]})
 
 
 def compile_error(grammar: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter
 
 from api.anthropic.answers import MESSAGE_EVENTS, MESSAGE_EVENTS_EXAMPLE, AnthropicError, MessageAnswer, TokenCount
-from api.anthropic.schemas import CountTokensRequest, MessagesRequest, Thinking
+from api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from api.core.auth import AdmittedDep, TenantDep
 from api.core.choice import Choice, finish_reason
 from api.core.deps import ModelsDep, StreamsDep
@@ -29,11 +29,9 @@ from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer, json_or_stream
 from api.core.sse import ANTHROPIC, EventStreamResponse
 from api.core.parsers.base import Delta, Reply
-from api.core.parsers.reasoning import CLOSE as THINK_CLOSE
 from api.core.parsers.reply import ReplyParser, read_whole
 from shared import ids
 from shared.messages import FinalEvent, RequestPayload, TokenEvent
-from shared.sampling import ThinkingBudget
 from shared.tokenizer import Tokenizer
 
 router = APIRouter(tags=["anthropic"], route_class=StrictJSONRoute,
@@ -64,9 +62,10 @@ async def count_tokens(body: CountTokensRequest, served: ModelsDep, tenant: Tena
 async def messages(body: MessagesRequest, served: ModelsDep, tenant: AdmittedDep, streams: StreamsDep):
     generation = await served.get(body.model)
     prompt = body.chat().as_prompt(generation.tool_format)
+    prompt.thinking_param = "thinking"
     payloads = await generation.payloads(prompt, tenant)
-    if body.thinking is not None:
-        await _thinking(generation, prompt, payloads, body.thinking)
+    if body.thinking is not None and body.thinking.type == "disabled":
+        _thinking_off(generation, prompt)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -194,29 +193,14 @@ def _text_frames(text: str, index: int, text_open: bool) -> list[str]:
     return start + [_event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})]
 
 
-async def _thinking(generation: Generation, prompt: Prompt, payloads: list[RequestPayload], thinking: Thinking) -> None:
-    """The `thinking` setting on the payloads: a budget (enabled) closes the thought after that
-    many tokens (ThinkingBudget, in the paged engine's sampler); disabled is the template's
-    enable_thinking turned off. A 400 where the model or the request cannot have it."""
-    param = "thinking"
-    if thinking.type == "disabled":  # the template rendered with enable_thinking false (MessagesRequest.chat)
-        template = generation.tokenizer.chat_template or ""
-        if prompt.reasoning is not None and ("enable_thinking" not in template or prompt.reasoning.opened):
-            raise ApiError(400, "thinking.type disabled: this model thinks aloud and its chat template has no "
-                                "enable_thinking to turn it off", param=param)
-        return
-    if prompt.reasoning is None:
-        raise ApiError(400, f"thinking: {generation.model_name!r} does not think aloud (no reasoning parser "
-                            "reads its replies: STREAMQ_REASONING_PARSER)", param=param)
-    if any(p.params.structured_outputs is not None for p in payloads):
-        raise ApiError(400, "thinking.budget_tokens with tools: a tool constraint applies from the first token, "
-                            "so the thought is not free; not run yet", param=param)
-    if not any(w.pools for w in await generation.live_workers()):
-        raise ApiError(400, "thinking.budget_tokens runs on the built-in paged engine; no live worker of this "
-                            "model has it", param=param)
-    end = generation.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
-    for payload in payloads:
-        payload.params.thinking_budget = ThinkingBudget(tokens=thinking.budget_tokens, end=end)
+def _thinking_off(generation: Generation, prompt: Prompt) -> None:
+    """thinking disabled: the template rendered with enable_thinking false (MessagesRequest.chat);
+    a 400 for a thinking model whose template has no such switch. (enabled is a budget:
+    Generation.payloads applies it, as chat completions' thinking_token_budget.)"""
+    template = generation.tokenizer.chat_template or ""
+    if prompt.reasoning is not None and ("enable_thinking" not in template or prompt.reasoning.opened):
+        raise ApiError(400, "thinking.type disabled: this model thinks aloud and its chat template has no "
+                            "enable_thinking to turn it off", param="thinking")
 
 
 def _thought_frames(deltas: list[Delta], index: int, thinking: bool,

@@ -197,6 +197,8 @@ class MessagesRequest(CountTokensRequest):
             sampling["user"] = self.metadata.user_id
         if self.thinking is not None and self.thinking.type == "disabled":  # Qwen3's templates read it
             sampling["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.thinking is not None and self.thinking.budget_tokens is not None:
+            sampling["thinking_token_budget"] = self.thinking.budget_tokens
         return self.chat_request(**sampling)
 
 

@@ -113,6 +113,9 @@ class SamplingFields(BaseModel):
     def _one_constraint(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format and self.response_format.constraint:
             raise ValueError("give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None and self.structured_outputs.after_thought is not None:
+            raise ValueError("structured_outputs.after_thought is the server's to set (a thinking model's "
+                             "thought stays free by itself)")
         return self
 
     def constraint(self) -> StructuredOutputs | None:
@@ -188,6 +191,8 @@ class ChatRequest(SamplingFields):
     # reaches it as `reasoning_effort` (templates that read it, such as gpt-oss's)
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: a thinking model's thought closed after this many tokens (the answer follows)
+    thinking_token_budget: int | None = Field(None, ge=1, le=MAX_TOKEN_ID)
 
     @field_validator("tools")
     @classmethod
@@ -290,7 +295,8 @@ class ChatRequest(SamplingFields):
         prompt = Prompt(self.model, self.samples(self.n, self.max_completion_tokens or self.max_tokens, logprobs),
                         tools=self.template_tools(), priority=self.priority, backend=self.backend,
                         tool_format=self.tool_format, constraint_param=self.constraint_param(),
-                        service_tier=self.service_tier or "auto", template_kwargs=self.template_kwargs())
+                        service_tier=self.service_tier or "auto", template_kwargs=self.template_kwargs(),
+                        thinking_budget=self.thinking_token_budget)
         try:
             prompt.messages = self.template_messages()
         except ValueError as exc:

@@ -24,7 +24,7 @@ from api.core.errors import ApiError
 from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
-from api.core.parsers.reasoning import OPEN, ThinkFormat
+from api.core.parsers.reasoning import CLOSE, OPEN, ThinkFormat
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from api.core.tokenize_pool import TokenizePool
@@ -33,9 +33,9 @@ from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
 from shared.prefix_affinity import PrefixAffinity
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, ThinkingBudget
 from shared.store import RequestStore
-from shared.structured import StructuredOutputs
+from shared.structured import StructuredOutputs, ThoughtPrefix
 from shared.tokenizer import ChatTemplateError, Tokenizer
 from shared.heartbeat import Heartbeat
 from shared.workers import live_workers
@@ -66,6 +66,8 @@ class Prompt:
     template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (chat_template_kwargs)
     # How its replies' thought is read: set by Generation.payloads for a chat on a thinking model
     reasoning: ThinkFormat | None = None
+    thinking_budget: int | None = None  # the thought's most tokens (vLLM's thinking_token_budget)
+    thinking_param: str = "thinking_token_budget"  # the body's field it came from
 
     @property
     def logprobs(self) -> int | None:
@@ -197,6 +199,9 @@ class Generation:
                                            template_kwargs=prompt.template_kwargs)
             if prompt.messages is not None and self.reasoning is not None:
                 prompt.reasoning = self.reasoning_of(prompt_ids)
+                prompt.samples = _thought_free(prompt.samples, prompt.reasoning)
+            if prompt.thinking_budget is not None:
+                await self._budget(prompt)
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
         for payload in payloads:
             payload.service_tier = tier
@@ -212,10 +217,26 @@ class Generation:
             await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
 
+    async def _budget(self, prompt: Prompt) -> None:
+        """The thinking budget on the prompt's samples (ThinkingBudget: the sampler closes the
+        thought after that many tokens); a 400 where the model does not think aloud or no live
+        worker runs the built-in engine (the vLLM backend refuses a budget rather than drop it)."""
+        if prompt.reasoning is None:
+            raise ApiError(400, f"{prompt.thinking_param}: {self.model_name!r} does not think aloud (no reasoning "
+                                "parser reads its replies: STREAMQ_REASONING_PARSER)", param=prompt.thinking_param)
+        if not any(w.pools for w in await self.live_workers()):
+            raise ApiError(400, f"{prompt.thinking_param} runs on the built-in engine; no live worker of "
+                                f"{self.model_name!r} has it", param=prompt.thinking_param)
+        budget = ThinkingBudget(tokens=prompt.thinking_budget,
+                                end=self.tokenizer.encode(CLOSE, add_special_tokens=False))
+        prompt.samples = [p.model_copy(update={"thinking_budget": budget}) for p in prompt.samples]
+
     def reasoning_of(self, prompt_ids: list[int]) -> ThinkFormat:
         """The model's reasoning format for a chat whose prompt is these ids: opened where this
         prompt ends inside a thought (its template opened one; chat_template_kwargs such as
         enable_thinking may have closed it instead)."""
+        if not isinstance(self.reasoning, ThinkFormat):  # Harmony's: the model opens every message itself
+            return self.reasoning
         tail = self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip()
         return ThinkFormat(opened=tail.endswith(OPEN))
 
@@ -359,3 +380,23 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _thought_free(samples: list[SamplingParams], reasoning: ThinkFormat) -> list[SamplingParams]:
+    """A thinking model's samples with their constraint (structured outputs, or the tool format's)
+    applied after the thought, which stays free: from the prompt's opened thought to its end tag,
+    or after an optional thought the model opens itself."""
+    if not isinstance(reasoning, ThinkFormat):  # Harmony: its tool grammar has the thought; others hold from the start
+        return samples
+    prefix = ThoughtPrefix(open="" if reasoning.opened else OPEN, close=CLOSE)
+    moved: dict[int, StructuredOutputs] = {}  # the samples share one constraint: moved once
+    out = []
+    for params in samples:
+        constraint = params.structured_outputs
+        if constraint is None:
+            out.append(params)
+            continue
+        if id(constraint) not in moved:
+            moved[id(constraint)] = constraint.model_copy(update={"after_thought": prefix})
+        out.append(params.model_copy(update={"structured_outputs": moved[id(constraint)]}))
+    return out

@@ -6,6 +6,7 @@ back with the thought in reasoning_content and never in content, whole and strea
 Messages, a reply that never leaves its thought is one thinking block."""
 from __future__ import annotations
 
+import json
 import re
 
 import anthropic
@@ -19,7 +20,9 @@ from tests.stack import Stack
 from tests.unit.test_reasoning import THINKING_TEMPLATE
 from streamq.testing.tiny_models import build_model
 
-WRITTEN = {"structured_outputs": {"regex": r"[a-z]{3,8} [a-z]{3,8}</think>[a-z]{3,8}"}, "temperature": 0}
+# A tiny model never closes its thought: a budget of 6 closes it (the sampler writes </think>), and
+# the constraint applies to the answer after it, the thought staying free.
+WRITTEN = {"thinking_token_budget": 6, "structured_outputs": {"regex": r"[a-z]{3,8}"}, "temperature": 0}
 ASK = [{"role": "user", "content": "Say hello."}]
 
 
@@ -41,7 +44,8 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(stack, clien
     ChatCompletion.model_validate(whole.to_dict())
     message = whole.choices[0].message.to_dict()
     thought, answer = message["reasoning_content"], message["content"]
-    assert re.fullmatch(r"[a-z]{3,8} [a-z]{3,8}", thought) and re.fullmatch(r"[a-z]{3,8}", answer)
+    # The answer under the regex, the thought free of it (the model's own characters)
+    assert thought and not re.fullmatch(r"[a-z]*", thought) and re.fullmatch(r"[a-z]{3,8}", answer)
     assert message["reasoning"] == thought and whole.choices[0].finish_reason == "stop"
 
     reasoning_tokens = whole.usage.completion_tokens_details.reasoning_tokens
@@ -159,8 +163,6 @@ def test_thinking_disabled_is_the_templates_enable_thinking_off(stack):
     ({"type": "enabled", "budget_tokens": 16}, {}),  # not below max_tokens
     ({"type": "enabled"}, {}),
     ({"type": "disabled", "budget_tokens": 4}, {}),
-    ({"type": "enabled", "budget_tokens": 4}, {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
-                                               "tool_choice": {"type": "any"}}),
 ])
 def test_a_thinking_setting_that_cannot_run_is_a_400(stack, thinking, extra):
     import httpx
@@ -170,3 +172,32 @@ def test_a_thinking_setting_that_cannot_run_is_a_400(stack, thinking, extra):
                        timeout=60)
     assert reply.status_code == 400, reply.text
     assert "thinking" in reply.text
+
+
+def test_a_tool_call_after_a_free_thought(stack, client):
+    """A tool constraint applies after the thought (free, closed here by the budget), not from the
+    reply's first token: the thought is the model's own, the call validates."""
+    tools = [{"type": "function", "function": {"name": "greet", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}]
+    reply = client.chat.completions.create(model=stack.model_name, messages=ASK, max_tokens=200, temperature=0,
+                                           tools=tools, tool_choice="required",
+                                           extra_body={"thinking_token_budget": 4})
+    message = reply.choices[0].message
+    thought = message.to_dict()["reasoning_content"]
+    assert thought and not thought.startswith('{"tool_calls"')  # the thought is not the constraint's
+    if reply.choices[0].finish_reason == "tool_calls":  # else cut by max_tokens, which says so
+        call = message.tool_calls[0]
+        assert call.function.name == "greet" and len(json.loads(call.function.arguments)["name"]) <= 8
+    else:
+        assert reply.choices[0].finish_reason == "length" and not message.tool_calls
+
+
+def test_a_budget_on_a_model_that_does_not_think_is_a_400(redis_url, tmp_path_factory):
+    """thinking_token_budget needs a reasoning parser: on a model without one, a 400 naming it."""
+    import httpx
+
+    model = build_model(tmp_path_factory.mktemp("tiny-llama-plain"), "llama")
+    with Stack(redis_url, model, tmp_path_factory.mktemp("plain")) as plain:
+        reply = httpx.post(f"{plain.urls[0]}/v1/chat/completions", json={
+            "model": plain.model_name, "messages": ASK, "max_tokens": 8, "thinking_token_budget": 4}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "thinking_token_budget", reply.text

@@ -268,3 +268,39 @@ def test_the_static_engine_follows_constraints_too(tiny_llama):
     assert re.fullmatch(REGEX, tok.decode(seqs[1].output_ids))
     assert seqs[2].output_ids and seqs[2].finish_reason is not FinishReason.ERROR
     assert broken.finish_reason is FinishReason.ERROR
+
+
+@pytest.mark.parametrize("form, answer", [
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}, '{"a": 1}'),
+    ({"json_object": True}, '{"b": 2}'), ({"regex": "[a-z]{3}"}, "abc"), ({"choice": ["yes", "no"]}, "yes"),
+    ({"grammar": 'start: "x" "y"'}, "xy"),
+])
+def test_every_form_holds_after_a_free_thought(tiny_llama, form, answer):
+    """after_thought (a thinking model's chat): any text up to the end tag, then the constraint; the
+    thought the prompt opened is not optional, one the model opens itself is."""
+    from llguidance import LLMatcher
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ll = llguidance.hf.from_tokenizer(tok)
+
+    def fits(constraint: StructuredOutputs, text: str) -> bool:
+        matcher = LLMatcher(ll, constraint.grammar_text())
+        return all(matcher.consume_token(t) for t in tok(text, add_special_tokens=False).input_ids) \
+            and matcher.is_accepting()
+
+    opened = StructuredOutputs.model_validate({**form, "after_thought": {"close": "</think>"}})
+    optional = StructuredOutputs.model_validate({**form, "after_thought": {"open": "<think>", "close": "</think>"}})
+    assert opened.compile_error() == "" and optional.compile_error() == ""
+    assert fits(opened, "Free text, even {braces} and </thin</think>" + answer)
+    assert not fits(opened, answer) and not fits(opened, "a thought</think>" + answer + "!")
+    assert fits(optional, answer) and fits(optional, "<think>hmm</think>" + answer)
+
+
+def test_a_client_cannot_set_after_thought():
+    from api.openai.schemas import ChatCompletionRequest
+
+    with pytest.raises(ValidationError, match="after_thought is the server's"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {
+            "regex": "a", "after_thought": {"close": "</think>"}}})

@@ -72,6 +72,8 @@ def structured_kwargs(params: SamplingParams) -> dict[str, Any] | None:
     constraint = params.structured_outputs
     if constraint is None:
         return None
+    if constraint.after_thought is not None:  # never applied from the first token instead, silently
+        raise ValueError("a constraint after a free thought runs on the built-in engine, not on the vLLM backend")
     if constraint.form in ("json_schema", "json_object"):
         schema = constraint.json_schema if constraint.form == "json_schema" else {"type": "object"}
         return {"json": {**schema, "x-guidance": JSON_LAYOUT}}
@@ -281,9 +283,9 @@ class VllmBackend(Backend):
 
     # -- one request -----------------------------------------------------------------------------
     async def _run(self, seq: Sequence, max_tokens: int) -> None:
-        kwargs = sampling_kwargs(seq.params, max_tokens)
         eos, context = self.tokenizer.eos_token_ids, self.context_length
         try:
+            kwargs = sampling_kwargs(seq.params, max_tokens)  # a ValueError ends this request only
             if seq.params.thinking_budget is not None:  # the built-in sampler's; never dropped silently
                 raise ValueError("a thinking budget runs on the built-in engine, not on the vLLM backend")
             if kwargs["structured_outputs"] is not None:

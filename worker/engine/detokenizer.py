@@ -36,6 +36,11 @@ class Detokenizer:
         self._released = 0  # characters of `text` handed out as deltas
         self.stopped = False  # a stop string matched
 
+    @property
+    def mid_character(self) -> bool:
+        """Whether the last tokens end inside a character (bytes of it still to come)."""
+        return self._read < len(self._ids)
+
     def push(self, token_id: int) -> str:
         """Add a generated token; return the text that is now final (may be empty)."""
         self._ids.append(token_id)

@@ -32,10 +32,11 @@ class SamplingRow:
     token_ids: list[int]  # prompt then output
     output_ids: list[int]
     matcher: Any = None  # its structured-outputs constraint (an llguidance matcher; worker/engine/structured.py)
+    detokenizer: Any = None  # its text so far (whether it ends inside a character: a budget waits then)
 
     @classmethod
     def of(cls, seq: Sequence, generator: torch.Generator | None, matcher: Any = None) -> SamplingRow:
-        return cls(seq.params, generator, seq.token_ids, seq.output_ids, matcher)
+        return cls(seq.params, generator, seq.token_ids, seq.output_ids, matcher, seq.detokenizer)
 
 
 @dataclass
@@ -188,7 +189,8 @@ def _adjust(row: torch.Tensor, req: SamplingRow) -> None:
     for proc in p.logits_processors:
         banned = [t for t in proc.token_ids if 0 <= t < vocab]
         row[banned] = float("-inf")
-    if p.thinking_budget is not None and (forced := p.thinking_budget.forced(req.output_ids)) is not None:
+    if (p.thinking_budget is not None and (forced := p.thinking_budget.forced(req.output_ids)) is not None
+            and not (req.detokenizer is not None and req.detokenizer.mid_character)):  # a character's bytes first
         if 0 <= forced < vocab:  # the thought's budget is spent: its end tag, whatever the logits say
             row[torch.arange(vocab, device=row.device) != forced] = float("-inf")
             row[forced] = 0.0
