@@ -152,8 +152,9 @@ class ApiSettings(CommonSettings):
     reasoning_parser: str = Field(
         "auto", min_length=1, max_length=4096,
         description="How each model's thought is kept apart from its answer (api/core/parsers/reasoning.py): auto = "
-                    "think where the chat template knows </think>, else none; think (<think>...</think>, DeepSeek-R1, "
-                    "Qwen3); none; or MODEL=NAME pairs, comma-separated (the models not named: auto).")
+                    "think where the chat template knows </think>, harmony where it is gpt-oss's, else none; think "
+                    "(<think>...</think>, DeepSeek-R1, Qwen3); harmony (gpt-oss's analysis channel, "
+                    "api/core/parsers/harmony.py); none; or MODEL=NAME pairs, comma-separated (the models not named: auto).")
 
 
 class _Section(BaseModel):

@@ -224,6 +224,9 @@ class Generation:
         if prompt.reasoning is None:
             raise ApiError(400, f"{prompt.thinking_param}: {self.model_name!r} does not think aloud (no reasoning "
                                 "parser reads its replies: STREAMQ_REASONING_PARSER)", param=prompt.thinking_param)
+        if not isinstance(prompt.reasoning, ThinkFormat):
+            raise ApiError(400, f"{prompt.thinking_param}: a budget closes a <think> thought; this model thinks "
+                                "on Harmony's analysis channel, which no budget closes yet", param=prompt.thinking_param)
         if not any(w.pools for w in await self.live_workers()):
             raise ApiError(400, f"{prompt.thinking_param} runs on the built-in engine; no live worker of "
                                 f"{self.model_name!r} has it", param=prompt.thinking_param)

@@ -91,7 +91,7 @@ def test_a_setting_names_the_format_for_every_model_or_per_model(tokenizers):
     assert registry.choose(setting, "a", tokenizers["hermes"]).name == "generic"
     assert registry.choose(setting, "b", tokenizers["generic"]).name == "hermes"
     assert registry.choose(setting, "c", tokenizers["hermes"]).name == "hermes"  # not named: auto
-    with pytest.raises(ValueError, match="no tool format 'nope'; known: auto, deepseek_v3, generic, hermes, "
+    with pytest.raises(ValueError, match="no tool format 'nope'; known: auto, deepseek_v3, generic, harmony, hermes, "
                                          "llama3_json, mistral, mistral_v11, qwen3_coder"):
         registry.choose("nope", "m", tokenizers["generic"])
     with pytest.raises(ValueError, match="not MODEL=FORMAT"):

@@ -6,3 +6,4 @@ from api.core.parsers import llama3_json  # noqa: F401 - registers llama3_json
 from api.core.parsers import deepseek_v3  # noqa: F401 - registers deepseek_v3
 from api.core.parsers import mistral  # noqa: F401 - registers mistral
 from api.core.parsers import qwen3_coder  # noqa: F401 - registers qwen3_coder
+from api.core.parsers import harmony  # noqa: F401 - registers harmony

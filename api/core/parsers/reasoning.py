@@ -10,7 +10,8 @@ by max_tokens) is all reasoning, with no answer.
 
 The api chooses a format per served model (`choose`): the one STREAMQ_REASONING_PARSER names, or
 under "auto" `think` where the chat template knows `</think>` (it drops earlier thoughts, or
-writes them), else none.
+writes them), `harmony` where it writes gpt-oss's Harmony channels (api/core/parsers/harmony.py:
+the analysis channel is the thought), else none.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from api.core.parsers.base import Delta, OutputParser
+from api.core.parsers.harmony import HarmonyFormat, is_harmony
 
 if TYPE_CHECKING:
     from shared.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<think>", "</think>"
 AUTO, NONE = "auto", "none"
-NAMES = ("think",)  # the formats there are
+NAMES = ("think", "harmony")  # the formats there are
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,9 @@ def _tag_start(text: str, tag: str) -> int:
     return 0
 
 
-def named(key: str | None) -> ThinkFormat | None:
-    """The format a `ThinkFormat.key` names; None for none (or a record written before there were any)."""
-    return {"think": ThinkFormat(False), "think_opened": ThinkFormat(True)}.get(key or NONE)
+def named(key: str | None) -> ThinkFormat | HarmonyFormat | None:
+    """The format a format's `key` names; None for none (or a record written before there were any)."""
+    return {"think": ThinkFormat(False), "think_opened": ThinkFormat(True), "harmony": HarmonyFormat()}.get(key or NONE)
 
 
 def check(setting: str) -> None:
@@ -125,14 +127,18 @@ def check(setting: str) -> None:
             raise ValueError(f"no reasoning parser {name.strip()!r}; known: {', '.join([AUTO, NONE, *NAMES])}")
 
 
-def choose(setting: str, model: str, tokenizer: Tokenizer) -> ThinkFormat | None:
+def choose(setting: str, model: str, tokenizer: Tokenizer) -> ThinkFormat | HarmonyFormat | None:
     """The reasoning format of `model`'s replies by the setting (a name, or MODEL=NAME pairs);
-    under "auto", `think` where its chat template knows `</think>`. Whether a reply starts inside
-    the thought is each chat's own prompt's to say (Generation.reasoning_of)."""
+    under "auto", `think` where its chat template knows `</think>`, `harmony` where it writes
+    Harmony. Whether a reply starts inside a <think> thought is each chat's own prompt's to say
+    (Generation.reasoning_of)."""
     name = setting.strip()
     if "=" in name:
         pairs = {m.strip(): n.strip() for m, _, n in (p.partition("=") for p in name.split(",") if p.strip())}
         name = pairs.get(model, AUTO)
-    if name == NONE or (name == AUTO and CLOSE not in (tokenizer.chat_template or "")):
+    template = tokenizer.chat_template or ""
+    if name == "harmony" or (name == AUTO and CLOSE not in template and is_harmony(template)):
+        return HarmonyFormat()
+    if name == NONE or (name == AUTO and CLOSE not in template):
         return None
     return ThinkFormat()
