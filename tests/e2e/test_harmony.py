@@ -25,7 +25,10 @@ from shared.tokenizer import Tokenizer
 from streamq.testing.tiny_models import build_model
 from tests.stack import Stack
 
-TEMPLATE = (Path(__file__).parents[1] / "data" / "chat_templates" / "gpt_oss.jinja").read_text()
+# gpt-oss's template, its "Current date" fixed: a tiny model's greedy replies do not change from day to day
+TEMPLATE = (Path(__file__).parents[1] / "data" / "chat_templates" / "gpt_oss.jinja").read_text().replace(
+    'strftime_now("%Y-%m-%d")', '"2026-01-01"')
+assert '"2026-01-01"' in TEMPLATE
 THOUGHT, ANSWER = r"[a-z]{3,8} [a-z]{3,8}", r"[a-z]{3,8}"
 WRITTEN = {"structured_outputs": {"regex": re.escape("<|channel|>analysis<|message|>") + THOUGHT + re.escape(
     "<|end|><|start|>assistant<|channel|>final<|message|>") + ANSWER}, "temperature": 0}
