@@ -2,7 +2,7 @@
 core's ChatRequest, api/core/chat.py), with the extra fields vLLM accepts."""
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from api.core.chat import ChatRequest, SamplingFields
 from api.core.generation import Prompt
@@ -18,15 +18,22 @@ class CompletionRequest(SamplingFields):
     prompt by prompt (`choices[].index` = prompt × n + sample)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # The prompt back before the completion; with logprobs, each prompt token's too (the first: null)
+    echo: bool = False
     # 0 only with echo: the prompt scored, nothing generated (what lm-eval's loglikelihood asks)
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKEN_ID)
     logprobs: int | None = Field(None, ge=0, le=5)
-    # The prompt back before the completion; with logprobs, each prompt token's too (the first: null)
-    echo: bool = False
     # vLLM's field: each prompt token's logprob and the n likeliest tokens there (choices[].prompt_logprobs)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=16)
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value: int | None, info) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 returns nothing without echo: give echo true to score the prompt")
+        return value
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
@@ -36,8 +43,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of cannot be used with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 returns nothing without echo: give echo true to score the prompt")
         if self.stream and (self.echo or self.prompt_logprobs is not None):
             raise ValueError("echo and prompt_logprobs are answered whole: not with stream")
         prompts = self.prompts()

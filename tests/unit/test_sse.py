@@ -215,7 +215,7 @@ async def test_completion_stream_frames_and_done():
     generation = _Generation([None, TokenEvent(index=0, token_id=7, text="é"), TokenEvent(index=1, token_id=8, text=""),
                               FINAL])
     body = CompletionRequest(prompt="x", max_tokens=2, stream=True, stream_options={"include_usage": True})
-    response = await completion_routes.completions(body, generation, "", SLOTS)
+    response = await completion_routes.completions(body, generation, "", SLOTS, None)
     status, headers, text = await _run(response)
     _check_headers(headers)
     assert '"text": "é"' in text  # not \u-escaped
@@ -244,7 +244,7 @@ async def test_chat_stream_frames_and_done():
 
 async def test_openai_stream_that_the_client_leaves_is_cancelled():
     generation = _Generation([TokenEvent(index=0, token_id=7, text="a")], end=False)
-    response = await completion_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "", SLOTS)
+    response = await completion_routes.completions(CompletionRequest(prompt="x", stream=True), generation, "", SLOTS, None)
     await _run(response, leave_after=1)
     assert generation.cancelled == [RID] and generation.closed
 
