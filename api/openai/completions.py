@@ -39,6 +39,9 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
     payloads = [p for group in groups for p in group] if body.max_tokens != 0 else []
     if body.scores_prompt:
         await pooling.require_pooling(generation)  # before anything is queued
+    scored: list[list[pooling.PromptLogprob]] | None = None
+    if body.stream and body.scores_prompt:  # a stream opens with the prompt: scored before anything else runs
+        scored = await _score(generation, body, groups, tenant, settings)
     # A stream's slot, before its request is queued: a 429 leaves nothing behind.
     async with streams.opening(tenant) if body.stream else contextlib.nullcontext() as slot:
         await generation.submit(payloads, tenant=tenant)
@@ -46,15 +49,14 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
     samples = body.samples_per_prompt
     rid, created, model = ids.completion_id(), int(time.time()), generation.model_name
     if body.stream:
-        events = _stream_completion(generation, tokenizer, body, payloads, prompt_tokens, rid, created, model)
+        opening = [_opening(tokenizer, body, p, group[0].prompt_token_ids, scored[p] if scored else None)
+                   for p, group in enumerate(groups)] if body.echo or body.prompt_logprobs is not None else None
+        events = _stream_completion(generation, tokenizer, body, payloads, prompt_tokens, rid, created, model,
+                                    groups[0][0].service_tier, opening)
         return EventStreamResponse(events, slot, on_disconnect=lambda: generation.cancel(payloads))
-    scored: list[list[pooling.PromptLogprob]] | None = None
     if body.scores_prompt:  # beside the generation, in the workers' pooling steps
-        top = max(body.logprobs or 0, body.prompt_logprobs or 0)
-        caps = pooling.Caps(settings.max_pooling_inputs, settings.max_pooling_tokens)
         try:
-            scored, _ = await pooling.prompt_logprobs(generation, [g[0].prompt_token_ids for g in groups], top,
-                                                      tenant, body.priority, caps)
+            scored = await _score(generation, body, groups, tenant, settings)
         except BaseException:
             await asyncio.shield(generation.cancel(payloads))
             raise
@@ -86,6 +88,29 @@ async def completions(body: CompletionRequest, served: ModelsDep, tenant: Admitt
             "service_tier": groups[0][0].service_tier}
 
 
+async def _score(generation: Generation, body: CompletionRequest, groups: list[list[RequestPayload]], tenant: str,
+                 settings) -> list[list[pooling.PromptLogprob]]:
+    """Each prompt's tokens scored (one pooling request of task logprobs, every prompt an input)."""
+    top = max(body.logprobs or 0, body.prompt_logprobs or 0)
+    caps = pooling.Caps(settings.max_pooling_inputs, settings.max_pooling_tokens)
+    scored, _ = await pooling.prompt_logprobs(generation, [g[0].prompt_token_ids for g in groups], top, tenant,
+                                              body.priority, caps)
+    return scored
+
+
+def _opening(tokenizer: Tokenizer, body: CompletionRequest, p: int, prompt_ids: list[int],
+             scored: list[pooling.PromptLogprob] | None) -> dict[str, Any]:
+    """A stream's first piece of each of prompt p's choices: the echoed prompt and its logprobs,
+    and vLLM's prompt_logprobs, as the whole answer gives them."""
+    echoed = _prompt_text(tokenizer, body.prompts()[p], prompt_ids) if body.echo else ""
+    out: dict[str, Any] = {"text": echoed, "logprobs": None}
+    if body.echo and body.logprobs is not None:
+        out["logprobs"] = echo_logprobs(tokenizer, prompt_ids, scored, body.logprobs)
+    if body.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_ids, scored, body.prompt_logprobs)
+    return out
+
+
 def _prompt_text(tokenizer: Tokenizer, prompt: str | list[int], prompt_ids: list[int]) -> str:
     """The prompt as echo gives it back: its text, or its token ids decoded (special tokens kept)."""
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -97,15 +122,20 @@ def _joined(first: dict, second: dict) -> dict:
 
 async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body: CompletionRequest,
                              payloads: list[RequestPayload], prompt_tokens: int, rid: str, created: int,
-                             model: str) -> AsyncIterator[str]:
-    """Each request's tokens as its choice's chunks (with no best_of, request i is choice i)."""
+                             model: str, tier: str, opening: list[dict[str, Any]] | None) -> AsyncIterator[str]:
+    """Each request's tokens as its choice's chunks (with no best_of, request i is choice i); where
+    `opening` (each prompt's echo and prompt logprobs) is given, each choice opens with its prompt's,
+    and with max_tokens 0 that is all it has."""
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "service_tier": payloads[0].service_tier}
-    offsets = [0] * len(payloads)
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model, "service_tier": tier}
+    extra = {"usage": None} if usage_on else {}
     samples = body.samples_per_prompt
-    completion_tokens, finals = 0, [[] for _ in range(len(payloads) // samples)]  # each prompt's samples'
-    async for i, event in generation.follow([p.id for p in payloads]):
+    count = len(opening) * samples if opening is not None else len(payloads)
+    offsets = [len(opening[i // samples]["text"]) if opening else 0 for i in range(count)]
+    for i in range(count if opening is not None else 0):
+        yield OPENAI.event({**base, "choices": [{"index": i, **opening[i // samples], "finish_reason": None}], **extra})
+    completion_tokens, finals = 0, [[] for _ in range(count // samples)]  # each prompt's samples'
+    async for i, event in generation.follow([p.id for p in payloads]) if payloads else _nothing():
         if event is None:
             yield OPENAI.keepalive
             continue
@@ -121,7 +151,16 @@ async def _stream_completion(generation: Generation, tokenizer: Tokenizer, body:
             finals[i // samples].append(event)
             choice = {"index": i, "text": "", "logprobs": None, "finish_reason": stream_reason(event)}
         if choice is not None:
-            yield OPENAI.event({**base, "choices": [choice], **({"usage": None} if usage_on else {})})
+            yield OPENAI.event({**base, "choices": [choice], **extra})
+    if not payloads:  # max_tokens 0: the prompt was all
+        for i in range(count):
+            yield OPENAI.event({**base, "choices": [{"index": i, "text": "", "logprobs": None,
+                                                     "finish_reason": "length"}], **extra})
     if usage_on:
         yield OPENAI.event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, *finals)})
     yield OPENAI.last
+
+
+async def _nothing() -> AsyncIterator[tuple[int, Any]]:
+    return
+    yield

@@ -43,8 +43,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of cannot be used with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.stream and (self.echo or self.prompt_logprobs is not None):
-            raise ValueError("echo and prompt_logprobs are answered whole: not with stream")
         prompts = self.prompts()
         if not prompts:
             raise ValueError("prompt must hold at least one prompt")

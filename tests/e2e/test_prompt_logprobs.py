@@ -94,10 +94,30 @@ def test_vllm_prompt_logprobs_beside_a_generation(stack, model, tiny_llama):
 
 @pytest.mark.parametrize("body", [
     {"prompt": "hi", "max_tokens": 0},
-    {"prompt": "hi", "echo": True, "stream": True},
     {"prompt": "hi", "prompt_logprobs": 21},
     {"prompt": [[1, 2], [10 ** 7]], "echo": True, "logprobs": 1, "max_tokens": 0},
 ])
 def test_what_cannot_be_answered_is_a_400(stack, model, body):
     reply = _post(stack, {"model": model, **body})
     assert reply.status_code == 400, reply.text
+
+
+def test_a_stream_opens_each_choice_with_its_echoed_prompt_as_the_whole_answer_has_it(stack, model, tiny_llama):
+    import json
+
+    tok = Tokenizer(tiny_llama)
+    prompts = [tok.encode(t) for t in TEXTS[:2]]
+    for max_tokens in (0, 3):
+        body = {"model": model, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+                "temperature": 0, "prompt_logprobs": 1}
+        whole = _post(stack, body).json()["choices"]
+        with httpx.stream("POST", f"{stack.urls[0]}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        for choice in whole:
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            assert mine[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+            streamed = [t for c in mine if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+            assert streamed == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-6)
+            assert mine[-1]["finish_reason"] == choice["finish_reason"]
