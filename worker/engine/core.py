@@ -170,8 +170,8 @@ class Engine(BaseEngine):
         """Pooling requests too: one cancelled between its inputs runs none of the rest."""
         outputs = super()._cancel(cancelled)
         with self._arrivals_lock:
-            self._pool_arrivals, gone = _split(self._pool_arrivals, cancelled)
-        self._pools, stopped = _split(self._pools, cancelled)
+            self._pool_arrivals, gone = pooling.split(self._pool_arrivals, cancelled)
+        self._pools, stopped = pooling.split(self._pools, cancelled)
         return outputs + [job.output(FinishReason.CANCELLED) for job in gone + stopped]
 
     def _pool_step(self) -> list[StepOutput]:
@@ -333,8 +333,3 @@ def _stamp_first_step(scheduled: SchedulerOutput) -> None:
     for chunk in scheduled.chunks:
         if chunk.seq.scheduled_at is None:
             chunk.seq.scheduled_at = stamp
-
-
-def _split(jobs: list[PoolJob], ids: set[str]) -> tuple[list[PoolJob], list[PoolJob]]:
-    """(the jobs kept, those whose id is in `ids`)."""
-    return [job for job in jobs if job.id not in ids], [job for job in jobs if job.id in ids]

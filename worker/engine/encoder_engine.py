@@ -13,6 +13,7 @@ import time
 from shared.messages import FinishReason, RequestPayload, TokenEvent, now
 from worker.engine.base import BaseEngine
 from worker.engine.execution_plan import ExecutionPlan, encoder_plan
+from worker.engine import pooling
 from worker.engine.pooling import PoolJob
 from worker.engine.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.model.encoders import Encoder, Packed
@@ -122,8 +123,8 @@ class EncoderEngine(BaseEngine):
 
     def _cancel(self, cancelled: set[str]) -> list[StepOutput]:
         with self._lock:
-            self._arrivals, gone = _split(self._arrivals, cancelled)
-        self._jobs, stopped = _split(self._jobs, cancelled)
+            self._arrivals, gone = pooling.split(self._arrivals, cancelled)
+        self._jobs, stopped = pooling.split(self._jobs, cancelled)
         return [job.output(FinishReason.CANCELLED) for job in gone + stopped]
 
     def fail_all(self, error: str) -> list[StepOutput]:
@@ -137,7 +138,3 @@ class EncoderEngine(BaseEngine):
     def _reset(self) -> None:
         with self._lock:
             self._jobs, self._arrivals, self._refused = [], [], []
-
-
-def _split(jobs: list[PoolJob], ids: set[str]) -> tuple[list[PoolJob], list[PoolJob]]:
-    return [j for j in jobs if j.id not in ids], [j for j in jobs if j.id in ids]

@@ -112,6 +112,11 @@ def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> torch.
     return torch.cat(columns, dim=1).flatten()
 
 
+def split(jobs: list[PoolJob], ids: set[str]) -> tuple[list[PoolJob], list[PoolJob]]:
+    """(the jobs kept, those whose id is in `ids`): what a cancel takes out, in either engine."""
+    return [job for job in jobs if job.id not in ids], [job for job in jobs if job.id in ids]
+
+
 def encode_floats(values: torch.Tensor) -> str:
     return base64.b64encode(values.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()).decode()
 
