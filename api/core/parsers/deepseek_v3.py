@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from api.core.parsers.base import CallDelta, Delta, OutputParser, ToolFormat
+from api.core.parsers.base import ToolFormat
 from api.core.parsers.registry import register
-from api.core.parsers.tool_stream import ObjectEnd
+from api.core.parsers.tool_calls import ToolCallParser
+from api.core.parsers.tool_stream import ToolCallStream, raw_name
 from api.core.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
@@ -137,61 +137,6 @@ def _calls(text: str) -> list[dict[str, Any]] | None:
         pos = len(text) - len(rest)
 
 
-class DeepSeekV3Stream(OutputParser):
-    """The streaming stage: the reply is held while it may still be calls (its first characters
-    decide, once), and each call goes out as written: its id and name once its head is whole, then
-    its arguments' characters up to where their object closes, strings and escapes minded. What
-    is sent is never taken back; a cut reply ends with its last call unclosed."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.answering: bool | None = None  # None until the first characters say
-        self.pos = 0  # where the scan goes on
-        self.calls = 0  # calls started
-        self.open = False  # inside a call's arguments
-        self.value: ObjectEnd | None = None  # the open call's arguments
-
-    @property
-    def holding(self) -> bool:
-        return not self.answering
-
-    def feed(self, delta: Delta) -> list[Delta]:
-        if not self.holding:
-            return [delta]
-        if not delta.content:
-            return []
-        self.text += delta.content
-        if self.answering is None:
-            if CALLS_BEGIN.startswith(self.text):
-                return []  # the marker so far: not decided yet
-            self.answering = not self.text.startswith(CALLS_BEGIN)
-            if self.answering:  # what was held goes out at once
-                return [Delta(content=self.text)]
-            self.pos = len(CALLS_BEGIN)
-        return [Delta(call=call) for call in self._scan()]
-
-    def _scan(self) -> list[CallDelta]:
-        out: list[CallDelta] = []
-        while True:
-            if not self.open:
-                head = _HEAD.search(self.text, self.pos)
-                if head is None:
-                    return out
-                self.open, self.pos = True, head.end()
-                self.value = ObjectEnd()
-                out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", head[1]))
-                self.calls += 1
-            start, stop = self.pos, self.value.scan(self.text, self.pos)
-            end = stop is not None
-            self.pos = stop if end else len(self.text)
-            piece = self.text[start:self.pos]
-            if piece or end:
-                out.append(CallDelta(self.calls - 1, piece, closed=end))
-            if not end:
-                return out
-            self.open = False
-
-
 class DeepSeekV3Format(ToolFormat):
     """Tools rendered by the chat template itself; calls between DeepSeek's markers, under a grammar."""
 
@@ -214,8 +159,9 @@ class DeepSeekV3Format(ToolFormat):
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return parse(text)
 
-    def stream(self) -> DeepSeekV3Stream:
-        return DeepSeekV3Stream()
+    def stream(self) -> ToolCallParser:
+        # held while the reply may still open with the calls' marker; then an answer, or calls as written
+        return ToolCallParser(CALLS_BEGIN, ToolCallStream(_HEAD, raw_name, strip=False))
 
 
 FORMAT = register(DeepSeekV3Format())

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from api.core.parsers.base import CallDelta, Delta, OutputParser, ToolFormat
+from api.core.parsers.base import ToolFormat
 from api.core.parsers.registry import register
-from api.core.parsers.tool_stream import ObjectEnd
+from api.core.parsers.tool_calls import ToolCallParser
+from api.core.parsers.tool_stream import ToolCallStream
 from api.core.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
@@ -136,68 +136,6 @@ def _past_space(text: str, pos: int) -> int:
     return len(text) - len(text[pos:].lstrip())
 
 
-class CallStream:
-    """Calls read as the model writes them: each call's name once it is whole, then its arguments'
-    characters as they come, up to where the arguments' brackets close (strings and escapes
-    minded), whatever the chunks the text comes in. The characters are the model's own, so the
-    pieces add up to the arguments' JSON text."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.pos = 0  # where the scan goes on
-        self.calls = 0  # calls opened
-        self.inside = False  # within a call's arguments
-        self.value: ObjectEnd | None = None  # the open call's arguments
-
-    def feed(self, text: str) -> list[CallDelta]:
-        """The deltas that `text`, the reply's next characters, gives."""
-        self.text += text
-        out: list[CallDelta] = []
-        while True:
-            if not self.inside:
-                opening = _OPENING.search(self.text, self.pos)
-                if opening is None:
-                    return out
-                self.inside, self.pos = True, opening.end()
-                self.value = ObjectEnd()
-                out.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{opening[1]}"')))
-                self.calls += 1
-            start, end = self.pos, self.value.scan(self.text, self.pos)
-            closed = end is not None
-            self.pos = end if closed else len(self.text)
-            if self.pos > start or closed:
-                out.append(CallDelta(self.calls - 1, self.text[start:self.pos], closed=closed))
-            if not closed:
-                return out
-            self.inside = False
-
-
-class Llama3JsonStream(OutputParser):
-    """A reply's streaming stage: its first character decides, once, whether it is a plain answer
-    (streamed from there on) or calls (held, to be read whole at the end, while the calls stream)."""
-
-    def __init__(self) -> None:
-        self.answering: bool | None = None  # None until the first character
-        self.text = ""
-        self.calls = CallStream()
-
-    @property
-    def holding(self) -> bool:
-        return not self.answering
-
-    def feed(self, delta: Delta) -> list[Delta]:
-        if self.answering:
-            return [delta]
-        if not delta.content:
-            return []
-        self.text += delta.content
-        if self.answering is None:
-            self.answering = not self.text.startswith(CALL_OPENS)
-            if self.answering:  # what was held goes out at once
-                return [Delta(content=self.text)]
-        return [Delta(call=call) for call in self.calls.feed(delta.content)]
-
-
 class Llama3JsonFormat(ToolFormat):
     """Tools rendered by the chat template itself; calls as {"name", "parameters"} JSON under a grammar."""
 
@@ -220,8 +158,9 @@ class Llama3JsonFormat(ToolFormat):
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return parse(text)
 
-    def stream(self) -> Llama3JsonStream:
-        return Llama3JsonStream()
+    def stream(self) -> ToolCallParser:
+        # its first character decides: an answer, or calls held while they stream
+        return ToolCallParser(CALL_OPENS, ToolCallStream(_OPENING))
 
 
 FORMAT = register(Llama3JsonFormat())

@@ -28,12 +28,17 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from api.core.parsers.base import ToolFormat
-from api.core.parsers.mistral_stream import MARKER, V11_HEAD, MistralCallParser, V11CallStream
 from api.core.parsers.registry import register
-from api.core.parsers.tool_stream import ToolCallStream
+from api.core.parsers.tool_calls import ToolCallParser
+from api.core.parsers.tool_stream import ToolCallStream, raw_name
 from api.core.tools import NO_PARAMETERS, Tool, ToolChoice, arguments_of, call_schemas, closed, openai_call, \
     parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
+
+MARKER = "[TOOL_CALLS]"  # a call reply opens with it; held while the reply may still be its start (ToolCallParser)
+# A v11 call's head, whole: the name (OpenAI's names are [A-Za-z0-9_-]), a call id where the model
+# writes one (v13 templates render [CALL_ID] in earlier turns), then its arguments' object opens.
+V11_HEAD = re.compile(r"\s*\[TOOL_CALLS\]([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 
 if TYPE_CHECKING:
     from shared.tokenizer import Tokenizer
@@ -209,8 +214,8 @@ class MistralFormat(ToolFormat):
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return parse(text, self.form)
 
-    def stream(self) -> MistralCallParser:
-        return MistralCallParser(ToolCallStream())
+    def stream(self) -> ToolCallParser:
+        return ToolCallParser(MARKER, ToolCallStream())
 
 
 class MistralV11Format(MistralFormat):
@@ -219,8 +224,8 @@ class MistralV11Format(MistralFormat):
     name = "mistral_v11"
     form = V11
 
-    def stream(self) -> MistralCallParser:
-        return MistralCallParser(V11CallStream())
+    def stream(self) -> ToolCallParser:
+        return ToolCallParser(MARKER, ToolCallStream(V11_HEAD, raw_name, anchored=True, strip=False))
 
 
 FORMAT = register(MistralFormat())
