@@ -7,7 +7,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from shared import tokenizer_files
+from shared import gguf_encoder, tokenizer_files
 from shared.atomic_folder import atomic_folder
 from shared.settings import CommonSettings
 
@@ -33,6 +33,11 @@ def convert_gguf(gguf: Path, target: Path, tokenizer_dir: Path) -> None:
     if converted(target):
         return
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    if gguf_encoder.is_encoder(tokenizer_files.gguf_metadata(gguf)):
+        with atomic_folder(target, whole=converted) as partial:
+            shutil.copytree(tokenizer_dir, partial)  # the tokenizer and the sentence-transformers modules
+            gguf_encoder.write_weights(gguf, partial)
+        return
     import torch  # heavy, worker side only
     from transformers import AutoModelForCausalLM
 

@@ -110,9 +110,14 @@ def gguf_metadata(path: Path) -> dict[str, object]:
 def write_from_gguf(gguf: Path, folder: Path) -> None:
     """The tokenizer files of a GGUF file, from its metadata: tokenizer.json (transformers converts
     the vocabulary), the chat template, and config.json with the context length and EOS ids."""
-    from transformers import AutoTokenizer  # never in the api's process
+    from shared import gguf_encoder
 
     meta = gguf_metadata(gguf)
+    if gguf_encoder.is_encoder(meta):  # llama.cpp's bert / nomic-bert: a sentence-transformers folder
+        gguf_encoder.write_description(gguf, folder)
+        return
+    from transformers import AutoTokenizer  # never in the api's process
+
     arch = str(meta.get("general.architecture", ""))
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     if template := meta.get("tokenizer.chat_template"):

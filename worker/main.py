@@ -123,8 +123,8 @@ def build_encoder(settings: WorkerSettings, tokenizer: Tokenizer, device) -> Enc
             raise ValueError(f"{name}={value}: an encoder model runs on the built-in engine with {name}={default}")
     if settings.lora.paths or settings.lora.enable:
         raise ValueError("LoRA adapters are served on decoder models; this one is an encoder")
-    if gguf_file(settings) is not None:
-        raise ValueError(f"{settings.model}: encoder models load from a folder or a hub id, not yet from a GGUF")
+    if gguf_file(settings) is not None:  # llama.cpp's bert / nomic-bert: dequantised once (shared/gguf_encoder.py)
+        prepare_model(settings, weights=True)
     dtype, matmuls = pick_dtype(step.dtype, device), None
     if step.dtype == "auto" and device.type == "cpu" and dtype != torch.float32:
         dtype, matmuls = torch.float32, dtype

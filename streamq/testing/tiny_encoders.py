@@ -123,3 +123,82 @@ def _liven(model) -> None:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def write_gguf(model: Path, path: Path, qtype: str = "F32", normalizer_keys: bool = True) -> Path:
+    """The BERT or NomicBERT embedding model of `model` (a sentence-transformers folder, mean/CLS/
+    last-token pooling) as llama.cpp's convert_hf_to_gguf.py writes it: architecture `bert` or
+    `nomic-bert`, the vocabulary in its phantom-space form, [CLS] as BOS, the pooling type, and
+    the tensors under its names (NomicBERT's q, k and v fused as attn_qkv), every 2-D weight in
+    `qtype` but the embeddings' tables. `normalizer_keys` false: a file from before llama.cpp kept
+    the tokenizer's lower-casing flags."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file
+
+    config = read_json(model / "config.json")
+    family = config["model_type"]
+    arch = {"bert": "bert", "nomic_bert": "nomic-bert"}[family]
+    tokenizer = read_json(model / "tokenizer.json")
+    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    from shared.pooling_model import describe
+
+    pooling = describe(model).modes[0]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type({"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+                             "lasttoken": gguf.PoolingType.LAST}[pooling])
+    if family == "nomic_bert":
+        writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_token_type_count(config["type_vocab_size"])
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list([t if t in special else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    ids = dict(vocab)
+    writer.add_bos_token_id(ids["[CLS]"])
+    writer.add_sep_token_id(ids["[SEP]"])
+    writer.add_unk_token_id(ids["[UNK]"])
+    writer.add_pad_token_id(ids["[PAD]"])
+    writer.add_mask_token_id(ids["[MASK]"])
+    if normalizer_keys:
+        writer.add_bool("tokenizer.ggml.normalizer.lowercase", True)  # as the converter writes BertNormalizer's
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], config["num_hidden_layers"])
+    nomic = {"post_attention_layernorm": "attn_output_norm", "post_mlp_layernorm": "layer_output_norm",
+             "self_attn.o_proj": "attn_output", "mlp.up_proj": "ffn_up", "mlp.gate_proj": "ffn_gate",
+             "mlp.down_proj": "ffn_down"}
+    state = load_file(model / "model.safetensors")
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        base, _, suffix = name.rpartition(".")
+        if name == "embeddings.position_ids" or base.startswith("pooler"):
+            continue
+        if family == "nomic_bert" and base.startswith("layers."):
+            layer, rest = base.split(".", 2)[1], base.split(".", 2)[2]
+            if rest.startswith("self_attn.") and rest[-6:] in ("q_proj", "k_proj", "v_proj"):
+                if rest.endswith("q_proj"):
+                    fused = [state[f"layers.{layer}.self_attn.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]
+                    tensors[f"blk.{layer}.attn_qkv.{suffix}"] = np.concatenate(fused)
+                continue
+            tensors[f"blk.{layer}.{nomic[rest]}.{suffix}"] = value
+        else:
+            tensors[f"{names.get_name(base)}.{suffix}"] = value
+    kind = gguf.GGMLQuantizationType[qtype]
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and kind != gguf.GGMLQuantizationType.F32 and not name.startswith(("token_", "position_")):
+            writer.add_tensor(name, quantize(value, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,6 +1,6 @@
 """Encoder models served beside a chat model, through the whole stack: a worker of the tiny chat
-model, one of all-MiniLM-L6-v2 (a real sentence-transformers model) and one of a tiny BERT
-cross-encoder, behind one api; requests routed by `model`. Every answer is checked against
+model, one of all-MiniLM-L6-v2 (a real sentence-transformers model), one of a tiny BERT
+cross-encoder and one of a tiny NomicBERT from a GGUF file in llama.cpp's layout, behind one api; requests routed by `model`. Every answer is checked against
 sentence-transformers on the same weights."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from streamq.testing.tiny_encoders import build_cross_encoder, build_encoder, minilm
+from streamq.testing.tiny_encoders import build_cross_encoder, build_encoder, minilm, write_gguf
 from tests.stack import Stack
 from tests.waiting import until_sync
 
@@ -24,9 +24,11 @@ def served(redis_url, tiny_llama, tmp_path_factory):
     matryoshka = build_encoder(tmp_path_factory.mktemp("mrl"), "bert", pooling="mean", matryoshka=[16, 8],
                                prompts={"query": "query: ", "document": "passage: "}, default_prompt="document",
                                include_prompt=False)
-    models = {"minilm": minilm(), "cross": cross, "mrl": matryoshka}
-    envs = [{}] + [{"STREAMQ_MODEL": str(path), "STREAMQ_SERVED_MODEL_NAME": name} for name, path in models.items()]
-    with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("encoders"), workers=4, worker_envs=envs) as stack:
+    nomic = build_encoder(tmp_path_factory.mktemp("nomic"), "nomic_bert", pooling="cls")
+    models = {"minilm": minilm(), "cross": cross, "mrl": matryoshka, "nomic-gguf": nomic}
+    sources = {**models, "nomic-gguf": write_gguf(nomic, nomic.parent / "nomic.F32.gguf")}
+    envs = [{}] + [{"STREAMQ_MODEL": str(path), "STREAMQ_SERVED_MODEL_NAME": name} for name, path in sources.items()]
+    with Stack(redis_url, tiny_llama, tmp_path_factory.mktemp("encoders"), workers=5, worker_envs=envs) as stack:
         url = stack.urls[0]
         until_sync(lambda: set(models) <= _listed(url), timeout_s=180, what="every model listed")
         yield url, models
@@ -57,6 +59,15 @@ def test_minilm_embeddings_equal_sentence_transformers(served):
     from shared.tokenizer import Tokenizer
     tok = Tokenizer(models["minilm"])
     assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in TEXTS)
+
+
+def test_a_gguf_encoder_embeds_as_sentence_transformers_on_its_source(served):
+    url, models = served
+    reply = _post(url, "/v1/embeddings", {"model": "nomic-gguf", "input": TEXTS})
+    assert reply.status_code == 200, reply.text
+    got = [d["embedding"] for d in reply.json()["data"]]
+    np.testing.assert_allclose(got, st.SentenceTransformer(str(models["nomic-gguf"]), device="cpu").encode(TEXTS),
+                               atol=2e-5)
 
 
 def test_named_prompts_and_matryoshka_cuts_as_sentence_transformers(served):

@@ -70,6 +70,8 @@ def test_two_conversions_at_once_each_write_their_own_folder(tmp_path, monkeypat
     (tokenizer / "tokenizer.json").write_text("{}")
     target = tmp_path / "cache" / DEFAULT_NAME
     target.parent.mkdir()
+    (tmp_path / "package").mkdir()
+    write_gguf(tmp_path / "package" / DEFAULT_GGUF)  # a decoder's header: transformers converts it
     errors: list[BaseException] = []
 
     def convert() -> None:

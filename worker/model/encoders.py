@@ -9,6 +9,7 @@ model; the classification head and the saved activation for a cross-encoder.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from shared.pooling_model import Dense, PoolingModel
 from worker.model.encoder_forwards import FORWARDS
 
+_POOLERS = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "mpnet"})  # models built with a pooler
 ACTIVATION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "identity": lambda x: x, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "gelu": F.gelu}
 
@@ -144,7 +146,11 @@ def load(folder: Path, description: PoolingModel, device: torch.device, dtype: t
 
     where = folder / description.transformer_path
     auto = AutoModelForSequenceClassification if description.kind == "classify" else AutoModel
-    model = auto.from_pretrained(where, dtype=dtype).to(device)
+    family = json.loads((where / "config.json").read_text()).get("model_type")
+    # An embedding never reads the pooler (a dense and tanh on the first token, for classifiers):
+    # not built, so a checkpoint without one (a GGUF's) loads as whole as one with it.
+    extra = {"add_pooling_layer": False} if description.kind == "embed" and family in _POOLERS else {}
+    model = auto.from_pretrained(where, dtype=dtype, **extra).to(device)
     dense = [_load_dense(folder, module, device) for module in description.dense]
     return Encoder(model, description, dense, matmul_dtype)
 
