@@ -100,6 +100,8 @@ class SamplingParams(BaseModel):
         None, description="Constrain the output: one of json (a schema), json_object, regex, choice, grammar.")
     thinking_budget: ThinkingBudget | None = Field(
         None, description="A thinking model's thought closed after this many tokens (Messages' thinking.budget_tokens).")
+    skip_special_tokens: bool = Field(True, description="false: the text keeps the special tokens the model "
+                                      "writes (the api asks so where a reply's format marks calls with them).")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -82,6 +82,9 @@ class Tokenizer:
             ids.append(tid)
         self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The special tokens (text: id): decoding drops them unless asked to keep them
+        self.special_tokens: dict[str, int] = {
+            token.content: index for index, token in self._tok.get_added_tokens_decoder().items() if token.special}
         self._template = None
 
     def rust_tokenizer(self) -> _RustTokenizer:
@@ -118,11 +121,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self) -> Callable[[int], str | None]:
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """A fresh incremental decoder for one output: give it each new id; it returns the text
-        that id completes (special tokens skipped, as `decode` does), or None while a character
-        is still partial."""
-        return partial(DecodeStream(skip_special_tokens=True).step, self._tok)
+        that id completes (special tokens skipped unless asked, as `decode` does), or None while a
+        character is still partial."""
+        return partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> str:

@@ -202,6 +202,8 @@ class Generation:
                 prompt.samples = _thought_free(prompt.samples, prompt.reasoning)
             if prompt.thinking_budget is not None:
                 await self._budget(prompt)
+            if self._keeps_special_tokens(prompt):
+                prompt.samples = [p.model_copy(update={"skip_special_tokens": False}) for p in prompt.samples]
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
         for payload in payloads:
             payload.service_tier = tier
@@ -216,6 +218,14 @@ class Generation:
         for constraint in constraints.values() if compile else ():  # the samples share one: compiled once
             await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
+
+    def _keeps_special_tokens(self, prompt: Prompt) -> bool:
+        """Whether the reply's text must keep the special tokens the model writes: its tool format
+        or its reasoning format marks calls or messages with some (api/core/parsers/base.Markers)."""
+        if prompt.messages is None:
+            return False
+        tools = prompt.tool_format is not None and prompt.tool_format.keeps_special_tokens
+        return tools or bool(getattr(self.reasoning, "keeps_special_tokens", False))
 
     async def _budget(self, prompt: Prompt) -> None:
         """The thinking budget on the prompt's samples (ThinkingBudget: the sampler closes the

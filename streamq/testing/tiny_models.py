@@ -48,14 +48,15 @@ CONTEXT = 256
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
-                    chat_template: str = CHAT_TEMPLATE) -> int:
-    """Train the tokenizer into `folder`; return the real vocabulary size."""
+                    chat_template: str = CHAT_TEMPLATE, special_tokens: tuple[str, ...] = ()) -> int:
+    """Train the tokenizer into `folder`; return the real vocabulary size. `special_tokens`: more
+    special tokens, each one token (as a real model's markers are, e.g. Mistral's [TOOL_CALLS])."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL + list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
@@ -70,14 +71,14 @@ def build_tokenizer(folder: Path, vocab_size: int = 400, context: int = CONTEXT,
 
 
 def build_model(folder: Path, kind: str, seed: int = 0, context: int = CONTEXT, chat_template: str = CHAT_TEMPLATE,
-                ) -> Path:
+                special_tokens: tuple[str, ...] = ()) -> Path:
     """A tiny 'llama', 'mistral', 'gemma3', 'phi3', 'opt' or 'gpt2' model with its tokenizer in `folder`, of
     `context` positions. gpt2 has no paged runner: it serves through the static engine."""
     import torch
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
                               Phi3Config)
 
-    vocab = build_tokenizer(folder, context=context, chat_template=chat_template)
+    vocab = build_tokenizer(folder, context=context, chat_template=chat_template, special_tokens=special_tokens)
     common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   max_position_embeddings=context)
     if kind == "llama":

@@ -5,7 +5,7 @@ auto): a reply written as an analysis thought then a final answer (a regex const
 model writes no Harmony by itself) comes back with the thought in reasoning_content, never in content;
 under tools, the Harmony grammar's calls come back as tool calls whose arguments validate, streamed as
 without stream. The tiny tokenizer writes Harmony's markers as text (gpt-oss's own has them as special
-tokens, which the stream's decoding drops: see the module's docstring)."""
+tokens: tests/e2e/test_tool_markers.py runs them so)."""
 from __future__ import annotations
 
 import json

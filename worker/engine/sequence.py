@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import partial
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared import service_tier
@@ -100,6 +101,9 @@ def new_sequence(payload: RequestPayload, decode, resumed: list[TokenEvent] | tu
     """A request as the engine takes it: fresh, or continuing after the tokens another worker
     already delivered (they are prefilled with the prompt, and indices carry on after them).
     `decode_stream` is `Tokenizer.decode_stream` where the tokenizer has one."""
+    if not payload.params.skip_special_tokens:  # its format reads markers that are special tokens
+        decode = partial(decode, skip_special_tokens=False)
+        decode_stream = partial(decode_stream, False) if decode_stream is not None else None
     seq = Sequence.of(payload, Detokenizer(decode, payload.params.stop, decode_stream))
     if resumed:
         for event in resumed:

@@ -7,10 +7,13 @@ it, so a format (reasoning, tool calls) is written once, in one module, for ever
 """
 from __future__ import annotations
 
+import copy
+import json
+import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
-from collections.abc import Callable
 
 if TYPE_CHECKING:
     from api.core.tools import Tool, ToolChoice
@@ -75,12 +78,64 @@ class OutputParser(ABC):
         """Whether it holds the reply's text back, to be read whole at the end."""
 
 
+def literal(text: str) -> str:
+    """`text` as a Lark string literal (every marker in it spelled as text)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Markers:
+    """Which of a format's markers are special tokens of the served model's tokenizer (text: id).
+    Such a marker is one token the model writes (Mistral's [TOOL_CALLS], Llama's <|python_tag|>,
+    Harmony's <|channel|>): a grammar names it by its id, and the reply is decoded with the
+    special tokens kept, so that its text carries the marker. With a tokenizer that spells the
+    markers as text, none are."""
+
+    ids: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, markers: Iterable[str], tokenizer: Tokenizer) -> Markers:
+        return cls({m: tokenizer.special_tokens[m] for m in markers if m in tokenizer.special_tokens})
+
+    def lit(self, text: str) -> str:
+        """`text` as a Lark sequence: its markers that are special tokens by id (`<[id]>`, llguidance's
+        token syntax; a quoted string never matches a special token), the rest as quoted strings."""
+        if not self.ids or not text:
+            return literal(text)
+        parts, at = [], 0
+        for found in re.finditer("|".join(re.escape(m) for m in sorted(self.ids, key=len, reverse=True)), text):
+            if found.start() > at:
+                parts.append(literal(text[at:found.start()]))
+            parts.append(f"<[{self.ids[found.group()]}]>")
+            at = found.end()
+        if at < len(text):
+            parts.append(literal(text[at:]))
+        return parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")"
+
+
 class ToolFormat(ABC):
     """How one model asks for and writes tool calls: the prompt's side (the tools and earlier
     calls as its chat template reads them, the reply's constraint) and the reply's (its parser).
-    Registered by `name` (api/core/parsers/registry.py)."""
+    Registered by `name` (api/core/parsers/registry.py); `for_tokenizer` gives it for one model."""
 
     name: ClassVar[str]
+    MARKERS: ClassVar[tuple[str, ...]] = ()  # the texts that mark its calls (special tokens in some tokenizers)
+    special: Markers = Markers()
+
+    def for_tokenizer(self, tokenizer: Tokenizer) -> ToolFormat:
+        """This format for a model whose tokenizer is `tokenizer`: its markers that are special
+        tokens there written by id in grammars, and kept in the reply's text."""
+        special = Markers.of(self.MARKERS, tokenizer)
+        if not special.ids:
+            return self
+        out = copy.copy(self)
+        out.special = special
+        return out
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether a reply must be decoded with its special tokens kept (its markers are some)."""
+        return bool(self.special.ids)
 
     @classmethod
     def knows(cls, tokenizer: Tokenizer) -> bool:

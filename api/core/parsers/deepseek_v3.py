@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from api.core.parsers.base import ToolFormat
+from api.core.parsers.base import ToolFormat, literal
 from api.core.parsers.registry import register
 from api.core.parsers.tool_calls import ToolCallParser
 from api.core.parsers.tool_stream import ToolCallStream, raw_name
@@ -74,11 +75,10 @@ def answer_pattern() -> str:
         + r")[\s\S]*"
 
 
-def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-    """The reply's grammar: calls of `tools` between the markers, or under "auto" a plain answer."""
-    def lit(text: str) -> str:
-        return json.dumps(text, ensure_ascii=False)
-
+def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool,
+               lit: Callable[[str], str] = literal) -> StructuredOutputs:
+    """The reply's grammar: calls of `tools` between the markers, or under "auto" a plain answer;
+    `lit` writes a literal (its markers by token id, where they are special tokens: Markers)."""
     rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}",
              f"calls: {lit(CALLS_BEGIN)} call " + ('("\\n" call)* ' if parallel_calls(choice, parallel) else "")
              + lit(CALLS_END),
@@ -141,13 +141,14 @@ class DeepSeekV3Format(ToolFormat):
     """Tools rendered by the chat template itself; calls between DeepSeek's markers, under a grammar."""
 
     name = "deepseek_v3"
+    MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     @classmethod
     def knows(cls, tokenizer: Tokenizer) -> bool:
         return knows(tokenizer)
 
     def constraint(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-        return constraint(tools, choice, parallel)
+        return constraint(tools, choice, parallel, self.special.lit)
 
     def template_messages(self, messages: list[Any], tools: list[Tool], choice: ToolChoice | None
                           ) -> list[dict[str, Any]]:

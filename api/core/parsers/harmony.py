@@ -17,22 +17,22 @@ an optional analysis thought (free text without "<|"), then calls, each a commen
 after <|start|>assistant, where parallel_tool_calls allows), or under `auto` a final message whose
 answer opens with neither "<" nor blank space.
 
-Limitation: Harmony's markers are special tokens of gpt-oss's real tokenizer (o200k_harmony), and
-the worker's detokenizer skips special tokens, so with that tokenizer the reply text would not
-carry them: reading it needs the text decoded with those special tokens kept (and the grammar
-would have to name them as tokens). Not done here: the tests run a tiny llama whose tokenizer
-writes the markers as ordinary text, so the text carries them.
+Harmony's markers are special tokens of gpt-oss's own tokenizer (o200k_harmony): there the grammar
+names them by id and every reply is decoded with them kept (base.Markers), so its text carries
+them. A marker that is also a stop token (<|call|>, <|return|>) ends the reply and is not in its
+text: the message reader takes the text's end as the message's.
 """
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from api.core.parsers.base import CallDelta, Delta, OutputParser, ToolFormat
-from api.core.parsers.harmony_stream import CALL, CHANNEL, END, MESSAGE, START, Event, MessageReader, messages
+from api.core.parsers.base import CallDelta, Delta, Markers, OutputParser, ToolFormat, literal
+from api.core.parsers.harmony_stream import CALL, CHANNEL, END, MARKERS, MESSAGE, START, Event, MessageReader, messages
 from api.core.parsers.registry import register
 from api.core.parsers.tool_stream import ObjectEnd
 from api.core.tools import Tool, ToolChoice, arguments_of, call_schemas, openai_call, parallel_calls
@@ -57,7 +57,13 @@ class HarmonyFormat:
     opens each message itself, so the template never opens the thought (`opened`)."""
 
     opened: bool = False
+    keeps_special_tokens: bool = False  # its markers are special tokens of the model (base.Markers)
     key = "harmony"  # its name as a stored response keeps it (reasoning.named)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> HarmonyFormat:
+        """The format for a model whose tokenizer is `tokenizer` (gpt-oss's own has the markers as special tokens)."""
+        return cls(keeps_special_tokens=bool(Markers.of(MARKERS, tokenizer).ids))
 
     def stage(self) -> HarmonyStage:
         return HarmonyStage()
@@ -139,20 +145,24 @@ def call_header(name: str) -> str:
     return f"{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}"
 
 
-def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-    """The reply's grammar: an optional thought, then calls (of `tools`), or under "auto" a final answer."""
+def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool,
+               lit: Callable[[str], str] = literal) -> StructuredOutputs:
+    """The reply's grammar: an optional thought, then calls (of `tools`), or under "auto" a final
+    answer; `lit` writes a literal (its markers by token id, where they are special tokens: Markers)."""
     arguments = [s["properties"]["arguments"] for s in call_schemas(tools)]
     rules = [f"start: thought? ({'calls | answer' if choice in (None, 'auto') else 'calls'})",
-             f"thought: {json.dumps(CHANNEL + 'analysis' + MESSAGE)} thought_text {json.dumps(START + 'assistant')}",
-             # lazy: the thought ends at its first <|end|> (a greedy run would take the "<" of it, and fail)
-             f"thought_text[lazy]: THOUGHT {json.dumps(END)}",
-             f"calls: call ({json.dumps(START + 'assistant')} call)*" if parallel_calls(choice, parallel)
+             f"thought: {lit(CHANNEL + 'analysis' + MESSAGE)} thought_text {lit(START + 'assistant')}",
+             # lazy: the thought ends at its first <|end|> (a greedy run would take the "<" of it, and
+             # fail); a special token is no text, so THOUGHT never takes one (and a lazy rule, a
+             # lexeme, may not name one)
+             f"thought_text[lazy]: THOUGHT {lit(END)}" if lit(END) == literal(END) else f"thought_text: THOUGHT {lit(END)}",
+             f"calls: call ({lit(START + 'assistant')} call)*" if parallel_calls(choice, parallel)
              else "calls: call",
              "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-             *(f"call_{i}: {json.dumps(call_header(t.function.name))} "
-               f"%json {json.dumps({'x-guidance': JSON_LAYOUT, **schema})} {json.dumps(CALL)}"
+             *(f"call_{i}: {lit(call_header(t.function.name))} "
+               f"%json {json.dumps({'x-guidance': JSON_LAYOUT, **schema})} {lit(CALL)}"
                for i, (t, schema) in enumerate(zip(tools, arguments))),
-             f"answer: {json.dumps(CHANNEL + 'final' + MESSAGE)} ANSWER",
+             f"answer: {lit(CHANNEL + 'final' + MESSAGE)} ANSWER",
              r"THOUGHT: /([^<]|<[^|])*/",
              r"ANSWER: /[^<\s]([^<]|<[^|])*/"]
     return StructuredOutputs(grammar="\n".join(rules) + "\n")
@@ -269,13 +279,14 @@ class HarmonyToolFormat(ToolFormat):
     messages to functions.NAME under a grammar."""
 
     name = "harmony"
+    MARKERS = MARKERS  # the module's: every Harmony marker
 
     @classmethod
     def knows(cls, tokenizer: Tokenizer) -> bool:
         return knows(tokenizer)
 
     def constraint(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-        return constraint(tools, choice, parallel)
+        return constraint(tools, choice, parallel, self.special.lit)
 
     def template_messages(self, messages: list[Any], tools: list[Tool], choice: ToolChoice | None
                           ) -> list[dict[str, Any]]:

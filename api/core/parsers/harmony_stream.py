@@ -20,6 +20,7 @@ from dataclasses import dataclass
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 ENDS = (END, CALL, RETURN)
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)  # special tokens of gpt-oss's tokenizer
 OPENS = (CHANNEL, START, " to=")  # how a header may open: the reply's first one has no <|start|>
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>([^\s<]+)")

@@ -10,9 +10,9 @@ the model wrote), and tool results as `role: "tool"` messages, which it renders 
 The reply is constrained by a Lark grammar (llguidance's, each call's JSON under the function's
 closed schema): calls only under `required` or a named function, one call under a named function or
 without `parallel_tool_calls`; under `auto`, the calls or a plain answer that opens with neither
-"{" nor "<" nor a space, so that it cannot be read as a call. The grammar never writes
-<|python_tag|> (a special token of Llama's tokenizer, which the stream's decoding drops); a reply
-that has it as text is read all the same.
+"{" nor "<" nor a space, so that it cannot be read as a call. Where <|python_tag|> is a
+special token of the model's tokenizer (Llama's own), the grammar lets the calls open with it and
+the reply is decoded with it kept (base.Markers); a tokenizer without it never writes it as text.
 """
 from __future__ import annotations
 
@@ -65,10 +65,14 @@ def call_schema(schema: dict[str, Any]) -> dict[str, Any]:
             "properties": {"name": properties["name"], "parameters": properties["arguments"]}}
 
 
-def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-    """The reply's grammar: calls (of `tools`) separated by "; ", or under "auto" a plain answer instead."""
+def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool, tag: str | None = None
+               ) -> StructuredOutputs:
+    """The reply's grammar: calls (of `tools`) separated by "; ", or under "auto" a plain answer
+    instead; `tag`: <|python_tag|> as the grammar names it where it is a special token of the
+    model (then the calls may open with it, as Llama's own tokenizer lets the model write them)."""
     call = {"x-guidance": JSON_LAYOUT, "anyOf": [call_schema(s) for s in call_schemas(tools)]}
-    rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}",
+    opening = f"{tag}? " if tag else ""
+    rules = [f"start: {opening}calls{' | TEXT' if choice in (None, 'auto') else ''}",
              f"calls: call ({json.dumps(SEPARATOR)} call)*" if parallel_calls(choice, parallel) else "calls: call",
              f"call: %json {json.dumps(call)}",
              r"TEXT: /[^{<\s][\s\S]*/"]
@@ -140,13 +144,14 @@ class Llama3JsonFormat(ToolFormat):
     """Tools rendered by the chat template itself; calls as {"name", "parameters"} JSON under a grammar."""
 
     name = "llama3_json"
+    MARKERS = (PYTHON_TAG,)
 
     @classmethod
     def knows(cls, tokenizer: Tokenizer) -> bool:
         return knows(tokenizer)
 
     def constraint(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-        return constraint(tools, choice, parallel)
+        return constraint(tools, choice, parallel, self.special.lit(PYTHON_TAG) if self.special.ids else None)
 
     def template_messages(self, messages: list[Any], tools: list[Tool], choice: ToolChoice | None
                           ) -> list[dict[str, Any]]:

@@ -5,8 +5,10 @@ calls after a `[TOOL_CALLS]` marker. Mistral's models write them in one of two f
                                                [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}
 Which one a model writes is its template's: the one that renders earlier calls with `[ARGS]` (and
 perhaps `[CALL_ID]`) is v11. A format is chosen per served model but is one object for all of them
-(registry.py), and its constraint, prompt and parser take no tokenizer, so each form is a format of
+(registry.py), and its constraint, prompt and parser read no template, so each form is a format of
 its own: `mistral` and `mistral_v11`, each certain (`knows`) only of its own form's templates.
+[TOOL_CALLS], [ARGS] and [CALL_ID] are special tokens of Mistral's own tokenizers: there the grammar
+names them by id and the reply is decoded with them kept (base.Markers).
 
 The tools go to the template as OpenAI's `tools` list. Earlier calls go back with ids of 9 letters
 and digits, as the templates require (OpenAI's `call_...` ids are shortened, the same way for a call
@@ -24,10 +26,11 @@ import hashlib
 import json
 import re
 import string
+from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from api.core.parsers.base import ToolFormat
+from api.core.parsers.base import ToolFormat, literal
 from api.core.parsers.registry import register
 from api.core.parsers.tool_calls import ToolCallParser
 from api.core.parsers.tool_stream import ToolCallStream, raw_name
@@ -35,6 +38,7 @@ from api.core.tools import NO_PARAMETERS, Tool, ToolChoice, arguments_of, call_s
     parallel_calls
 from shared.structured import JSON_LAYOUT, StructuredOutputs
 
+ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
 MARKER = "[TOOL_CALLS]"  # a call reply opens with it; held while the reply may still be its start (ToolCallParser)
 # A v11 call's head, whole: the name (OpenAI's names are [A-Za-z0-9_-]), a call id where the model
 # writes one (v13 templates render [CALL_ID] in earlier turns), then its arguments' object opens.
@@ -83,20 +87,22 @@ def _text_not_opening_with(marker: str) -> str:
                     for i, c in enumerate(marker))
 
 
-def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool, form: str) -> StructuredOutputs:
-    """The reply's grammar: calls (of `tools`) in `form`, or under "auto" a plain answer instead."""
+def constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool, form: str,
+               lit: Callable[[str], str] = literal) -> StructuredOutputs:
+    """The reply's grammar: calls (of `tools`) in `form`, or under "auto" a plain answer instead;
+    `lit` writes a literal (its markers by token id, where they are special tokens: Markers)."""
     many = parallel_calls(choice, parallel)
     rules = [f"start: calls{' | TEXT' if choice in (None, 'auto') else ''}"]
     if form == LIST:
         call = {"x-guidance": JSON_LAYOUT, "anyOf": call_schemas(tools)}
         more = ' (", " call)*' if many else ""
-        rules += [f'calls: {json.dumps(MARKER)} " "? "[" call{more} "]"', f"call: %json {json.dumps(call)}"]
+        rules += [f'calls: {lit(MARKER)} " "? "[" call{more} "]"', f"call: %json {json.dumps(call)}"]
     else:
         rules += ["calls: call+" if many else "calls: call",
-                  f"call: {json.dumps(MARKER)} ({' | '.join(f'args_{i}' for i in range(len(tools)))})"]
+                  f"call: {lit(MARKER)} ({' | '.join(f'args_{i}' for i in range(len(tools)))})"]
         for i, tool in enumerate(tools):
             schema = {**closed(tool.function.parameters or NO_PARAMETERS), "x-guidance": JSON_LAYOUT}
-            rules.append(f"args_{i}: {json.dumps(tool.function.name + '[ARGS]')} %json {json.dumps(schema)}")
+            rules.append(f"args_{i}: {lit(tool.function.name + ARGS)} %json {json.dumps(schema)}")
     rules.append(f"TEXT: /{_text_not_opening_with(MARKER)}/")
     return StructuredOutputs(grammar="\n".join(rules) + "\n")
 
@@ -196,13 +202,14 @@ class MistralFormat(ToolFormat):
 
     name = "mistral"
     form: ClassVar[str] = LIST
+    MARKERS = (MARKER, ARGS, CALL_ID)  # special tokens of Mistral's own tokenizers
 
     @classmethod
     def knows(cls, tokenizer: Tokenizer) -> bool:
         return template_form(tokenizer) == cls.form
 
     def constraint(self, tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> StructuredOutputs:
-        return constraint(tools, choice, parallel, self.form)
+        return constraint(tools, choice, parallel, self.form, self.special.lit)
 
     def template_messages(self, messages: list[Any], tools: list[Tool], choice: ToolChoice | None
                           ) -> list[dict[str, Any]]:

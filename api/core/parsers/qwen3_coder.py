@@ -19,6 +19,7 @@ values' texts, as the model wrote them.
 """
 from __future__ import annotations
 
+import copy
 import json
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -186,7 +187,9 @@ class Qwen3CoderFormat(ToolFormat):
         return knows(tokenizer)
 
     def bind(self, tools: list[Tool]) -> Qwen3CoderFormat:
-        return Qwen3CoderFormat({tool.function.name: kinds_of(tool) for tool in tools})
+        bound = copy.copy(self)  # this model's, as for_tokenizer made it
+        bound.kinds_by_name = {tool.function.name: kinds_of(tool) for tool in tools}
+        return bound
 
     def kinds(self, name: str) -> dict[str, str] | None:
         return self.kinds_by_name.get(name)

@@ -138,7 +138,7 @@ def choose(setting: str, model: str, tokenizer: Tokenizer) -> ThinkFormat | Harm
         name = pairs.get(model, AUTO)
     template = tokenizer.chat_template or ""
     if name == "harmony" or (name == AUTO and CLOSE not in template and is_harmony(template)):
-        return HarmonyFormat()
+        return HarmonyFormat.of(tokenizer)
     if name == NONE or (name == AUTO and CLOSE not in template):
         return None
     return ThinkFormat()

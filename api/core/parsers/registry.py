@@ -52,9 +52,9 @@ def choose(setting: str, model: str, tokenizer: Tokenizer) -> ToolFormat:
         pairs = dict(_pair(part) for part in name.split(",") if part.strip())
         name = pairs.get(model, AUTO)
     if name != AUTO:
-        return get(name)
+        return get(name).for_tokenizer(tokenizer)
     found = [f for key, f in sorted(_FORMATS.items()) if key != FALLBACK and f.knows(tokenizer)]
-    return found[0] if found else _FORMATS[FALLBACK]
+    return (found[0] if found else _FORMATS[FALLBACK]).for_tokenizer(tokenizer)
 
 
 def _pair(part: str) -> tuple[str, str]:
