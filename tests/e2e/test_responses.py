@@ -253,7 +253,8 @@ def test_store_false_keeps_nothing(client, model):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, None),
+    ({"input": "x", "reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "background": True, "store": False}, None),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -6,7 +6,7 @@ function tools chat tools, `text.format` a response_format. So tools, constraint
 are the chat endpoint's, with its checks.
 
 What would change the output and is not implemented is a 400 naming it (built-in tools,
-`reasoning`, `include` values, `truncation: auto`, ...); what cannot change it (`user`,
+reasoning summaries, `include` values, `truncation: auto`, ...); what cannot change it (`user`,
 `stream_options`, ...) is accepted and dropped, as the chat endpoint does. `service_tier` is the
 chat endpoint's, and the response names the tier that served it.
 """
@@ -26,7 +26,7 @@ from shared.sampling import MAX_TOKEN_ID
 # Fields that change no generated token: accepted and dropped.
 IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "stream_options"})
 # Fields OpenAI has that would change the output, and this server does not implement.
-UNSUPPORTED = {"reasoning": "reasoning settings", "prompt": "stored prompts", "conversation": "conversations",
+UNSUPPORTED = {"prompt": "stored prompts", "conversation": "conversations",
                "max_tool_calls": "max_tool_calls", "top_logprobs": "top_logprobs", "context_management": "compaction"}
 
 TEXT_PARTS = ("input_text", "output_text")
@@ -156,6 +156,25 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None  # the model's own length: only the default is honoured
 
 
+class ReasoningConfig(BaseModel):
+    """OpenAI's `reasoning`: the effort reaches the chat template as `reasoning_effort` (the chat
+    endpoint's field; templates that read it, such as gpt-oss's). Summaries are not written (a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: None = Field(None, description="not supported: the thought comes back whole, as reasoning_text")
+    generate_summary: None = Field(None, description="not supported (OpenAI's older name of summary)")
+
+    @field_validator("summary", "generate_summary", mode="before")
+    @classmethod
+    def _no_summary(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("reasoning summaries are not written by this server (the thought comes back whole, "
+                             "as a reasoning item's reasoning_text)")
+        return None
+
+
 class ResponseCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -176,6 +195,7 @@ class ResponseCreate(BaseModel):
     previous_response_id: str | None = Field(None, max_length=128)
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
     # streamq's, as on the chat endpoint: a priority within the tenant, a backend to run on
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     backend: Literal["hf", "vllm", "null"] | None = None
@@ -269,6 +289,8 @@ class ResponseCreate(BaseModel):
                                 "temperature": self.temperature, "top_p": self.top_p,
                                 "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
                                 "backend": self.backend, "service_tier": self.service_tier}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
