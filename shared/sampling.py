@@ -36,17 +36,24 @@ LogitsProcessor = BanTokens
 
 class ThinkingBudget(BaseModel):
     """A thinking model's budget: once the reply has `tokens` tokens and its thought is still open,
-    the tokens of `end` (the end-of-thought tag) are forced, one a step, and the answer follows."""
+    the tokens of `end` (the end-of-thought tag) are forced, one a step, and the answer follows.
+    With `start` (Harmony's `<|channel|>analysis<|message|>`): only a reply that opens with it has
+    a thought, and its tokens are counted from after it."""
 
     model_config = ConfigDict(extra="forbid")
 
     tokens: int = Field(ge=1, le=MAX_TOKEN_ID)
-    end: list[TokenId] = Field(min_length=1, max_length=32)
+    end: list[TokenId] = Field(min_length=1, max_length=64)
+    start: list[TokenId] = Field(default_factory=list, max_length=64)
 
     def forced(self, output_ids: list[int]) -> int | None:
-        """The token the budget forces next after `output_ids`, or None: the thought has closed,
-        or the budget is not spent yet. A close already begun (a prefix of `end` ending the output)
-        goes on where it is."""
+        """The token the budget forces next after `output_ids`, or None: the thought has closed
+        (or, with `start`, never opened), or the budget is not spent yet. A close already begun (a
+        prefix of `end` ending the output) goes on where it is."""
+        if self.start:
+            if output_ids[:len(self.start)] != self.start:
+                return None
+            output_ids = output_ids[len(self.start):]
         end, n = self.end, len(output_ids)
         if _holds(output_ids, end):
             return None

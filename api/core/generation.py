@@ -25,6 +25,7 @@ from api.core.grammar_pool import GrammarPool
 from api.core.limits import Limits
 from api.core.parsers import registry
 from api.core.parsers.reasoning import CLOSE, OPEN, ThinkFormat
+from api.core.parsers.harmony import harmony_budget
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from api.core.tokenize_pool import TokenizePool
@@ -234,14 +235,20 @@ class Generation:
         if prompt.reasoning is None:
             raise ApiError(400, f"{prompt.thinking_param}: {self.model_name!r} does not think aloud (no reasoning "
                                 "parser reads its replies: STREAMQ_REASONING_PARSER)", param=prompt.thinking_param)
-        if not isinstance(prompt.reasoning, ThinkFormat):
-            raise ApiError(400, f"{prompt.thinking_param}: a budget closes a <think> thought; this model thinks "
-                                "on Harmony's analysis channel, which no budget closes yet", param=prompt.thinking_param)
         if not any(w.pools for w in await self.live_workers()):
             raise ApiError(400, f"{prompt.thinking_param} runs on the built-in engine; no live worker of "
                                 f"{self.model_name!r} has it", param=prompt.thinking_param)
-        budget = ThinkingBudget(tokens=prompt.thinking_budget,
-                                end=self.tokenizer.encode(CLOSE, add_special_tokens=False))
+        if isinstance(prompt.reasoning, ThinkFormat):
+            budget = ThinkingBudget(tokens=prompt.thinking_budget,
+                                    end=self.tokenizer.encode(CLOSE, add_special_tokens=False))
+        else:  # Harmony: a reply that opens on the analysis channel is closed into the next message
+            if not getattr(prompt.reasoning, "keeps_special_tokens", False):
+                raise ApiError(400, f"{prompt.thinking_param}: a budget on Harmony reads its markers as tokens, and this "
+                                    "model's tokenizer spells them as text (gpt-oss's own has them as special tokens)",
+                               param=prompt.thinking_param)
+            start, end = harmony_budget(calls=prompt.tool_format is not None)
+            budget = ThinkingBudget(tokens=prompt.thinking_budget, start=self.tokenizer.encode(start, add_special_tokens=False),
+                                    end=self.tokenizer.encode(end, add_special_tokens=False))
         prompt.samples = [p.model_copy(update={"thinking_budget": budget}) for p in prompt.samples]
 
     def reasoning_of(self, prompt_ids: list[int]) -> ThinkFormat:

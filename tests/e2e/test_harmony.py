@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -261,3 +262,11 @@ def test_a_tool_round_trip_through_the_messages_api(stack):
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens > (
         first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens // 2)
+
+
+def test_a_thinking_budget_needs_the_markers_as_tokens(client, model):
+    """This tokenizer spells Harmony's markers as text: a budget could not read where the thought
+    opens, so it is refused rather than dropped (tests/e2e/test_tool_markers.py enforces one)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body={"thinking_token_budget": 8})
+    assert refused.value.body["param"] == "thinking_token_budget" and "special tokens" in refused.value.body["message"]

@@ -111,3 +111,32 @@ def test_the_api_chose_each_templates_format_with_its_markers_as_tokens(served):
         tool_format = registry.choose(registry.AUTO, name, Tokenizer(folders[name]))
         assert tool_format.name == chosen and set(tool_format.special.ids) == set(markers)
         assert tool_format.keeps_special_tokens
+
+
+def _harmony_grammar(tokenizer: Tokenizer) -> str:
+    """A user's Lark grammar writing a Harmony thought then an answer, the markers as tokens."""
+    ids = {m: f"<[{tokenizer.special_tokens[m]}]>" for m in harmony.FORMAT.MARKERS}
+    return (f'start: {ids["<|channel|>"]} "analysis" {ids["<|message|>"]} THOUGHT {ids["<|end|>"]} '
+            f'{ids["<|start|>"]} "assistant" {ids["<|channel|>"]} "final" {ids["<|message|>"]} ANSWER\n'
+            'THOUGHT: /[a-z ]+/\nANSWER: /[a-z]{3,8}/\n')
+
+
+@pytest.mark.parametrize("budget", [3, 7])
+def test_a_thinking_budget_closes_a_harmony_thought(served, budget):
+    """The thought may not end by itself (its end token biased away): without a budget it runs to
+    max_tokens; with one, <|end|> and the final message's header are forced after `budget` tokens
+    of thought, and the answer follows."""
+    client, folders = served
+    tokenizer = Tokenizer(folders["gpt-oss"])
+    ask = {"model": "gpt-oss", "messages": ASK, "temperature": 0, "max_tokens": 60,
+           "logit_bias": {str(tokenizer.special_tokens["<|end|>"]): -100},
+           "extra_body": {"structured_outputs": {"grammar": _harmony_grammar(tokenizer)}}}
+    free = client.chat.completions.create(**ask).choices[0]
+    assert free.finish_reason == "length" and not free.message.content
+    ask["extra_body"] = {**ask["extra_body"], "thinking_token_budget": budget}
+    reply = client.chat.completions.create(**ask)
+    choice = reply.choices[0]
+    thought = choice.message.to_dict()["reasoning_content"]
+    assert choice.finish_reason == "stop" and choice.message.content and thought
+    assert len(tokenizer.encode(thought, add_special_tokens=False)) <= budget
+    assert free.message.to_dict()["reasoning_content"].startswith(thought)  # the same thought, cut

@@ -202,3 +202,15 @@ def test_the_thinking_budget_lets_a_close_begun_by_the_model_go_on():
     assert budget.forced([1, 2, 7]) is None  # begun before the budget: the model's own
     assert budget.forced([1, 2, 3, 4, 7]) == 8 and budget.forced([1, 2, 3, 4, 7, 8]) == 9
     assert budget.forced([1, 2, 3, 7, 5]) == 7  # a false start, and the budget is spent
+
+
+def test_a_budget_with_a_start_counts_only_a_reply_that_opens_with_it():
+    """Harmony's: a reply that opens on the analysis channel ([5, 6] here) has a thought, counted
+    from after its opening; one that opens on another channel has none to close."""
+    from shared.sampling import ThinkingBudget
+
+    budget = ThinkingBudget(tokens=2, start=[5, 6], end=[7, 8])
+    assert budget.forced([5]) is None and budget.forced([5, 6, 1]) is None  # opening, then within the budget
+    assert budget.forced([5, 6, 1, 1]) == 7 and budget.forced([5, 6, 1, 1, 7]) == 8
+    assert budget.forced([5, 6, 1, 1, 7, 8, 1, 1, 1]) is None  # closed: the answer runs free
+    assert budget.forced([5, 9, 1, 1, 1]) is None and budget.forced([1, 1, 1, 1]) is None  # no thought opened

@@ -140,6 +140,16 @@ def _knows(tokenizer: Tokenizer, template: str | None) -> bool:
     return f"type {_PROBE['function']['name']}" in rendered and "namespace functions" in rendered
 
 
+def harmony_budget(calls: bool) -> tuple[str, str]:
+    """What a thinking budget reads of a Harmony reply: the analysis message's opening (a reply
+    that opens otherwise has no thought to close), and the text it forces once the budget is spent:
+    the message's end and the next message's start, then under tools no more (the tool grammar
+    lets the model call or answer, never think again), else the final channel (a free reply could
+    open a second analysis message)."""
+    after = START + "assistant" + ("" if calls else CHANNEL + "final" + MESSAGE)
+    return CHANNEL + "analysis" + MESSAGE, END + after
+
+
 def call_header(name: str) -> str:
     """A call's header as the grammar writes it (the reply's first message: no <|start|>)."""
     return f"{CHANNEL}commentary to=functions.{name} <|constrain|>json{MESSAGE}"
