@@ -19,7 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
 from worker.model.model_loader import load_model
 from worker.model.model_runner import PagedRunner
-from worker.engine.pooling import PoolJob, pick
+from worker.engine.pooling import PoolJob, Shares
 
 TEXTS = ["the cat sat on the mat", "a", "streams of tokens flow through the cache of many workers at once",
          "embeddings are the mean of the last hidden states", "Paris is the capital of France"]
@@ -150,13 +150,14 @@ def test_plan_keeps_to_the_budget_the_free_blocks_and_one_task():
     blocks = BlockManager(num_blocks=6, block_size=4)
     embed = PoolJob.of(pool_payload("e", [[1] * 8, [2] * 8, [3] * 8], task="embed"))
     score = PoolJob.of(pool_payload("s", [[1] * 3], task="score", candidates=[1, 2]))
-    picked = pick([embed, score], blocks, max_tokens=12)
+    pick = Shares().pick
+    picked = pick([embed, score], 12, blocks)
     assert [(job.id, i) for job, i in picked] == [("e", 0)]  # a second input would pass 12 tokens
-    picked = pick([embed, score], blocks, max_tokens=100)
+    picked = pick([embed, score], 100, blocks)
     assert [(job.id, i) for job, i in picked] == [("e", 0), ("e", 1), ("e", 2)]  # 6 blocks; not the score
-    assert pick([score, embed], blocks, max_tokens=100)[0][0] is score
+    assert pick([score, embed], 100, blocks)[0][0] is score
     blocks.append_slots("busy", 24)
-    assert pick([embed], blocks, max_tokens=100) == []  # waits for blocks
+    assert pick([embed], 100, blocks) == []  # waits for blocks
 
 
 @pytest.mark.parametrize("isa", ["auto", "portable"])
@@ -246,3 +247,40 @@ def test_prompt_logprobs_equal_transformers(model_dir, path):
         values, top_ids = want.topk(top, dim=-1)
         np.testing.assert_array_equal(rows[:, 2::2], top_ids.numpy())
         np.testing.assert_allclose(rows[:, 3::2], values.numpy(), atol=1e-4)
+
+
+def _job(rid: str, inputs: int, tenant: str, length: int = 4, **extra) -> PoolJob:
+    payload = pool_payload(rid, [[1] * length] * inputs, task="embed")
+    return PoolJob.of(payload.model_copy(update={"tenant": tenant, **extra}))
+
+
+def test_a_tenants_long_job_shares_each_step_with_another_tenants_input():
+    """Tenant a's 64 inputs came first; b's one input, queued behind them, runs in the very next
+    step (in arrival order it would wait for a's whole job), and a's inputs stay in order."""
+    shares = Shares()
+    flood, single = _job("flood", 64, "a"), _job("single", 1, "b")
+    picked = shares.pick([flood, single], max_tokens=16)
+    assert [(job.id, i) for job, i in picked] == [("flood", 0), ("single", 0), ("flood", 1), ("flood", 2)]
+
+
+def test_tenants_share_by_weight_and_a_better_tier_goes_first():
+    shares = Shares()
+    heavy, light = _job("heavy", 30, "a", weight=3.0), _job("light", 30, "b")
+    picked = shares.pick([light, heavy], max_tokens=4 * 16)
+    assert sum(job is heavy for job, _ in picked) == 12 and sum(job is light for job, _ in picked) == 4
+    flex, priority = _job("flex", 8, "a", service_tier="flex"), _job("prio", 2, "b", service_tier="priority")
+    picked = Shares().pick([flex, priority], max_tokens=12)
+    assert [job.id for job, _ in picked] == ["prio", "prio", "flex"]
+
+
+def test_an_idle_tenant_saves_no_credit():
+    """b was idle while a ran alone: when b comes, it starts at the clock, not at zero, so a is
+    not shut out until b has caught up."""
+    shares = Shares()
+    alone = _job("alone", 40, "a")
+    for _ in range(5):
+        for job, _ in shares.pick([alone], max_tokens=16):
+            job.results.append("")
+    late = _job("late", 40, "b")
+    picked = shares.pick([alone, late], max_tokens=32)
+    assert {job.id for job, _ in picked} == {"alone", "late"}

@@ -76,6 +76,7 @@ class Engine(BaseEngine):
         self._waiting: list[Sequence] = []
         self._pool_arrivals: list[PoolJob] = []  # pooling requests (embeddings, rerank) added since the last step
         self._pools: list[PoolJob] = []  # ... and those the steps run, oldest first (model thread only)
+        self._shares = pooling.Shares()  # which of their inputs run next: tenants' fair shares
 
     # -- called from the asyncio side ------------------------------------------------------
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence | PoolJob:
@@ -191,7 +192,7 @@ class Engine(BaseEngine):
                                                               f"than this worker's, which holds {most} tokens"))
             else:
                 self._pools.append(job)
-        picked = pooling.pick(self._pools, self.batcher.blocks, self.batcher.max_num_batched_tokens)
+        picked = self._shares.pick(self._pools, self.batcher.max_num_batched_tokens, self.batcher.blocks)
         if not picked:
             return outputs
         stamp = now()

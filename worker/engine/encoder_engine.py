@@ -1,6 +1,6 @@
 """The engine of an encoder model (embeddings, cross-encoder scores): a step packs the next
-inputs of the waiting pooling requests, in arrival order, up to the step's token budget (at
-least one input, however long), runs them in one forward of the encoder (worker/model/encoders.py)
+inputs of the waiting pooling requests, in the tenants' fair shares (pooling.Shares), up to the
+step's token budget (at least one input, however long), runs them in one forward of the encoder (worker/model/encoders.py)
 and ends the requests whose every input is done. There is no KV cache: an input is seen once.
 
 A generation sent to it ends at once with an error (the api refuses one before queueing it).
@@ -34,6 +34,7 @@ class EncoderEngine(BaseEngine):
         self._arrivals: list[PoolJob] = []  # added since the last step (the asyncio side writes it)
         self._jobs: list[PoolJob] = []  # those the steps run, oldest first (model thread only)
         self._refused: list[Sequence] = []  # generations, ended at the next step
+        self._shares = pooling.Shares()
 
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence | PoolJob:
         if payload.pool is None:
@@ -96,16 +97,9 @@ class EncoderEngine(BaseEngine):
         return outputs
 
     def _pick(self) -> list[tuple[PoolJob, int]]:
-        """The next inputs, in arrival order, as many as the token budget holds (the first always)."""
-        picked, tokens = [], 0
-        for job in self._jobs:
-            for i in range(len(job.results), job.size):
-                n = job.length(i)
-                if picked and tokens + n > self.max_num_batched_tokens:
-                    return picked
-                picked.append((job, i))
-                tokens += n
-        return picked
+        """The next inputs, as many as the token budget holds (the first always), in the tenants'
+        fair shares (pooling.Shares)."""
+        return self._shares.pick(self._jobs, self.max_num_batched_tokens)
 
     def _run(self, picked: list[tuple[PoolJob, int]]) -> None:
         inputs = [(job.tokens(i), len(job.head) if job.task == "classify" else job.length(i)) for job, i in picked]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.messages import FinishReason, RequestPayload
+from shared import service_tier
 from shared.queue import lane_of
 from worker.model.batch import Chunk, SchedulerOutput
 from worker.engine.block_manager import BlockManager
@@ -42,12 +43,18 @@ class PoolJob:
     top: int = 0  # logprobs: the most likely tokens given at each position
     results: list[str] = field(default_factory=list)  # base64 float32, one per input done, in order
     scheduled_at: float | None = None
+    tenant: str = ""  # for its tenant's fair share of the steps (Shares)
+    weight: float = 1.0
+    priority: int = 0
+    tier: int = service_tier.RANK["default"]
 
     @classmethod
     def of(cls, payload: RequestPayload) -> PoolJob:
         spec = payload.pool
         return cls(payload.id, spec.task, payload.pool_inputs(), spec.normalize, spec.candidates,
-                   payload.created_at, lane_of(payload), spec.head, spec.tail, spec.skips, spec.top)
+                   payload.created_at, lane_of(payload), spec.head, spec.tail, spec.skips, spec.top,
+                   tenant=payload.tenant, weight=payload.weight, priority=payload.priority,
+                   tier=service_tier.RANK[payload.service_tier])
 
     @property
     def size(self) -> int:
@@ -121,21 +128,54 @@ def encode_floats(values: torch.Tensor) -> str:
     return base64.b64encode(values.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()).decode()
 
 
-def pick(jobs: list[PoolJob], blocks: BlockManager, max_tokens: int) -> list[tuple[PoolJob, int]]:
-    """The next inputs to run, in arrival order, of one task, as the step's token budget and the
-    free cache blocks allow; always the first one where its blocks are free, however long it is."""
-    picked, tokens, needed = [], 0, 0
-    for job in jobs:
-        if picked and job.task != picked[0][0].task:  # one forward gives hidden states or logits
-            continue
-        for i in range(len(job.results), job.size):
-            n = job.length(i)
-            more = -(-n // blocks.block_size)
-            if needed + more > blocks.num_free or (picked and tokens + n > max_tokens):
-                return picked
+class Shares:
+    """Which pooling inputs run next, as the fair queue orders generations (worker/engine/fair_queue.py):
+    by service tier, then in weighted fair share between tenants, within a tenant by priority, then
+    arrival. Each tenant has a virtual time, the pooled tokens run for it over its weight; the next
+    input is the next one of the tenant with the least, so one tenant's rerank of 256 documents
+    shares every step with another's single embedding rather than going first whole. A tenant that
+    was idle starts at the current clock: idleness is not saved up as credit. Model thread only."""
+
+    def __init__(self) -> None:
+        self._vtime: dict[str, float] = {}
+        self._clock = 0.0
+        self._busy: set[str] = set()  # tenants with inputs left at the last pick
+
+    def pick(self, jobs: list[PoolJob], max_tokens: int, blocks: BlockManager | None = None
+             ) -> list[tuple[PoolJob, int]]:
+        """The next forward's inputs, of one task (a forward gives hidden states or logits), as the
+        step's token budget and the free cache blocks (the paged engine's) allow: always the first,
+        however long, where its blocks are free. `jobs` in arrival order; a job's inputs go in order."""
+        queues: dict[str, list[PoolJob]] = {}
+        for job in sorted((j for j in jobs if not j.done), key=lambda j: j.priority):  # stable: then arrival
+            queues.setdefault(job.tenant, []).append(job)
+        for tenant in queues.keys() - self._busy:
+            self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), self._clock)
+        self._busy = set(queues)
+        following = {id(job): len(job.results) for jobs_ in queues.values() for job in jobs_}
+        picked: list[tuple[PoolJob, int]] = []
+        tokens = needed = 0
+        while queues:
+            tenant = min(queues, key=lambda t: (min(j.tier for j in queues[t]), self._vtime[t], t))
+            queue = queues[tenant]
+            job = next((j for j in queue if not picked or j.task == picked[0][0].task), None)
+            if job is None:  # only inputs of another task: for a later forward
+                del queues[tenant]
+                continue
+            i, n = following[id(job)], job.length(following[id(job)])
+            more = -(-n // blocks.block_size) if blocks is not None else 0
+            if (blocks is not None and needed + more > blocks.num_free) or (picked and tokens + n > max_tokens):
+                break
             picked.append((job, i))
             tokens, needed = tokens + n, needed + more
-    return picked
+            self._clock = max(self._clock, self._vtime[tenant])
+            self._vtime[tenant] += n / job.weight
+            following[id(job)] += 1
+            if following[id(job)] == job.size:
+                queue.remove(job)
+                if not queue:
+                    del queues[tenant]
+        return picked
 
 
 def run(picked: list[tuple[PoolJob, int]], blocks: BlockManager, execute) -> None:
