@@ -187,6 +187,16 @@ class RequestPayload(Versioned):
     adapter_revision: int | None = Field(None, ge=0)
     adapter_path: str | None = Field(None, min_length=1, max_length=4096)
     pool: PoolSpec | None = None  # an embeddings or rerank request (None: a generation)
+    # Its images, in the prompt's order: the sha256 of each one's bytes, kept in Redis
+    # (redis_keys.image) for every worker that may run it (a vision-language model's request)
+    images: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("images")
+    @classmethod
+    def _sha256s(cls, value: list[str]) -> list[str]:
+        if any(len(h) != 64 or any(c not in "0123456789abcdef" for c in h) for h in value):
+            raise ValueError("an image is named by the sha256 of its bytes (64 lower-case hex digits)")
+        return value
 
     @model_validator(mode="after")
     def _pool_inputs_add_up(self) -> RequestPayload:

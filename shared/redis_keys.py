@@ -116,6 +116,13 @@ def kv_blocks_lru(prefix: str, space: str) -> str:
     return f"{prefix}:kv:{space}:lru"
 
 
+def image(prefix: str, sha256: str) -> str:
+    """String: an image's bytes as a request sent them (base64: the clients decode replies as text), named by their sha256 (one copy however
+    many requests send it), kept RESULT_TTL_S from its latest request, so a worker that takes a
+    request over has its images too."""
+    return f"{prefix}:image:{sha256}"
+
+
 def request_record(prefix: str, request_id: str) -> str:
     """Hash: status, tenant, params, timestamps, worker, usage, finish reason, error; its fields are
     named in shared/request_record.py."""

@@ -114,7 +114,13 @@ class ApiSettings(CommonSettings):
         description="Lease of an open stream's slot in Redis: its replica renews it every third of this, so the "
                     "slots of a replica that dies free themselves this long after.")
     max_body_bytes: int = Field(1_000_000, ge=1024, le=100_000_000,
-                                description="Largest request body accepted (413 past it).")
+                                description="Largest request body accepted (413 past it); images come inside it.")
+    image_max_images: int = Field(16, ge=1, le=64, description="Most images one request may carry (400 past it).")
+    image_max_bytes: int = Field(20_000_000, ge=1024, le=100_000_000,
+                                 description="Largest image, in bytes as sent (413 past it; the body cap holds too).")
+    image_max_pixels: int = Field(25_000_000, ge=1, le=400_000_000,
+                                  description="Most pixels of one image (400 past it), read from its header before "
+                                              "its pixels are decoded.")
     files_max_bytes: int = Field(50_000_000, ge=1024, le=512_000_000,
                                  description="Largest file POST /v1/files accepts (413 past it); kept in Redis.")
     files_tenant_max_bytes: int = Field(200_000_000, ge=1024, le=100_000_000_000,

@@ -18,8 +18,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.decoders import DecodeStream
 
-from shared import pooling_model
+from shared import pooling_model, vision_model
 from shared.pooling_model import PoolingModel
+from shared.vision_model import VisionModel
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ class Tokenizer:
         except pooling_model.UnsupportedEncoder as exc:  # no worker serves it either: it refuses to start
             log.warning("%s", exc)
             self.pooling = None
+        try:  # a vision-language model: how many tokens an image is (shared/vision_model.py)
+            self.vision: VisionModel | None = vision_model.read(folder)
+        except vision_model.UnsupportedVision as exc:  # no worker serves it either
+            log.warning("%s", exc)
+            self.vision = None
         self.context_length = served_context(model_config)
         if self.pooling is not None and self.pooling.max_seq_length:
             self.context_length = min(self.context_length, int(self.pooling.max_seq_length))
@@ -165,7 +171,10 @@ def served_context(model_config: dict[str, Any]) -> int:
     """The positions a request may use: the model's context. Sliding-window layers (Mistral,
     Phi-3, Qwen2 with use_sliding_window, Gemma 3's local layers) are served with their window
     applied, on either engine, so a window shorter than the context limits nothing."""
-    return int(model_config.get("max_position_embeddings") or model_config.get("n_positions") or 2048)
+    for config in (model_config, model_config.get("text_config") or {}):  # a vision-language model's is its text model's
+        if limit := config.get("max_position_embeddings") or config.get("n_positions"):
+            return int(limit)
+    return 2048
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from shared import pooling_model, redis_keys
+from shared import pooling_model, redis_keys, vision_model
 from shared.atomic_folder import atomic_folder
 from shared.model_source import ModelNotFound
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # (context length, EOS ids): the files a worker publishes.
 API = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CONFIG = ("config.json", "generation_config.json")
-FILES = API + CONFIG + (pooling_model.PUBLISHED,)
+FILES = API + CONFIG + (pooling_model.PUBLISHED, *vision_model.FILES)
 # The tokenizer as transformers saves it (vLLM reads the special tokens' map too): what goes beside
 # weights written into a folder of their own.
 TOKENIZER = (*API, "special_tokens_map.json")
@@ -40,7 +40,7 @@ SOURCES = ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "
 SENTENCE_TRANSFORMERS = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
                          "*_Pooling/config.json", "*_Dense/config.json")
 # What the api needs of a hub repo.
-HUB = CONFIG + TOKENIZER + SOURCES + SENTENCE_TRANSFORMERS
+HUB = CONFIG + TOKENIZER + SOURCES + SENTENCE_TRANSFORMERS + vision_model.FILES
 
 
 def has_tokenizer(folder: Path) -> bool:

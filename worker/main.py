@@ -85,7 +85,14 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
         if settings.speculative.method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
         pad = next(iter(tokenizer.eos_token_ids), 0)
-        return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, batching.batch_size)
+        processor = None
+        if tokenizer.vision is not None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(weights_dir(settings)).image_processor
+            log.info("a vision-language model (%s): %d tokens an image", tokenizer.vision.family,
+                     tokenizer.vision.tokens_per_image)
+        return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, batching.batch_size, processor)
     blocks = num_kv_blocks(cache, batching, model, dtype)
     batch = batch_for_cache(batching, cache, blocks)
     budget = max(batch, batching.max_num_batched_tokens)

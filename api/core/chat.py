@@ -167,12 +167,44 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
+            if part.get("type") == "image_url":
+                raise ValueError("an image goes in a user message, in a request without tools")
             if part.get("type") != "text":
-                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text and image_url)")
             if not isinstance(part.get("text", ""), str):
                 raise ValueError("a text content part's 'text' must be a string")
             parts.append(part.get("text", ""))
         return "".join(parts)
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts (OpenAI's `image_url`: {"url", "detail"}, or the URL alone), in order."""
+        if not isinstance(self.content, list):
+            return []
+        urls = []
+        for part in self.content:
+            if part.get("type") != "image_url":
+                continue
+            image = part.get("image_url")
+            image = {"url": image} if isinstance(image, str) else image
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                raise ValueError("an image_url part needs image_url.url (a data URL)")
+            if image.get("detail") not in (None, "auto"):
+                raise ValueError(f"image_url.detail {image['detail']!r} is not supported: an image goes in at its "
+                                 "model's own resolution (detail 'auto')")
+            urls.append(image["url"])
+        return urls
+
+    def template_parts(self) -> list[dict[str, str]]:
+        """Its content as a vision model's chat template reads it: text and image parts in order."""
+        parts = []
+        for part in self.content if isinstance(self.content, list) else [{"type": "text", "text": self.text()}]:
+            if part.get("type") == "image_url":
+                parts.append({"type": "image"})
+            elif part.get("type") == "text" and isinstance(part.get("text", ""), str):
+                parts.append({"type": "text", "text": part.get("text", "")})
+            else:
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text and image_url)")
+        return parts
 
 
 class ChatRequest(SamplingFields):
@@ -259,11 +291,26 @@ class ChatRequest(SamplingFields):
             return None
         return self._format.template_tools(chosen(self.tools, self.tool_choice))
 
+    def images(self) -> list[tuple[str, str]]:
+        """Its image parts, (where in the body, URL) in the prompt's order: in user messages only."""
+        out = []
+        for i, message in enumerate(self.messages):
+            urls = message.image_urls()
+            if urls and message.role != "user":
+                raise ValueError(f"messages[{i}]: images go in user messages, not {message.role} ones")
+            out += [(f"messages[{i}] image {k + 1}", url) for k, url in enumerate(urls)]
+        return out
+
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation for the chat template, in the reply's tool format (the generic one
-        renders earlier calls, and describes the tools in a system message)."""
+        renders earlier calls, and describes the tools in a system message); a message with images
+        as parts (text and `{"type": "image"}`), as vision models' templates read them."""
+        with_images = [bool(m.image_urls()) for m in self.messages]
+        if any(with_images) and self.calls_tools:
+            raise ValueError("images and tools in one request are not supported yet")
         if not self.calls_tools:
-            return [generic.template_message(m) for m in self.messages]
+            return [{"role": m.role, "content": m.template_parts()} if images else generic.template_message(m)
+                    for m, images in zip(self.messages, with_images)]
         return self._format.template_messages(self.messages, chosen(self.tools, self.tool_choice), self.tool_choice)
 
     def template_kwargs(self) -> dict[str, Any] | None:
@@ -298,6 +345,7 @@ class ChatRequest(SamplingFields):
                         service_tier=self.service_tier or "auto", template_kwargs=self.template_kwargs(),
                         thinking_budget=self.thinking_token_budget)
         try:
+            prompt.images = self.images()
             prompt.messages = self.template_messages()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc

@@ -9,15 +9,17 @@ may run, and never on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from collections.abc import AsyncIterator, Callable
 
 from opentelemetry import trace
 
-from api.core import grammar_pool, tokenize_pool
+from api.core import grammar_pool, images, tokenize_pool
 from api.core.backpressure import Backpressure
 from api.core.choice import Choice
 from api.core.errors import ApiError
@@ -29,7 +31,7 @@ from api.core.parsers.harmony import harmony_budget
 from api.core.parsers.base import ToolFormat
 from api.core.relay import Event, Relay
 from api.core.tokenize_pool import TokenizePool
-from shared import service_tier, tracing
+from shared import redis_keys, service_tier, tracing
 from shared.ids import request_id
 from shared.lora_registry import LoraRegistry
 from shared.messages import FinalEvent, RequestPayload, TokenEvent, now
@@ -69,6 +71,7 @@ class Prompt:
     reasoning: ThinkFormat | None = None
     thinking_budget: int | None = None  # the thought's most tokens (vLLM's thinking_token_budget)
     thinking_param: str = "thinking_token_budget"  # the body's field it came from
+    images: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # its image parts: (where in the body, URL)
 
     @property
     def logprobs(self) -> int | None:
@@ -83,7 +86,7 @@ class Generation:
                  backpressure: Backpressure | None = None, limits: Limits | None = None, log_prompts: bool = False,
                  affinity: PrefixAffinity | None = None, tool_format: ToolFormat | None = None,
                  grammars: GrammarPool | None = None, tokenizing: TokenizePool | None = None,
-                 reasoning: ThinkFormat | None = None):
+                 reasoning: ThinkFormat | None = None, image_limits: images.Limits | None = None):
         """`backpressure`: the model's queue limit (none: unlimited); `limits`: the tenants' limits,
         when auth is on; `affinity`: the workers' prefix announcements, when requests go to the
         worker that holds their prompt's prefix; `tool_format`: the format its replies with tool calls
@@ -109,6 +112,7 @@ class Generation:
         self.reasoning = reasoning
         self.grammars = grammars or GrammarPool()
         self.tokenizing = tokenizing or TokenizePool()
+        self.image_limits = image_limits or images.Limits()
 
     def with_adapter(self, name: str, backends: set[str]) -> Generation:
         """This model's Generation for requests that run with the LoRA adapter `name`, which workers
@@ -196,8 +200,18 @@ class Generation:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
                 raise ApiError(400, "prompt token ids must be within the vocabulary", param="prompt")
         else:
+            checked = await self._images(prompt) if prompt.images else []
             prompt_ids = await self.encode(prompt.text, prompt.messages, prompt.tools,
                                            template_kwargs=prompt.template_kwargs)
+            if checked:
+                try:
+                    prompt_ids = self.tokenizer.vision.expand(prompt_ids, len(checked))
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), param="messages") from exc
+                if len(prompt_ids) > self.tokenizer.context_length:
+                    raise ApiError(400, f"the prompt with its images is {len(prompt_ids)} tokens, more than the "
+                                        f"model's context of {self.tokenizer.context_length}", param="messages")
+                await self._keep_images(checked)
             if prompt.messages is not None and self.reasoning is not None:
                 prompt.reasoning = self.reasoning_of(prompt_ids)
                 prompt.samples = _thought_free(prompt.samples, prompt.reasoning)
@@ -206,6 +220,9 @@ class Generation:
             if self._keeps_special_tokens(prompt):
                 prompt.samples = [p.model_copy(update={"skip_special_tokens": False}) for p in prompt.samples]
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
+        if prompt.images:
+            for payload in payloads:
+                payload.images = [image.sha256 for image in checked]
         for payload in payloads:
             payload.service_tier = tier
             if tier == "flex" and payload.expires_at is not None:  # flex may wait longer in the queue
@@ -219,6 +236,24 @@ class Generation:
         for constraint in constraints.values() if compile else ():  # the samples share one: compiled once
             await self.check_constraint(constraint, prompt.constraint_param, tenant)
         return payloads
+
+    async def _images(self, prompt: Prompt) -> list[images.Image]:
+        """The prompt's images read and checked (api/core/images.py): a 400 at once where the model
+        takes none, before any is decoded."""
+        if self.tokenizer.vision is None:
+            raise ApiError(400, f"{self.model_name!r} takes no images (a vision-language model does); send text only",
+                           param="messages")
+        return await images.check_all(prompt.images, self.image_limits)
+
+    async def _keep_images(self, checked: list[images.Image]) -> None:
+        """Each image's bytes in Redis under its sha256, kept RESULT_TTL_S from now (once however
+        many requests send it), for whichever worker runs or takes over the request."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for image in {i.sha256: i for i in checked}.values():
+                key = redis_keys.image(self.store.prefix, image.sha256)
+                pipe.set(key, base64.b64encode(image.data).decode(), ex=redis_keys.RESULT_TTL_S, nx=True)
+                pipe.expire(key, redis_keys.RESULT_TTL_S)
+            await pipe.execute()
 
     def _keeps_special_tokens(self, prompt: Prompt) -> bool:
         """Whether the reply's text must keep the special tokens the model writes: its tool format

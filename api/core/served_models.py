@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from api.core import images
 from api.core.backpressure import Backpressure
 from api.core.errors import ApiError
 from api.core.generation import Generation
@@ -76,7 +77,9 @@ class Models:
                                 if settings.prefix_affinity else None,
                                 tool_format=registry.choose(settings.tool_parser, name, tokenizer),
                                 reasoning=reasoning.choose(settings.reasoning_parser, name, tokenizer),
-                                grammars=self.grammars, tokenizing=self.tokenizing)
+                                grammars=self.grammars, tokenizing=self.tokenizing,
+                                image_limits=images.Limits(settings.image_max_images, settings.image_max_bytes,
+                                                           settings.image_max_pixels))
         self._loaded[name] = generation
         self.default = self.default or generation
         return generation

@@ -8,6 +8,7 @@ models use the continuous engine (worker/engine/core.py) instead.
 from __future__ import annotations
 
 import inspect
+import io
 from collections import deque
 
 import torch
@@ -24,10 +25,13 @@ from worker.engine.structured import GrammarError, Grammars
 
 
 class StaticEngine(BaseEngine):
-    def __init__(self, runner: BatchRunner, tokenizer: Tokenizer, batch_size: int):
+    def __init__(self, runner: BatchRunner, tokenizer: Tokenizer, batch_size: int, image_processor=None):
+        """`image_processor`: a vision-language model's (transformers'), which turns a request's
+        images into the pixels its prefill takes (None: a text model)."""
         super().__init__(batch_size)
         self.runner = runner
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # the current batch, finished rows included
         self._sampling: dict[str, SamplingRow] = {}
@@ -35,10 +39,32 @@ class StaticEngine(BaseEngine):
         self._refused: list[StepOutput] = []  # ended at scheduling (a constraint that does not compile)
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = (), images: list[bytes] = ()
+            ) -> Sequence:
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
+        seq.images = list(images)
         self.waiting.append(seq)
         return seq
+
+    @property
+    def takes_images(self) -> bool:
+        return self.image_processor is not None
+
+    def _pixels(self, rows: list[Sequence]) -> torch.Tensor | None:
+        """The rows' images as the model's processor gives them, in row order (None: no images).
+        Decoded here, in the model thread: the api checked every one already."""
+        images = [image for seq in rows for image in seq.images]
+        if not images:
+            return None
+        from PIL import Image
+
+        frames = []
+        for data in images:
+            with Image.open(io.BytesIO(data)) as image:
+                image.seek(0)
+                frames.append(image.convert("RGB"))
+        pixels = self.image_processor(frames, return_tensors="pt")["pixel_values"]
+        return pixels.to(self.runner.device, next(self.runner.model.parameters()).dtype)
 
     @property
     def free_slots(self) -> int:
@@ -100,7 +126,7 @@ class StaticEngine(BaseEngine):
 
     def _execute(self, new_batch: bool) -> torch.Tensor:
         if new_batch:
-            return self.runner.prefill([s.token_ids for s in self.rows])
+            return self.runner.prefill([s.token_ids for s in self.rows], self._pixels(self.rows))
         pad = self.runner.pad_id
         return self.runner.decode([s.output_ids[-1] if s.output_ids else pad for s in self.rows])
 
@@ -138,8 +164,9 @@ class BatchRunner:
         return served_context(self.model.config.to_dict())
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Start a new batch; return the logits of each prompt's last position, [rows, vocab]."""
+    def prefill(self, prompts: list[list[int]], pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        """Start a new batch; return the logits of each prompt's last position, [rows, vocab].
+        `pixel_values`: a vision-language model's images, in the order of their tokens in the rows."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -151,7 +178,7 @@ class BatchRunner:
         self._cache = DynamicCache(config=self.model.config)
         self._mask = mask
         self._next_pos = positions[:, -1] + 1
-        return self._forward(ids, positions)
+        return self._forward(ids, positions, pixel_values)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -167,7 +194,9 @@ class BatchRunner:
         """Free the batch's KV cache."""
         self._cache = self._mask = self._next_pos = None
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, pixel_values: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        extra = {"pixel_values": pixel_values} if pixel_values is not None else {}
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache}, **extra)
         return out.logits[:, -1, :]

@@ -46,6 +46,16 @@ class Backend(abc.ABC):
     lora: ClassVar[bool] = False  # it can serve LoRA adapters (`adapters` says whether it does now)
 
     name: str
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether its model is a vision-language model that runs a request's images (add_with_images)."""
+        return False
+
+    def add_with_images(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple, images: list[bytes]
+                        ) -> Sequence:
+        """Take a request with its images' bytes (RequestPayload.images, in order), where takes_images."""
+        raise NotImplementedError(f"the {self.name} backend takes no images")
     batch_size: int
 
     @abc.abstractmethod

@@ -51,6 +51,7 @@ class Sequence:
     adapter_path: str | None = None  # that load's folder (None: a configured adapter's)
     kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in (worker/model/lora.py)
     tier: int = service_tier.RANK["default"]  # its service tier's rank: lower runs first, across tenants
+    images: list[bytes] = field(default_factory=list)  # a vision-language model's request: its images' bytes, in order
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -53,6 +53,14 @@ class Threaded(Backend):
     def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence:
         return self.engine.add(payload, resumed)
 
+    @property
+    def takes_images(self) -> bool:
+        return bool(getattr(self.engine, "takes_images", False))
+
+    def add_with_images(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple, images: list[bytes]
+                        ) -> Sequence:
+        return self.engine.add(payload, resumed, images)
+
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
 

@@ -7,6 +7,7 @@ and STREAMQ_QUANTIZATION may then compress their projections.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -46,6 +47,11 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if "vision_config" in config:  # a vision-language model (shared/vision_model.py): the static engine runs it
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.to(device).eval()
 

@@ -7,6 +7,7 @@ gets the request only once all of them went through.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import Callable
@@ -85,13 +86,30 @@ class Claims:
         if isinstance(loaded, str):
             await self.publisher.publish([refused(payload, loaded, code="model_not_found")])
             return None
-        self.backend.add(loaded, resumed)
+        if loaded.images:
+            blobs = await self._images(loaded)
+            if isinstance(blobs, str):
+                await self.publisher.publish([refused(loaded, blobs)])
+                return None
+            self.backend.add_with_images(loaded, resumed, blobs)
+        else:
+            self.backend.add(loaded, resumed)
         return loaded
+
+    async def _images(self, payload: RequestPayload) -> list[bytes] | str:
+        """The request's images' bytes from Redis (the api kept them), or why it cannot run."""
+        keys = [redis_keys.image(self.store.prefix, sha) for sha in payload.images]
+        blobs = [await self.redis.get(key) for key in keys]  # one key a call: on a Redis Cluster they lie apart
+        if any(blob is None for blob in blobs):
+            return "the request's images are no longer kept (they are kept a day after their latest request)"
+        return [base64.b64decode(blob) for blob in blobs]
 
     def cannot_run(self, payload: RequestPayload) -> str | None:
         """Why this worker's backend cannot run the request (None: it can)."""
         if payload.pool is not None and not self.backend.pools:
             return f"the {self.backend.name} backend does not compute embeddings or scores"
+        if payload.images and not self.backend.takes_images:
+            return f"this worker's model ({self.backend.name} backend) takes no images"
         if payload.adapter is not None and self.backend.adapters is None:
             return (f"LoRA adapter {payload.adapter!r}: this worker serves no adapters (the paged engine with "
                     "STREAMQ_ENABLE_LORA or STREAMQ_LORA_MODULES does)")

@@ -1,0 +1,67 @@
+"""Tiny vision-language models with random weights, written by the tests from configs: LLaVA-1.5
+(a CLIP vision tower, a projector and a llama), saved with its processor as llava-hf's repos are,
+over the tiny byte-level tokenizer (streamq/testing/tiny_models.py) with `<image>` added."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from streamq.testing.tiny_models import build_tokenizer
+
+IMAGE_SIZE, PATCH = 28, 14  # 2 × 2 patches: 4 tokens an image (the CLS token dropped, as LLaVA-1.5 does)
+# A chat template that writes an image part as <image>, as LLaVA's do
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+            "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_llava(folder: Path, seed: int = 0) -> Path:
+    """A tiny LLaVA-1.5 in `folder`: weights, config, processor, tokenizer and chat template."""
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+
+    vocab = build_tokenizer(folder, context=512, chat_template=TEMPLATE, special_tokens=("<image>",))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, initializer_range=0.2,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                         vision_feature_layer=-1, vision_feature_select_strategy="default",
+                         image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # away from init, so that the image changes the reply
+        for name, p in model.named_parameters():
+            if "vision" in name or "projector" in name:
+                p.normal_(0, 0.3)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(folder)
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                                  crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+                               tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=TEMPLATE)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def png(seed: int, size: tuple[int, int] = (40, 50), kind: str = "PNG") -> bytes:
+    """A random picture of `size` (width, height), encoded as `kind`."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=kind)
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

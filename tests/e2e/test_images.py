@@ -1,0 +1,153 @@
+"""Images through the whole stack on a tiny LLaVA-1.5 (streamq/testing/tiny_vision.py) beside a tiny
+text model: OpenAI chat `image_url` parts (data URLs) checked by the api, kept in Redis under their
+sha256, run by the worker; the greedy reply equal to transformers' `generate` on the processor's
+inputs, for one image, two, none, and all of them at once. Bad images are each a 4xx naming why,
+and a good request sent beside them is answered as if alone."""
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from shared import redis_keys
+from streamq.testing.tiny_vision import build_llava, data_url, png
+from tests.stack import Stack
+from tests.waiting import until_sync
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_llama, tmp_path_factory):
+    llava = build_llava(tmp_path_factory.mktemp("llava"))
+    envs = [{"STREAMQ_SERVED_MODEL_NAME": "llava"}, {"STREAMQ_MODEL": str(tiny_llama), "STREAMQ_SERVED_MODEL_NAME": "text"}]
+    with Stack(redis_url, llava, tmp_path_factory.mktemp("images"), workers=2, worker_envs=envs,
+               env={"STREAMQ_SERVED_MODEL_NAME": "llava"}) as stack:
+        url = stack.urls[0]
+        until_sync(lambda: {"llava", "text"} <= {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]},
+                   timeout_s=180, what="both models listed")
+        yield stack, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), llava
+
+
+def _reference(folder, parts: list) -> str:
+    """transformers' greedy reply on the processor's inputs (its chat template, its image processing)."""
+    import torch
+    from PIL import Image
+    import io
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
+    inputs = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _ask(client, parts: list, model: str = "llava"):
+    content = [{"type": "image_url", "image_url": {"url": data_url(p)}} if isinstance(p, bytes) else
+               {"type": "text", "text": p} for p in parts]
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+
+
+CASES = {"one image": [png(1), "What is in the picture?"],
+         "two images": ["Compare", png(2, (64, 30)), "with", png(3, (20, 90))],
+         "no image": ["Just words, no picture."],
+         "a JPEG and a GIF": [png(4, kind="JPEG"), png(5, kind="GIF"), "and these?"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_reply_with_images_equals_transformers(served, case):
+    stack, client, folder = served
+    reply = _ask(client, CASES[case])
+    assert reply.choices[0].message.content == _reference(folder, CASES[case])
+    images = [p for p in CASES[case] if isinstance(p, bytes)]
+    assert reply.usage.prompt_tokens > 4 * len(images)  # each image is 4 tokens of the prompt
+
+
+def test_all_at_once_each_equals_its_reply_alone(served):
+    _, client, folder = served
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        replies = list(pool.map(lambda parts: _ask(client, parts).choices[0].message.content, CASES.values()))
+    assert replies == [_reference(folder, parts) for parts in CASES.values()]
+
+
+def test_an_image_is_kept_once_in_redis_under_its_sha256(served):
+    import hashlib
+
+    stack, client, _ = served
+    picture = png(6)
+    _ask(client, [picture, "once"])
+    _ask(client, ["twice", picture])
+    with stack.redis() as redis:
+        kept = redis.get(redis_keys.image(stack.prefix, hashlib.sha256(picture).hexdigest()))
+        assert base64.b64decode(kept) == picture
+        assert 0 < redis.ttl(redis_keys.image(stack.prefix, hashlib.sha256(picture).hexdigest())) <= redis_keys.RESULT_TTL_S
+
+
+def _huge_png(width: int, height: int) -> bytes:
+    """A small file whose header says width × height (its pixels never there): a decompression bomb's shape."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
+BAD = {
+    "random bytes": ({"type": "image_url", "image_url": {"url": data_url(bytes(range(256)) * 8)}}, 400, "not an image"),
+    "a truncated PNG": ({"type": "image_url", "image_url": {"url": data_url(png(7)[:300])}}, 400, "cannot be decoded"),
+    "30000×30000 pixels": ({"type": "image_url", "image_url": {"url": data_url(_huge_png(30000, 30000))}}, 400,
+                           "pixels"),
+    "an SVG": ({"type": "image_url", "image_url": {"url": data_url(SVG, "image/svg+xml")}}, 400, "not an image"),
+    "a URL to 127.0.0.1": ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:6379/x.png"}}, 400, "URL"),
+    "a URL to 169.254.169.254": ({"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}},
+                                 400, "URL"),
+    "not base64": ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%%"}}, 400, "base64"),
+    "no URL": ({"type": "image_url", "image_url": {}}, 400, "image_url.url"),
+    "detail high": ({"type": "image_url", "image_url": {"url": data_url(png(8)), "detail": "high"}}, 400, "detail"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_image_is_a_clear_4xx_and_its_neighbour_is_answered(served, case):
+    stack, client, folder = served
+    part, status, says = BAD[case]
+    body = {"model": "llava", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}]}
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(httpx.post, f"{stack.urls[0]}/v1/chat/completions", json=body, timeout=60)
+        good = pool.submit(_ask, client, CASES["one image"])
+        reply = bad.result()
+        assert good.result().choices[0].message.content == _reference(folder, CASES["one image"])
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "messages" and says in error["message"], error
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(9))}}] * 17}], "at most 16"),
+    ([{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": data_url(png(9))}}]}], "user messages"),
+])
+def test_what_a_request_may_not_carry_is_a_400(served, messages, says):
+    stack, _, _ = served
+    reply = httpx.post(f"{stack.urls[0]}/v1/chat/completions", json={"model": "llava", "messages": messages,
+                                                                      "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 400 and says in reply.json()["error"]["message"], reply.text
+
+
+def test_a_text_model_takes_no_images(served):
+    _, client, _ = served
+    with pytest.raises(openai.BadRequestError) as refused:
+        _ask(client, [png(1), "what is it?"], model="text")
+    assert refused.value.body["param"] == "messages" and "takes no images" in refused.value.body["message"]
+    assert _ask(client, ["just text"], model="text").choices[0].message.content is not None

@@ -1,0 +1,101 @@
+"""Images as the api reads and checks them (api/core/images.py), and how a vision-language model
+counts their tokens (shared/vision_model.py). Through the stack: tests/e2e/test_images.py."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from api.core import images
+from api.core.errors import ApiError
+from shared import vision_model
+from streamq.testing.tiny_vision import build_llava, data_url, png
+
+LIMITS = images.Limits(max_images=3, max_bytes=200_000, max_pixels=1_000_000)
+
+
+@pytest.mark.parametrize("kind", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_each_format_is_read_with_its_size_and_sha256(kind):
+    import hashlib
+
+    data = png(1, (40, 30), kind)
+    image = images.check(images.data_of(data_url(data, f"image/{kind.lower()}"), "image 1", LIMITS), "image 1", LIMITS)
+    assert (image.format, image.width, image.height) == (kind, 40, 30)
+    assert image.sha256 == hashlib.sha256(data).hexdigest() and image.data == data
+
+
+def test_an_animated_gif_is_read_from_its_first_frame():
+    import io
+
+    from PIL import Image
+
+    frames = [Image.new("RGB", (8, 8), color) for color in ("red", "blue")]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    assert images.check(out.getvalue(), "gif", LIMITS).format == "GIF"
+
+
+@pytest.mark.parametrize("url, status, says", [
+    ("https://example.com/cat.png", 400, "not fetched"),
+    ("file:///etc/passwd", 400, "data URL"),
+    ("data:text/plain;base64,aGVsbG8=", 400, "data URL"),
+    ("data:image/png;base64,@@@@", 400, "base64"),
+    ("data:image/png;base64," + "A" * 300_000, 413, "larger than"),
+])
+def test_a_url_that_is_no_image_data_url_is_refused(url, status, says):
+    with pytest.raises(ApiError) as refused:
+        images.data_of(url, "image 1", LIMITS)
+    assert refused.value.status == status and says in str(refused.value.message)
+
+
+@pytest.mark.parametrize("data, status, says", [
+    (b"\x00" * 100, 400, "not an image"),
+    (b"<svg xmlns='http://www.w3.org/2000/svg'/>", 400, "not an image"),
+    (png(2)[:200], 400, "cannot be decoded"),
+    (None, 400, "pixels"),  # a plain 1200×900 picture: small in bytes, over the pixels
+    (b"\x89PNG" + bytes(250_000), 413, "larger than"),
+])
+def test_a_bad_image_is_refused_naming_why(data, status, says):
+    if data is None:
+        import io
+
+        from PIL import Image
+
+        out = io.BytesIO()
+        Image.new("RGB", (1200, 900)).save(out, format="PNG")
+        data = out.getvalue()
+    with pytest.raises(ApiError) as refused:
+        images.check(data, "image 1", LIMITS)
+    assert refused.value.status == status and says in str(refused.value.message)
+    assert "image 1" in str(refused.value.message)
+
+
+def test_more_images_than_the_limit_are_refused_before_any_is_decoded():
+    urls = [(f"image {i}", data_url(png(i))) for i in range(4)]
+    with pytest.raises(ApiError, match="at most 3"):
+        asyncio.run(images.check_all(urls, LIMITS))
+    assert len(asyncio.run(images.check_all(urls[:3], LIMITS))) == 3
+
+
+def test_a_llava_counts_its_image_tokens_as_its_processor_does(tmp_path):
+    folder = build_llava(tmp_path)
+    vision = vision_model.read(folder)
+    assert vision is not None and vision.tokens_per_image == 4
+    from transformers import AutoProcessor
+
+    from PIL import Image
+    import io
+
+    processor = AutoProcessor.from_pretrained(folder)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "a"}, {"type": "image"}]}], add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(png(i))).convert("RGB") for i in (1, 2)]
+    want = processor(images=pictures, text=prompt, add_special_tokens=False)["input_ids"][0]
+    ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert vision.expand(ids, 2) == list(want)
+    with pytest.raises(ValueError, match="2 image tokens for 3 images"):
+        vision.expand(ids, 3)
+
+
+def test_a_text_model_is_no_vision_model(tiny_llama):
+    assert vision_model.read(tiny_llama) is None
