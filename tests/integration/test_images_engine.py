@@ -1,0 +1,61 @@
+"""A vision-language request in the static engine (worker/backends/static_engine.py), in process: a
+request continued after the tokens another worker delivered (a takeover) gives the rest of the
+undisturbed reply, its images prefilled again with the prompt; rows with and without images share
+a batch."""
+from __future__ import annotations
+
+import torch
+
+from shared.messages import RequestPayload
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+from streamq.testing.tiny_vision import build_llava, png
+from worker.backends.static_engine import BatchRunner, StaticEngine
+
+TOKENS = 12
+
+
+def _engine(folder) -> tuple[StaticEngine, Tokenizer]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = Tokenizer(folder)
+    processor = AutoProcessor.from_pretrained(folder).image_processor
+    return StaticEngine(BatchRunner(model, torch.device("cpu"), pad_id=2), tok, 4, processor), tok
+
+
+def _run(engine: StaticEngine, requests: list[tuple[RequestPayload, list, list[bytes]]]) -> dict[str, list[int]]:
+    seqs = [engine.add(payload, resumed, images) for payload, resumed, images in requests]
+    while engine.has_work():
+        engine.step()
+    return {seq.id: list(seq.output_ids) for seq in seqs}
+
+
+def _payload(rid: str, tok: Tokenizer, images: int) -> RequestPayload:
+    content = [{"type": "image"}] * images + [{"type": "text", "text": "Tell me about it."}]
+    ids = tok.encode_chat([{"role": "user", "content": content}])
+    ids = tok.vision.expand(ids, images)
+    return RequestPayload(id=rid, model="m", prompt_token_ids=ids,
+                          params=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+
+
+def test_a_takeover_continues_a_request_with_its_images(tmp_path):
+    from shared.messages import TokenEvent
+
+    engine, tok = _engine(build_llava(tmp_path))
+    pictures = [png(1), png(2, (30, 60))]
+    whole = _run(engine, [(_payload("a", tok, 2), [], pictures)])["a"]
+    for cut in (1, 5):
+        delivered = [TokenEvent(index=i, token_id=t, text=tok.decode([t])) for i, t in enumerate(whole[:cut])]
+        rest = _run(engine, [(_payload(f"b{cut}", tok, 2), delivered, pictures)])[f"b{cut}"]
+        assert rest == whole, cut  # the delivered tokens, then exactly the undisturbed rest
+
+
+def test_rows_with_and_without_images_share_a_batch(tmp_path):
+    engine, tok = _engine(build_llava(tmp_path))
+    alone = {rid: _run(engine, [(_payload(rid, tok, n), [], [png(n + 3)] * n)])[rid] for rid, n in
+             (("none", 0), ("one", 1), ("two", 2))}
+    together = _run(engine, [(_payload(rid, tok, n), [], [png(n + 3)] * n) for rid, n in
+                             (("none", 0), ("one", 1), ("two", 2))])
+    assert together == alone
+    assert alone["one"] != alone["none"]  # the image changes the reply
