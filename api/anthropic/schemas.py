@@ -5,7 +5,7 @@ messages whose content is a string or blocks (text; an assistant's tool_use; a u
 tool_result), max_tokens, temperature, top_p, top_k, stop_sequences, tools and tool_choice.
 Each becomes the core's ChatRequest (api/core/chat.py), as an OpenAI chat runs, so templating, tools,
 queueing, failover and tenants are that route's. What the engine cannot do is refused with a
-400 naming it (images, documents, server tools), never ignored; `thinking` is a thinking model's
+400 naming it (documents, server tools; images a model does not take), never ignored; `thinking` is a thinking model's
 budget (enabled) or, for a template that reads `enable_thinking`, its thought turned off (disabled); an
 assistant's earlier thinking blocks are dropped from the prompt, as Anthropic drops them. `cache_control` is
 accepted on any block and needs nothing: every prefix is cached, on every worker (the shared KV
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.core.chat import ChatRequest
 from api.core.errors import ApiError
@@ -69,8 +69,35 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
-Block = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock
-BLOCK_TYPES = ("text", "thinking", "tool_use", "tool_result")  # no image, document, redacted thinking, server tool blocks
+class ImageSource(_Strict):
+    """An image block's source: base64 data of a media type, or a URL (not fetched here: a 400)."""
+
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _whole(self) -> ImageSource:
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and not self.url:
+            raise ValueError("a url image source needs url")
+        return self
+
+    def as_url(self) -> str:
+        """As an OpenAI image_url (a data URL; a URL as it is, which the api refuses to fetch)."""
+        return f"data:{self.media_type};base64,{self.data}" if self.type == "base64" else str(self.url)
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
+Block = TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock | ImageBlock
+BLOCK_TYPES = ("text", "thinking", "tool_use", "tool_result", "image")  # no document, redacted thinking, server tool blocks
 
 
 class Message(_Strict):
@@ -219,9 +246,14 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
             raise ValueError("a user message cannot hold tool_use or thinking blocks")
         out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                for b in message.content if isinstance(b, ToolResultBlock)]
+        if any(isinstance(b, ImageBlock) for b in message.content):  # text and images, in order (api/core/images.py)
+            parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock) else
+                     {"type": "image_url", "image_url": {"url": b.source.as_url()}}
+                     for b in message.content if isinstance(b, TextBlock | ImageBlock)]
+            return [*out, {"role": "user", "content": parts}]
         return out + ([{"role": "user", "content": "".join(texts)}] if texts else [])
-    if any(isinstance(b, ToolResultBlock) for b in message.content):
-        raise ValueError("an assistant message cannot hold tool_result blocks")
+    if any(isinstance(b, ToolResultBlock | ImageBlock) for b in message.content):
+        raise ValueError("an assistant message cannot hold tool_result or image blocks")
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
              for b in message.content if isinstance(b, ToolUseBlock)]
     return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]

@@ -72,6 +72,7 @@ class Prompt:
     thinking_budget: int | None = None  # the thought's most tokens (vLLM's thinking_token_budget)
     thinking_param: str = "thinking_token_budget"  # the body's field it came from
     images: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # its image parts: (where in the body, URL)
+    images_param: str = "messages"  # the body's field its images came in (Responses: input)
 
     @property
     def logprobs(self) -> int | None:
@@ -207,11 +208,12 @@ class Generation:
                 try:
                     prompt_ids = self.tokenizer.vision.expand(prompt_ids, len(checked))
                 except ValueError as exc:
-                    raise ApiError(400, str(exc), param="messages") from exc
+                    raise ApiError(400, str(exc), param=prompt.images_param) from exc
                 if len(prompt_ids) > self.tokenizer.context_length:
                     raise ApiError(400, f"the prompt with its images is {len(prompt_ids)} tokens, more than the "
-                                        f"model's context of {self.tokenizer.context_length}", param="messages")
-                await self._keep_images(checked)
+                                        f"model's context of {self.tokenizer.context_length}", param=prompt.images_param)
+                if compile:  # it runs (a count of its tokens keeps nothing)
+                    await self._keep_images(checked)
             if prompt.messages is not None and self.reasoning is not None:
                 prompt.reasoning = self.reasoning_of(prompt_ids)
                 prompt.samples = _thought_free(prompt.samples, prompt.reasoning)
@@ -242,8 +244,8 @@ class Generation:
         takes none, before any is decoded."""
         if self.tokenizer.vision is None:
             raise ApiError(400, f"{self.model_name!r} takes no images (a vision-language model does); send text only",
-                           param="messages")
-        return await images.check_all(prompt.images, self.image_limits)
+                           param=prompt.images_param)
+        return await images.check_all(prompt.images, self.image_limits, prompt.images_param)
 
     async def _keep_images(self, checked: list[images.Image]) -> None:
         """Each image's bytes in Redis under its sha256, kept RESULT_TTL_S from now (once however

@@ -47,38 +47,38 @@ class Image:
     height: int
 
 
-def data_of(url: str, where: str, limits: Limits) -> bytes:
+def data_of(url: str, where: str, limits: Limits, param: str = "messages") -> bytes:
     """The bytes of an image part's URL (a base64 data URL); ApiError naming `where` otherwise."""
     if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}: an image needs a URL (a data URL: data:image/png;base64,...)", param="messages")
+        raise ApiError(400, f"{where}: an image needs a URL (a data URL: data:image/png;base64,...)", param=param)
     if url[:8].lower().startswith(("http://", "https://")):
         raise ApiError(400, f"{where}: image URLs are not fetched by this server; send the image as a data URL "
-                            "(data:image/png;base64,...)", param="messages")
+                            "(data:image/png;base64,...)", param=param)
     match = _DATA_URL.match(url)
     if match is None:
-        raise ApiError(400, f"{where}: not a base64 data URL of an image (data:image/png;base64,...)", param="messages")
+        raise ApiError(400, f"{where}: not a base64 data URL of an image (data:image/png;base64,...)", param=param)
     encoded = url[match.end():]
     if len(encoded) > (limits.max_bytes + 2) // 3 * 4 + 4:
-        raise ApiError(413, f"{where}: the image is larger than {limits.max_bytes} bytes", param="messages")
+        raise ApiError(413, f"{where}: the image is larger than {limits.max_bytes} bytes", param=param)
     try:
         return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: the data URL is not valid base64", param="messages") from None
+        raise ApiError(400, f"{where}: the data URL is not valid base64", param=param) from None
 
 
-def check(data: bytes, where: str, limits: Limits) -> Image:
+def check(data: bytes, where: str, limits: Limits, param: str = "messages") -> Image:
     """`data` decoded whole and checked (ApiError naming `where` when it is refused)."""
     from PIL import Image as Pil
     from PIL import UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
-        raise ApiError(413, f"{where}: the image is larger than {limits.max_bytes} bytes", param="messages")
+        raise ApiError(413, f"{where}: the image is larger than {limits.max_bytes} bytes", param=param)
     try:
         with Pil.open(io.BytesIO(data), formats=FORMATS) as image:
             width, height = image.size
             if width * height > limits.max_pixels:
                 raise ApiError(400, f"{where}: the image has {width}×{height} pixels, more than the "
-                                    f"{limits.max_pixels} allowed", param="messages")
+                                    f"{limits.max_pixels} allowed", param=param)
             kind = image.format
             image.seek(0)  # a GIF's or an animated WebP's first frame
             image.load()
@@ -86,22 +86,23 @@ def check(data: bytes, where: str, limits: Limits) -> Image:
         raise
     except Pil.DecompressionBombError:  # Pillow's own guard, far above ours: refused at open
         raise ApiError(400, f"{where}: the image has more than the {limits.max_pixels} pixels allowed",
-                       param="messages") from None
+                       param=param) from None
     except UnidentifiedImageError:
         raise ApiError(400, f"{where}: not an image this server reads (PNG, JPEG, WebP or GIF)",
-                       param="messages") from None
+                       param=param) from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise ApiError(400, f"{where}: the image cannot be decoded ({_reason(exc)})", param="messages") from None
+        raise ApiError(400, f"{where}: the image cannot be decoded ({_reason(exc)})", param=param) from None
     return Image(data, hashlib.sha256(data).hexdigest(), kind, width, height)
 
 
-async def check_all(urls: list[tuple[str, str]], limits: Limits) -> list[Image]:
-    """Each (where, url) read and checked, off the event loop; ApiError on the first refused."""
+async def check_all(urls: list[tuple[str, str]], limits: Limits, param: str = "messages") -> list[Image]:
+    """Each (where, url) read and checked, off the event loop; ApiError (naming the body's field
+    `param`) on the first refused."""
     if len(urls) > limits.max_images:
         raise ApiError(400, f"{len(urls)} images in one request; at most {limits.max_images} are taken",
-                       param="messages")
-    blobs = [(where, data_of(url, where, limits)) for where, url in urls]
-    return list(await asyncio.to_thread(lambda: [check(data, where, limits) for where, data in blobs]))
+                       param=param)
+    blobs = [(where, data_of(url, where, limits, param)) for where, url in urls]
+    return list(await asyncio.to_thread(lambda: [check(data, where, limits, param) for where, data in blobs]))
 
 
 def _reason(exc: BaseException) -> str:

@@ -151,3 +151,31 @@ def test_a_text_model_takes_no_images(served):
         _ask(client, [png(1), "what is it?"], model="text")
     assert refused.value.body["param"] == "messages" and "takes no images" in refused.value.body["message"]
     assert _ask(client, ["just text"], model="text").choices[0].message.content is not None
+
+
+def test_responses_and_messages_take_images_as_chat_does(served):
+    """Responses' input_image parts and Messages' image blocks (base64) are the chat's image parts:
+    the same reply as transformers' on the same picture and words."""
+    import anthropic
+
+    stack, client, folder = served
+    picture, words = png(11), "What is in the picture?"
+    want = _reference(folder, [picture, words])
+    response = client.responses.create(model="llava", max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(picture)},
+                                     {"type": "input_text", "text": words}]}])
+    assert response.output_text == want
+    messages = anthropic.Anthropic(base_url=stack.urls[0], api_key="none", max_retries=0)
+    answer = messages.messages.create(model="llava", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                   "data": base64.b64encode(picture).decode()}},
+                                     {"type": "text", "text": words}]}])
+    assert "".join(b.text for b in answer.content if b.type == "text") == want
+    with pytest.raises(anthropic.BadRequestError) as refused:  # a URL source is not fetched
+        messages.messages.create(model="llava", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/x.png"}}]}])
+    assert "not fetched" in refused.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(b"not a picture")}]}])
+    assert bad.value.body["param"] == "input" and "not an image" in bad.value.body["message"]

@@ -83,9 +83,14 @@ async def create_response(body: ResponseCreate, served: ModelsDep, tenant: Admit
         chat = body.chat_request(context)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from exc
-    prompt = chat.as_prompt(generation.tool_format)
+    try:
+        prompt = chat.as_prompt(generation.tool_format)
+    except ApiError as exc:  # the chat's messages are this body's input
+        exc.param = "input" if exc.param == "messages" else exc.param
+        raise
     if prompt.constraint_param == "response_format":  # as this API spells it
         prompt.constraint_param = "text"
+    prompt.images_param = "input"
     payloads = await generation.payloads(prompt, tenant)
     payload = payloads[0]
     record = ResponseRecord(

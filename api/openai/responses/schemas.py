@@ -13,7 +13,7 @@ chat endpoint's, and the response names the tier that served it.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,7 +29,7 @@ IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_ca
 UNSUPPORTED = {"prompt": "stored prompts", "conversation": "conversations",
                "max_tool_calls": "max_tool_calls", "top_logprobs": "top_logprobs", "context_management": "compaction"}
 
-TEXT_PARTS = ("input_text", "output_text")
+PARTS = ("input_text", "output_text", "input_image")
 
 
 class _Item(BaseModel):
@@ -46,14 +46,41 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImagePart(BaseModel):
+    """An input image: a data URL in image_url (the chat endpoint's checks: api/core/images.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _a_url(self) -> ImagePart:
+        if self.file_id is not None or not self.image_url:
+            raise ValueError("an input_image needs image_url (a data URL); file_id images are not supported yet")
+        return self
+
+    def chat_part(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.image_url, "detail": self.detail}}
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
     phase: str | None = None  # sent back on an assistant message; changes nothing here
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """Its content as a chat message's: text, or text and image parts in order."""
+        if isinstance(self.content, str) or not any(isinstance(p, ImagePart) for p in self.content):
+            return self.text()
+        return [p.chat_part() if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in self.content]
 
 
 class FunctionCallItem(_Item):
@@ -104,9 +131,9 @@ def parse_item(value: Any) -> InputItem:
                          "function_call_output, reasoning)")
     if kind == "message" and isinstance(value.get("content"), list):
         for part in value["content"]:
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            if not isinstance(part, dict) or part.get("type") not in PARTS:
                 got = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content parts of type {got!r} are not supported (input_text, output_text)")
+                raise ValueError(f"content parts of type {got!r} are not supported ({', '.join(PARTS)})")
     return _ITEM_TYPES[kind].model_validate(value)
 
 
@@ -316,7 +343,7 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, ReasoningItem):
             continue  # an earlier thought: not part of the prompt
         elif isinstance(item, FunctionCallItem):
