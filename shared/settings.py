@@ -121,6 +121,9 @@ class ApiSettings(CommonSettings):
     image_max_pixels: int = Field(25_000_000, ge=1, le=400_000_000,
                                   description="Most pixels of one image (400 past it), read from its header before "
                                               "its pixels are decoded.")
+    image_url_hosts: str = Field("", description="Hosts image URLs are fetched from, comma-separated (`*.example.com`: "
+                                                 "its subdomains); empty: none, images come as data URLs.")
+    image_url_timeout_s: float = Field(10.0, gt=0, le=120, description="Most time one image URL's fetch may take.")
     files_max_bytes: int = Field(50_000_000, ge=1024, le=512_000_000,
                                  description="Largest file POST /v1/files accepts (413 past it); kept in Redis.")
     files_tenant_max_bytes: int = Field(200_000_000, ge=1024, le=100_000_000_000,

@@ -8,8 +8,8 @@ decoded once, whole, on a thread of its own (never on the event loop): PNG, JPEG
   are decoded: a decompression bomb is refused unopened);
 - bytes that are no PNG, JPEG, WebP or GIF (random bytes, SVG, ...), a truncated or corrupt file
   (400: the whole image is decoded, so a cut one is found here, not in a worker);
-- an `http(s)` URL: fetching is off (the issue's allow-list of hosts is not built yet); a
-  data URL is the way in.
+- an `http(s)` URL, unless its host is on the operator's allow-list (api/core/image_urls.py says
+  how it is fetched: public addresses only, checked on every redirect, size and time caps).
 
 A checked image is named by the sha256 of its bytes, so the same image sent twice is one.
 """
@@ -23,6 +23,7 @@ import io
 import re
 from dataclasses import dataclass
 
+from api.core import image_urls
 from api.core.errors import ApiError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -34,6 +35,8 @@ class Limits:
     max_images: int = 16
     max_bytes: int = 20 * 2**20
     max_pixels: int = 25_000_000
+    url_hosts: str = ""  # the hosts images are fetched from (STREAMQ_IMAGE_URL_HOSTS); empty: none
+    url_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ def data_of(url: str, where: str, limits: Limits, param: str = "messages") -> by
         raise ApiError(400, f"{where}: an image needs a URL (a data URL: data:image/png;base64,...)", param=param)
     if url[:8].lower().startswith(("http://", "https://")):
         raise ApiError(400, f"{where}: image URLs are not fetched by this server; send the image as a data URL "
-                            "(data:image/png;base64,...)", param=param)
+                            "(data:image/png;base64,...)", param=param)  # (check_all fetches allowed hosts')
     match = _DATA_URL.match(url)
     if match is None:
         raise ApiError(400, f"{where}: not a base64 data URL of an image (data:image/png;base64,...)", param=param)
@@ -101,7 +104,14 @@ async def check_all(urls: list[tuple[str, str]], limits: Limits, param: str = "m
     if len(urls) > limits.max_images:
         raise ApiError(400, f"{len(urls)} images in one request; at most {limits.max_images} are taken",
                        param=param)
-    blobs = [(where, data_of(url, where, limits, param)) for where, url in urls]
+    hosts = image_urls.AllowedHosts(limits.url_hosts)
+    blobs = []
+    for where, url in urls:
+        if hosts and isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+            data = await image_urls.fetch(url, where, hosts, limits.max_bytes, limits.url_timeout_s, param)
+        else:
+            data = data_of(url, where, limits, param)
+        blobs.append((where, data))
     return list(await asyncio.to_thread(lambda: [check(data, where, limits, param) for where, data in blobs]))
 
 
