@@ -22,6 +22,7 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 # Served by name from this list only, so no path from a client ever reaches the file system.
 ASSETS = {"playground.js": "text/javascript", "playground-tools.js": "text/javascript",
           "playground-responses.js": "text/javascript", "playground-charts.js": "text/javascript",
+          "playground-images.js": "text/javascript",
           "playground.css": "text/css",
           # uPlot 1.6.32 (MIT), the charts' library, vendored from its npm package's dist/
           "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}

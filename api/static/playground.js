@@ -193,9 +193,11 @@ function assistantTurn(run) {
 
 async function send(text) {
   const system = $("system").value.trim();
-  const turn = {role: "user", content: text};
+  const images = takeAttachments();
+  const turn = {role: "user", content: userContent(text, images)};
   const messages = [...(system ? [{role: "system", content: system}] : []), ...history, turn];
   const asked = addMessage("user", text);
+  showImages(asked, images);
   const answer = addMessage("assistant", "");
   const run = {id: null, controller: new AbortController(), stopped: false, text: "", tokens: 0, calls: null,
                held: false, startedAt: performance.now(), firstAt: 0, lastAt: 0};
@@ -207,15 +209,17 @@ async function send(text) {
   for (const id of ["ttft", "tps", "tokens", "finish"]) $(id).textContent = "–";
   try {
     if (responsesOn()) {
+      if (images.length) throw new Error("images go with the chat API: turn the Responses mode off to send them");
       await sendResponse(text, run, answer);
       return;
     }
-    const tools = toolsChosen();  // null: the native api
+    const tools = toolsChosen();  // null: the native api, unless the conversation has images
     if (tools) {
       run.calls = new ToolCalls(answer);
       run.held = tools.tool_choice !== "none";  // the api parses a tool-format reply whole, then sends it
     }
-    const [path, body] = tools ? ["v1/chat/completions", chatBody(messages, sampling(), tools)]
+    const chat = tools || hasImages(messages);  // the native api's messages are text
+    const [path, body] = chat ? ["v1/chat/completions", chatBody(messages, sampling(), tools || {})]
       : ["v1/requests", {messages: messages.map(nativeMessage), ...sampling(), stream: true}];
     const response = await fetch(path, {
       method: "POST",
@@ -228,7 +232,7 @@ async function send(text) {
       if (response.status === 401) askForKey(reason);
       throw new Error(reason);
     }
-    await (tools ? readChat : readNative)(response, run, answer);
+    await (chat ? readChat : readNative)(response, run, answer);
     history.push(turn, assistantTurn(run));
   } catch (error) {
     if (run.stopped) {
@@ -241,6 +245,7 @@ async function send(text) {
       asked.remove();
       answer.remove();
       $("prompt").value = text;
+      restoreAttachments(images);
       showError(error.message);
       setState("error");
     }
@@ -369,6 +374,7 @@ document.addEventListener("DOMContentLoaded", () => {
     showError("");
     pollCluster();
   });
+  initImages();
   pollCluster();
   resumeResponse();
 });

@@ -395,3 +395,66 @@ def test_the_load_charts_move_while_a_load_runs(browser, slow_null, tmp_path):
     finally:
         if not (tmp_path / "playground-charts.png").exists():
             screenshot(browser, tmp_path, "playground-charts.png")  # what the page showed when it failed
+
+
+@pytest.fixture(scope="module")
+def llava(redis_url, tmp_path_factory) -> tuple[Stack, Path]:
+    """A tiny LLaVA-1.5 (streamq/testing/tiny_vision.py): a model that takes images."""
+    from streamq.testing.tiny_vision import build_llava
+
+    folder = build_llava(tmp_path_factory.mktemp("playground-llava"))
+    with Stack(redis_url, folder, tmp_path_factory.mktemp("playground-images")) as running:
+        yield running, folder
+
+
+def test_an_image_picked_pasted_or_dropped_goes_with_the_message(browser, llava, tmp_path):
+    """Picked with the file button, pasted into the prompt, dropped on the composer: each shows as a
+    thumbnail, goes with the message (a thumbnail in the conversation) and the reply is the model's
+    answer to that picture and text, as transformers gives it; removing a thumbnail leaves it out."""
+    import base64
+
+    from streamq.testing.tiny_vision import png
+    from tests.e2e.test_images import _reference
+
+    stack, folder = llava
+    pictures = {"picked": png(21), "pasted": png(22, (30, 44)), "dropped": png(23, (52, 20))}
+    browser.get(f"{stack.urls[0]}/")
+    try:
+        set_field(browser, "temperature", "0")
+        set_field(browser, "max_tokens", "8")
+        for how, picture in pictures.items():
+            browser.find_element(By.ID, "clear").click()
+            if how == "picked":
+                path = tmp_path / "picked.png"
+                path.write_bytes(picture)
+                browser.find_element(By.ID, "image-file").send_keys(str(path))
+            else:  # a clipboard's or a drag's file, as the browser hands it to the page
+                event = "paste" if how == "pasted" else "drop"
+                target = "prompt" if how == "pasted" else "composer"
+                browser.execute_script(f"""
+                    const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+                    const data = new DataTransfer();
+                    data.items.add(new File([bytes], "image.png", {{type: "image/png"}}));
+                    const init = {{bubbles: true, cancelable: true}};
+                    const e = "{event}" === "paste" ? new ClipboardEvent("paste", {{...init, clipboardData: data}})
+                                                   : new DragEvent("drop", {{...init, dataTransfer: data}});
+                    document.getElementById("{target}").dispatchEvent(e);""", base64.b64encode(picture).decode())
+            wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")) == 1,
+                 f"the {how} image's thumbnail")
+            send(browser, "What is in the picture?")
+            wait(browser, lambda d: replied(d, 1), f"the reply to the {how} image")
+            assert browser.find_elements(By.CSS_SELECTOR, "#messages li.user img.thumb")
+            assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")
+            assert last_reply(browser) == _reference(folder, [picture, "What is in the picture?"]), how
+            if how == "picked":
+                screenshot(browser, tmp_path, "playground-image-sent.png")
+        # A thumbnail removed before sending: the message goes as text alone.
+        browser.find_element(By.ID, "clear").click()
+        browser.find_element(By.ID, "image-file").send_keys(str(tmp_path / "picked.png"))
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb")) == 1, "a thumbnail")
+        browser.find_element(By.CSS_SELECTOR, "#attachments button").click()
+        send(browser, "What is in the picture?")
+        wait(browser, lambda d: replied(d, 1), "the reply without the image")
+        assert last_reply(browser) == _reference(folder, ["What is in the picture?"])
+    finally:
+        screenshot(browser, tmp_path, "playground-images.png")
