@@ -137,6 +137,8 @@ def write_gguf(model: Path, path: Path, qtype: str = "F32", normalizer_keys: boo
     from gguf.quants import quantize
     from safetensors.numpy import load_file
 
+    from streamq.testing.tiny_models import finish, write_shape
+
     config = read_json(model / "config.json")
     family = config["model_type"]
     arch = {"bert": "bert", "nomic_bert": "nomic-bert"}[family]
@@ -147,11 +149,7 @@ def write_gguf(model: Path, path: Path, qtype: str = "F32", normalizer_keys: boo
 
     pooling = describe(model).modes[0]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
+    write_shape(writer, config, config["max_position_embeddings"])
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
     writer.add_pooling_type({"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
@@ -197,8 +195,5 @@ def write_gguf(model: Path, path: Path, qtype: str = "F32", normalizer_keys: boo
             writer.add_tensor(name, quantize(value, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path

@@ -130,6 +130,23 @@ def first_layers(folder: Path, target: Path, layers: int) -> Path:
     return target
 
 
+def write_shape(writer, config: dict, context: int) -> None:
+    """The hyperparameters every architecture's GGUF header has, from a transformers config."""
+    writer.add_context_length(context)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+
+
+def finish(writer) -> None:
+    """Write the GGUF's header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F32") -> Path:
     """The tiny llama (or phi3) of `model` as a GGUF file: its BPE vocabulary, the chat template, and its
     tensors in F32, or with every 2-D weight (projections, embedding, head) in `qtype` (Q8_0, Q4_0,
@@ -146,11 +163,7 @@ def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     arch = config["model_type"]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(context)
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
+    write_shape(writer, config, context)
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(10000.0)
@@ -171,8 +184,5 @@ def write_tiny_gguf(model: Path, path: Path, context: int = 256, qtype: str = "F
             writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
