@@ -12,6 +12,7 @@ WORKER_GROUP = "workers"
 # A finished request's record and token log stay this long, so late polls and stream
 # resumes still find them; then Redis frees them.
 RESULT_TTL_S = 24 * 3600
+IMAGE_TTL_S = 3600  # an image's bytes, from its latest request or claim (image)
 
 # Consumer name under which the scheduler holds an entry while it puts it back in the queue;
 # it has no heartbeat, so an entry left there by a scheduler that died is reclaimed again.
@@ -118,7 +119,7 @@ def kv_blocks_lru(prefix: str, space: str) -> str:
 
 def image(prefix: str, sha256: str) -> str:
     """String: an image's bytes as a request sent them (base64: the clients decode replies as text), named by their sha256 (one copy however
-    many requests send it), kept RESULT_TTL_S from its latest request, so a worker that takes a
+    many requests send it), kept IMAGE_TTL_S from its latest request or claim, so a worker that takes a
     request over has its images too."""
     return f"{prefix}:image:{sha256}"
 

@@ -248,13 +248,13 @@ class Generation:
         return await images.check_all(prompt.images, self.image_limits, prompt.images_param)
 
     async def _keep_images(self, checked: list[images.Image]) -> None:
-        """Each image's bytes in Redis under its sha256, kept RESULT_TTL_S from now (once however
+        """Each image's bytes in Redis under its sha256, kept IMAGE_TTL_S from now (once however
         many requests send it), for whichever worker runs or takes over the request."""
         async with self.store.redis.pipeline(transaction=False) as pipe:
             for image in {i.sha256: i for i in checked}.values():
                 key = redis_keys.image(self.store.prefix, image.sha256)
-                pipe.set(key, base64.b64encode(image.data).decode(), ex=redis_keys.RESULT_TTL_S, nx=True)
-                pipe.expire(key, redis_keys.RESULT_TTL_S)
+                pipe.set(key, base64.b64encode(image.data).decode(), ex=redis_keys.IMAGE_TTL_S, nx=True)
+                pipe.expire(key, redis_keys.IMAGE_TTL_S)
             await pipe.execute()
 
     def _keeps_special_tokens(self, prompt: Prompt) -> bool:

@@ -90,7 +90,7 @@ def test_an_image_is_kept_once_in_redis_under_its_sha256(served):
     with stack.redis() as redis:
         kept = redis.get(redis_keys.image(stack.prefix, hashlib.sha256(picture).hexdigest()))
         assert base64.b64decode(kept) == picture
-        assert 0 < redis.ttl(redis_keys.image(stack.prefix, hashlib.sha256(picture).hexdigest())) <= redis_keys.RESULT_TTL_S
+        assert 0 < redis.ttl(redis_keys.image(stack.prefix, hashlib.sha256(picture).hexdigest())) <= redis_keys.IMAGE_TTL_S
 
 
 def _huge_png(width: int, height: int) -> bytes:

@@ -99,9 +99,13 @@ class Claims:
     async def _images(self, payload: RequestPayload) -> list[bytes] | str:
         """The request's images' bytes from Redis (the api kept them), or why it cannot run."""
         keys = [redis_keys.image(self.store.prefix, sha) for sha in payload.images]
-        blobs = [await self.redis.get(key) for key in keys]  # one key a call: on a Redis Cluster they lie apart
+        blobs = []
+        for key in keys:  # one key a call: on a Redis Cluster they lie apart
+            blobs.append(await self.redis.get(key))
+            await self.redis.expire(key, redis_keys.IMAGE_TTL_S)  # kept for a takeover while it runs
         if any(blob is None for blob in blobs):
-            return "the request's images are no longer kept (they are kept a day after their latest request)"
+            return ("the request's images are no longer kept (an hour after their latest request or start: "
+                    "send it again)")
         return [base64.b64decode(blob) for blob in blobs]
 
     def cannot_run(self, payload: RequestPayload) -> str | None:
