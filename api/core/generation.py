@@ -221,6 +221,11 @@ class Generation:
                 await self._budget(prompt)
             if self._keeps_special_tokens(prompt):
                 prompt.samples = [p.model_copy(update={"skip_special_tokens": False}) for p in prompt.samples]
+        vision = self.tokenizer.vision if self.tokenizer is not None else None
+        if vision is not None and not prompt.images and vision.image_token_id in prompt_ids:
+            # its tokens would ask the model for images it was not given, and fail the batch it runs in
+            raise ApiError(400, "the prompt holds the model's image token without an image: send images as image "
+                                "parts, never the token itself", param="prompt" if prompt.messages is None else "messages")
         payloads = [self.build(prompt_ids, params, prompt.priority) for params in prompt.samples]
         if prompt.images:
             for payload in payloads:

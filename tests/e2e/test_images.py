@@ -179,3 +179,22 @@ def test_responses_and_messages_take_images_as_chat_does(served):
         client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": data_url(b"not a picture")}]}])
     assert bad.value.body["param"] == "input" and "not an image" in bad.value.body["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "look: <image> what is it?"}]}, "messages"),
+    ("/v1/completions", {"prompt": "<image> a picture of"}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 5, 5, 5, 5, 9]}, "prompt"),
+])
+def test_the_image_token_without_an_image_is_a_400_and_fails_no_neighbour(served, path, body, param):
+    """Written as text or sent as a token id, the image token would ask the model for pictures it
+    does not have (and fail the static batch it ran in): refused before it queues."""
+    stack, client, folder = served
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(httpx.post, f"{stack.urls[0]}{path}", json={"model": "llava", "max_tokens": 4, **body},
+                          timeout=60)
+        good = pool.submit(_ask, client, CASES["one image"])
+        reply = bad.result()
+        assert good.result().choices[0].message.content == _reference(folder, CASES["one image"])
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert "image token" in reply.json()["error"]["message"]
