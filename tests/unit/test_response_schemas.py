@@ -25,3 +25,17 @@ def test_no_reasoning_sets_no_effort():
 def test_what_reasoning_cannot_do_here_is_refused(reasoning):
     with pytest.raises(ValidationError):
         ResponseCreate.model_validate({"model": "m", "input": "hi", "reasoning": reasoning})
+
+
+def test_every_input_item_kind_gets_an_id_a_reasoning_item_too():
+    """An input's items without ids are given ones; a reasoning item sent back without its id was
+    a KeyError, a 500 (found by tests/e2e/test_fuzz.py)."""
+    from api.openai.responses.record import with_ids
+
+    body = ResponseCreate.model_validate({"input": [
+        {"type": "function_call_output", "call_id": "c", "output": ""}, {"type": "reasoning"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"role": "user", "content": "hi"}]})
+    items = with_ids("resp_abc", body.input_items())
+    assert [i.id for i in items] == ["fco_abc_in0", "rs_abc_in1", "fc_abc_in2", "msg_abc_in3"]
+    assert all(i.status == "completed" for i in items)

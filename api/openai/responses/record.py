@@ -48,7 +48,7 @@ class ResponseRecord:
 def with_ids(response_id: str, items: list[InputItem]) -> list[InputItem]:
     """The input items, each with an id (its own, or one made from the response's) and a status."""
     stem = response_id.removeprefix("resp_")
-    kinds = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+    kinds = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
     return [item.model_copy(update={"id": item.id or f"{kinds[item.type]}_{stem}_in{i}",
                                     "status": item.status or "completed"})
             for i, item in enumerate(items)]
