@@ -39,6 +39,8 @@ class Tok:
 
     vocab_size, context_length, chat_template = 1000, 512, None
     pooling = None  # a decoder: it generates
+    vision = None  # a text model: it takes no images
+    special_tokens: dict[str, int] = {}
 
     def encode_chat(self, messages, tools=None, add_generation_prompt=True, add_special_tokens=False, extra=None):
         return [1, 2, 3]
