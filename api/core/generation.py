@@ -268,7 +268,7 @@ class Generation:
         if prompt.messages is None:
             return False
         tools = prompt.tool_format is not None and prompt.tool_format.keeps_special_tokens
-        return tools or bool(getattr(self.reasoning, "keeps_special_tokens", False))
+        return tools or (self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
     async def _budget(self, prompt: Prompt) -> None:
         """The thinking budget on the prompt's samples (ThinkingBudget: the sampler closes the
@@ -284,7 +284,7 @@ class Generation:
             budget = ThinkingBudget(tokens=prompt.thinking_budget,
                                     end=self.tokenizer.encode(CLOSE, add_special_tokens=False))
         else:  # Harmony: a reply that opens on the analysis channel is closed into the next message
-            if not getattr(prompt.reasoning, "keeps_special_tokens", False):
+            if not prompt.reasoning.keeps_special_tokens:
                 raise ApiError(400, f"{prompt.thinking_param}: a budget on Harmony reads its markers as tokens, and this "
                                     "model's tokenizer spells them as text (gpt-oss's own has them as special tokens)",
                                param=prompt.thinking_param)

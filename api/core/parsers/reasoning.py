@@ -34,6 +34,7 @@ class ThinkFormat:
     """`<think>…</think>` before the answer; `opened`: the chat template opens it itself."""
 
     opened: bool = False
+    keeps_special_tokens = False  # its tags are read as text (HarmonyFormat's markers may be special tokens)
 
     @property
     def key(self) -> str:
