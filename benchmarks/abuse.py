@@ -1,6 +1,6 @@
 """A hostile tenant against a victim, on one stack with keys on, in ONE run.
 
-    .venv/bin/python benchmarks/abuse.py [--model PATH] [--seconds 20] [--streams 2]
+    .venv/bin/python benchmarks/abuse.py [--model PATH] [--seconds 20] [--streams 2] [--attacks 'NAME;...']
 
 One stack (its own Redis, one worker, the scheduler, one api replica; the default model unless
 --model) with two tenants: the victim, unlimited, and the attacker, limited to 60 requests a
@@ -286,6 +286,8 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--attacks", default="all",
+                        help="the attacks to run, their rows' names separated by ';' (e.g. 'flex flood, victim priority'), or all")
     args = parser.parse_args()
     settings = {"STREAMQ_MODEL": args.model, "STREAMQ_AUTH": "on", "STREAMQ_MAX_STREAMS_PER_TENANT": str(STREAM_CAP),
                 "STREAMQ_BATCH_SIZE": "16"}
@@ -314,6 +316,11 @@ def main() -> None:
                    "cross-tenant prompt": (cross_tenant_cache, url, prober, victim.last_prompt),
                    "flex flood, victim priority": (flex_flood, url, flexer, args.seconds + 10),
                    "flex flood, victim flex": (flex_flood, url, flexer, args.seconds + 10)}
+        if args.attacks != "all":
+            chosen = [a.strip() for a in args.attacks.split(";")]
+            if unknown := set(chosen) - set(attacks):
+                parser.error(f"no attack named {sorted(unknown)}; the attacks: {sorted(attacks)}")
+            attacks = {name: attacks[name] for name in chosen}
         for name, (attack, *attack_args) in attacks.items():
             # Each attack beside the victim's chats right after the same chats alone: the machine's
             # drift over the run (other work on a shared host) falls on both sides of the ratio.

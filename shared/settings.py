@@ -185,6 +185,12 @@ class _BatchingFields(BaseModel):
                                         "lowers it to what its KV cache holds at 256 tokens a request.")
     max_num_batched_tokens: int = Field(2048, ge=1, le=1_000_000,
                                         description="Token budget of one step; longer prompts are prefilled in chunks.")
+    flex_beside_priority: int | None = Field(
+        None, ge=0, le=1024,
+        description="The most flex requests run in a step beside a decoding priority request (the oldest; the "
+                    "others keep their cache and wait). Unset: 4 on a CPU, where a step's time grows with its "
+                    "batch and a priority request's first token waits for the step in flight; no cap on a GPU. "
+                    "batch_size: no cap.")
 
 
 class BatchingSettings(_BatchingFields, _Section):

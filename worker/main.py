@@ -54,6 +54,7 @@ def num_kv_blocks(cache: CacheSettings, batching: BatchingSettings, model, dtype
 # A request's KV working set the batch is sized for: a chat turn and its answer. A batch the
 # cache cannot hold at that size would preempt in every busy step instead of running.
 TOKENS_PER_REQUEST = 256
+FLEX_BESIDE_PRIORITY_ON_CPU = 4  # the flex requests a step runs beside a decoding priority one (shared/settings.py)
 
 
 def batch_for_cache(batching: BatchingSettings, cache: CacheSettings, blocks: int) -> int:
@@ -113,9 +114,18 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
              "a token's rounding depends on its batch: a continuation after a failover may part from the "
              "undisturbed text at a near-tie (STREAMQ_DETERMINISTIC=true makes it exact; docs/reliability.md)")
     blocks_manager = BlockManager(blocks, cache.block_size, prefix_caching=cache.prefix_caching)
-    batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget)
+    batcher = Batcher(blocks_manager, max_num_seqs=batch, max_num_batched_tokens=budget,
+                      flex_beside_priority=flex_beside_priority(batching, device))
     return Engine(runner, tokenizer, batcher, build_speculator(settings, runner, tokenizer),
                   build_tier(settings, runner), PrefixScope.parse(settings.shared_prefix_tenants))
+
+
+def flex_beside_priority(batching: BatchingSettings, device) -> int | None:
+    """The setting, or where unset: 4 on a CPU (2 to 4 brought a priority chat's TTFT p99 beside a flex
+    flood from 2.3 times its p99 alone to 1.0 on 2 cores, docs/benchmarks.md), no cap elsewhere."""
+    if batching.flex_beside_priority is not None:
+        return batching.flex_beside_priority
+    return FLEX_BESIDE_PRIORITY_ON_CPU if device.type == "cpu" else None
 
 
 def build_encoder(settings: WorkerSettings, tokenizer: Tokenizer, device) -> EncoderEngine:

@@ -164,6 +164,47 @@ def test_flex_requests_sit_out_while_a_priority_prompt_runs_and_keep_their_cache
     assert b.num_preemptions == 0
 
 
+def test_beside_a_decoding_priority_request_only_the_oldest_flex_requests_run():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=1)
+    old_flex, new_flex, default = seq(2, tier="flex"), seq(2, tier="flex"), seq(2)
+    for s in (old_flex, new_flex, default):
+        b.add(s)
+    assert lengths(step(b)) == {old_flex.id: 2, new_flex.id: 2, default.id: 2}  # no priority: no cap
+    prio = seq(3, tier="priority")
+    b.add(prio)
+    assert lengths(step(b)) == {default.id: 1, prio.id: 3}  # its prompt: no flex at all
+    late_flex = seq(2, tier="flex")
+    b.add(late_flex)
+    # It decodes: one flex request beside it, the oldest; the newer ones keep their cache and wait.
+    assert lengths(step(b)) == {old_flex.id: 1, default.id: 1, prio.id: 1}
+    assert new_flex.num_computed == 2 and late_flex.status is Status.WAITING and b.num_preemptions == 0
+    b.remove(old_flex)
+    assert lengths(step(b)) == {new_flex.id: 1, default.id: 1, prio.id: 1}
+    b.remove(prio)
+    assert lengths(step(b)) == {new_flex.id: 1, default.id: 1, late_flex.id: 2}  # gone: no cap
+
+
+def test_without_the_cap_flex_requests_decode_beside_a_priority_one():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    flexes = [seq(2, tier="flex") for _ in range(3)]
+    prio = seq(2, tier="priority")
+    for s in (*flexes, prio):
+        b.add(s)
+    step(b)
+    assert set(lengths(step(b))) == {s.id for s in (*flexes, prio)}
+
+
+def test_with_a_cap_of_zero_flex_waits_until_the_priority_request_ends():
+    b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=0)
+    flex, prio = seq(2, tier="flex"), seq(2, tier="priority")
+    for s in (flex, prio):
+        b.add(s)
+    assert lengths(step(b)) == {prio.id: 2}
+    assert lengths(step(b)) == {prio.id: 1} and flex.status is Status.WAITING
+    b.remove(prio)
+    assert lengths(step(b)) == {flex.id: 2}
+
+
 def test_a_better_tier_short_of_blocks_preempts_flex():
     b = Batcher(BlockManager(5, 4), max_num_seqs=8, max_num_batched_tokens=64)
     default, flex = seq(7), seq(7, tier="flex")

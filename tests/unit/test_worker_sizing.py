@@ -1,6 +1,8 @@
 """The worker sizes its batch from its KV cache (worker/main.py)."""
 from shared.settings import WorkerSettings
-from worker.main import TOKENS_PER_REQUEST, batch_for_cache
+import torch
+
+from worker.main import FLEX_BESIDE_PRIORITY_ON_CPU, TOKENS_PER_REQUEST, batch_for_cache, flex_beside_priority
 
 
 def test_the_batch_is_what_the_cache_holds_at_a_chat_turn_a_request():
@@ -30,3 +32,11 @@ def test_the_settings_sections_hold_every_worker_field_under_its_flat_environmen
     for section in sections:
         assert all(getattr(section, name) == getattr(settings, field.alias or name)
                    for name, field in type(section).model_fields.items())
+
+
+def test_flex_beside_priority_is_capped_on_a_cpu_unless_set():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object only: no GPU needed
+    assert flex_beside_priority(WorkerSettings().batching, cpu) == FLEX_BESIDE_PRIORITY_ON_CPU
+    assert flex_beside_priority(WorkerSettings().batching, gpu) is None
+    assert flex_beside_priority(WorkerSettings(flex_beside_priority=0).batching, gpu) == 0
+    assert flex_beside_priority(WorkerSettings(flex_beside_priority=128).batching, cpu) == 128

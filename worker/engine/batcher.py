@@ -31,11 +31,14 @@ PRIORITY_RANK = RANK["priority"]
 
 
 class Batcher:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 flex_beside_priority: int | None = None):
         check_budget(max_num_batched_tokens, max_num_seqs)
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The most flex requests given tokens in a step that runs a priority request (None: no cap).
+        self.flex_beside_priority = flex_beside_priority
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
@@ -68,14 +71,20 @@ class Batcher:
         yielded = self._yield_to_better_tier(out)
         # While a priority request waits or prefills, running flex requests sit the step out (their
         # cache kept): its prompt runs beside no flex decode, so its first token comes as soon as the
-        # step it waited for ends. A step with nothing else to run still runs them.
-        sit_out = PREEMPTIBLE_RANK if self._priority_starting() else None
-        budget = self._run_running(out, self.max_num_batched_tokens, sit_out)
+        # step it waited for ends. While one decodes, at most flex_beside_priority flex requests (the
+        # oldest) run: on a CPU a step's time grows with its batch, and the next priority request's
+        # first token waits for the step in flight. A step with nothing else to run still runs them.
+        flex_slots = 0 if self._priority_starting() else \
+            self.flex_beside_priority if self._priority_running() else None
+        budget = self._run_running(out, self.max_num_batched_tokens, flex_slots)
         short = len(out.preempted) > yielded  # the cache ran short: admit nobody this step
         while not short and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting.peek()
             if seq is None:
                 break
+            if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK:
+                if self._flex_given(out) >= flex_slots:
+                    break  # the queue is tier first: nobody better waits behind it
             computed = self.blocks.allocate_prefix(seq.id, seq.token_ids, seq.kv_root)
             length = min(seq.num_tokens - computed, budget)
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
@@ -89,26 +98,34 @@ class Batcher:
             seq.status = Status.RUNNING
             out.chunks.append(self._chunk(seq, computed, length))
             budget -= length
-        if sit_out is not None and not out.chunks:
+        if flex_slots is not None and not out.chunks:  # nothing else to run: they run after all
             self._run_running(out, budget, None)
         return out
 
-    def _run_running(self, out: SchedulerOutput, budget: int, sit_out: int | None) -> int:
-        """Give the running requests their next tokens, oldest first, within `budget` (those of the
-        tier ranked `sit_out` or worse get none); the budget left."""
-        i = 0
+    def _run_running(self, out: SchedulerOutput, budget: int, flex_slots: int | None) -> int:
+        """Give the running requests their next tokens, oldest first, within `budget` (at most
+        `flex_slots` flex ones, unless None); the budget left."""
+        i, flex = 0, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if sit_out is not None and seq.tier >= sit_out:
+            if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK and flex >= flex_slots:
                 i += 1
-                continue
+                continue  # sits the step out, its cache kept
             length = min(seq.num_tokens - seq.num_computed, budget)
             if not self._make_room(i, seq.num_computed + length, out):
                 continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
             out.chunks.append(self._chunk(seq, seq.num_computed, length))
             budget -= length
+            flex += seq.tier >= PREEMPTIBLE_RANK
             i += 1
         return budget
+
+    def _priority_running(self) -> bool:
+        return self.flex_beside_priority is not None and any(s.tier == PRIORITY_RANK for s in self.running)
+
+    @staticmethod
+    def _flex_given(out: SchedulerOutput) -> int:
+        return sum(c.seq.tier >= PREEMPTIBLE_RANK for c in out.chunks)
 
     def _priority_starting(self) -> bool:
         """Whether a priority request waits (first in the queue) or has yet to give its first token."""
