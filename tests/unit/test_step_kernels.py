@@ -239,7 +239,7 @@ def test_the_one_token_layer_stack_computes_what_the_per_layer_calls_do(tiny_lla
             engine.runner.one_token = None
         seen = []
         execute = engine.runner.execute
-        engine.runner.execute = lambda out, seen=seen, execute=execute: seen.append(execute(out)) or seen[-1]
+        engine.runner.execute = lambda out, seen=seen, execute=execute, **kw: seen.append(execute(out, **kw)) or seen[-1]
         run(engine, prompts(1, seed=3))  # one request alone: its decode steps are one token each
         logits.append(torch.cat(seen[1:]))  # past the prefill
     assert logits[0].shape[0] > 1 and torch.equal(logits[0], logits[1])

@@ -177,7 +177,7 @@ def test_the_masks_are_computed_while_the_model_runs(tiny_llama, monkeypatch):
     engine = make_engine(tiny_llama)
     engine.overlap_masks = True  # as on an accelerator
     execute = engine.runner.execute
-    engine.runner.execute = lambda scheduled: forwards.append(len(calls)) or execute(scheduled)
+    engine.runner.execute = lambda scheduled, **kw: forwards.append(len(calls)) or execute(scheduled, **kw)
     overlapped = engine.generate([_payload(f"r{i}", engine.tokenizer.encode(text), **params)
                                   for i, text in enumerate(texts)])
     assert [s.output_ids for s in overlapped] == [s.output_ids for s in inline_seqs]

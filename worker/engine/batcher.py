@@ -85,8 +85,8 @@ class Batcher:
             if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK:
                 if self._flex_given(out) >= flex_slots:
                     break  # the queue is tier first: nobody better waits behind it
-            computed = self.blocks.allocate_prefix(seq.id, seq.token_ids, seq.kv_root)
-            length = min(seq.num_tokens - computed, budget)
+            computed = self.blocks.allocate_prefix(seq.id, seq.cache_ids, seq.kv_root)
+            length = _whole_images(seq, computed, min(seq.num_tokens - computed, budget))
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
                 self.blocks.free(seq.id)  # not now: give back the shared prefix
                 break
@@ -111,7 +111,7 @@ class Batcher:
             if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK and flex >= flex_slots:
                 i += 1
                 continue  # sits the step out, its cache kept
-            length = min(seq.num_tokens - seq.num_computed, budget)
+            length = _whole_images(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget))
             if not self._make_room(i, seq.num_computed + length, out):
                 continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
             out.chunks.append(self._chunk(seq, seq.num_computed, length))
@@ -165,7 +165,7 @@ class Batcher:
         # Register the blocks this chunk fills now, not after the step: a request admitted later
         # in this same step may share them, since every layer writes the step's keys and values
         # to the cache before any attention reads it.
-        self.blocks.register(seq.id, seq.token_ids, start + length)
+        self.blocks.register(seq.id, seq.cache_ids, start + length)
         end = start + length
         return Chunk(seq, start, seq.token_ids[start:end], self.blocks.table(seq.id), int(end == seq.num_tokens))
 
@@ -208,3 +208,17 @@ class Batcher:
         self.waiting.add(victim)
         out.preempted.append(victim)
         self.num_preemptions += 1
+
+
+def _whole_images(seq: Sequence, start: int, length: int) -> int:
+    """A chunk's length, so that it never ends inside an image's tokens: cut before an image that
+    starts within it, or, where the image starts at (or, its first blocks cached, before) the
+    chunk's start, stretched to the image's end (over the step's budget by less than an image)."""
+    if seq.vision is None or length <= 0:
+        return length
+    end = start + length
+    image_end = seq.vision.end_of_image(end)
+    if image_end is None:
+        return length
+    image_start = seq.vision.start_of_image(end)
+    return image_start - start if image_start > start else image_end - start

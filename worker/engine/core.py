@@ -37,6 +37,7 @@ from worker.engine.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.engine.sequence import Sequence, Status, StepOutput, new_sequence
 from worker.engine.speculation import SpecStats, Speculator
 from worker.engine.structured import Compiler, Grammars
+from worker.engine.vision import ImageEncoder, Images
 
 
 # How long a step waits for the grammar builds of new requests before it runs without those
@@ -54,8 +55,10 @@ class Engine(BaseEngine):
     lora = True
 
     def __init__(self, runner: PagedRunner, tokenizer: Tokenizer, batcher: Batcher,
-                 speculator: Speculator | None = None, tier: KVTier | None = None, scope: PrefixScope = PER_TENANT):
+                 speculator: Speculator | None = None, tier: KVTier | None = None, scope: PrefixScope = PER_TENANT,
+                 images: ImageEncoder | None = None):
         super().__init__(batcher.max_num_seqs)
+        self.images = images  # a vision-language model's tower and projector (worker/engine/vision.py)
         self.scope = scope  # whose cached prefixes a request may reuse: its tenant's (shared/prefix_scope.py)
         self.runner = runner
         self.speculator = speculator
@@ -79,13 +82,19 @@ class Engine(BaseEngine):
         self._shares = pooling.Shares()  # which of their inputs run next: tenants' fair shares
 
     # -- called from the asyncio side ------------------------------------------------------
-    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = ()) -> Sequence | PoolJob:
+    @property
+    def takes_images(self) -> bool:
+        return self.images is not None
+
+    def add(self, payload: RequestPayload, resumed: list[TokenEvent] | tuple = (), images: list[bytes] = ()
+            ) -> Sequence | PoolJob:
         if payload.pool is not None:  # it answers at its end only: a takeover starts it again
             job = PoolJob.of(payload)
             with self._arrivals_lock:
                 self._pool_arrivals.append(job)
             return job
         seq = new_sequence(payload, self.tokenizer.decode, resumed, self.tokenizer.decode_stream)
+        seq.images = list(images)
         if self.compiler.start(seq):
             seq.status = Status.WAITING_FOR_GRAMMAR
         with self._arrivals_lock:
@@ -147,7 +156,7 @@ class Engine(BaseEngine):
             if self.overlap_masks:
                 batch.start_masks(self.runner.vocab_size, self.mask_pool)  # while the model runs
             try:
-                logits = self.runner.execute(scheduled)
+                logits = self.runner.execute(scheduled, images=self._step_images(scheduled))
             finally:
                 batch.settle_masks()  # a failed step's fail_all must find the matchers at rest
             self._offload()
@@ -239,6 +248,10 @@ class Engine(BaseEngine):
             if need > most:
                 raise ValueError(f"the request needs {need} tokens of KV cache; this worker's cache holds {most}")
             seq.kv_root = self.scope.root(seq.tenant, self._hold_adapter(seq))
+            if seq.images or seq.image_keys:
+                if self.images is None:
+                    raise ValueError("this worker's model takes no images")
+                seq.vision = Images.of(seq.prompt_ids, self.images.vision, seq.image_keys, seq.images)
         except ValueError as exc:  # GrammarError included
             return self._end([seq], FinishReason.ERROR, str(exc))[0]
         self._fetch_prefix(seq)
@@ -268,7 +281,7 @@ class Engine(BaseEngine):
             return
         blocks = self.batcher.blocks
         # No more than are free: more would evict the first ones.
-        missing = blocks.missing_prefix(seq.token_ids, seq.kv_root)[:blocks.num_free]
+        missing = blocks.missing_prefix(seq.cache_ids, seq.kv_root)[:blocks.num_free]
         for link, kv in zip(missing, self.tier.fetch(missing)):
             self.runner.write_block(blocks.adopt(link), kv)
 
@@ -279,6 +292,25 @@ class Engine(BaseEngine):
         if self.tier is not None and filled and self.tier.accepting(len(filled)):
             for block in filled:
                 self.tier.offload(ChainBlock(block.hash, *block.key), self.runner.read_block(block.id))
+
+    def _step_images(self, scheduled: SchedulerOutput) -> tuple[list[int], torch.Tensor] | None:
+        """The step's image-token rows (flat, in the step's order) and their embeddings, the
+        images' from the encoder's cache or from one batched run of it; None without images."""
+        wanted, places, row = [], [], 0
+        for chunk in scheduled.chunks:
+            seq, lo, hi = chunk.seq, chunk.start, chunk.start + chunk.length
+            if seq.vision is not None:
+                for key, (start, length), data in zip(seq.vision.keys, seq.vision.spans, seq.vision.data):
+                    a, b = max(lo, start), min(hi, start + length)
+                    if a < b:
+                        places.append((row + a - lo, len(wanted), a - start, b - a))
+                        wanted.append((seq.kv_root, key, data))
+            row += len(chunk.input_ids)
+        if not wanted:
+            return None
+        features = self.images.embeddings(wanted)
+        rows = [r + i for r, _, _, n in places for i in range(n)]
+        return rows, torch.cat([features[w][offset:offset + n] for _, w, offset, n in places])
 
     def _fitting(self, seq: Sequence, proposed: list[int]) -> int:
         """How many leading proposed tokens the request's grammar allows (all, without one)."""

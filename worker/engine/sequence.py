@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from shared.messages import FinishReason, RequestPayload, TokenEvent
 from shared import service_tier
@@ -52,6 +53,8 @@ class Sequence:
     kv_root: int | None = None  # its prefix-cache chain root: its tenant's and adapter's, set when the engine takes it in (worker/model/lora.py)
     tier: int = service_tier.RANK["default"]  # its service tier's rank: lower runs first, across tenants
     images: list[bytes] = field(default_factory=list)  # a vision-language model's request: its images' bytes, in order
+    image_keys: list[str] = field(default_factory=list)  # their sha256s (RequestPayload.images)
+    vision: Any = None  # the paged engine's Images (worker/engine/vision.py): where they sit, set when taken in
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -62,7 +65,7 @@ class Sequence:
         return cls(payload.id, payload.params, list(payload.prompt_token_ids), detokenizer, payload.tenant,
                    payload.priority, payload.weight, payload.created_at, lane_of(payload), adapter=payload.adapter,
                    adapter_revision=payload.adapter_revision, adapter_path=payload.adapter_path,
-                   tier=service_tier.RANK[payload.service_tier])
+                   tier=service_tier.RANK[payload.service_tier], image_keys=list(payload.images))
 
     @property
     def finished(self) -> bool:
@@ -70,6 +73,11 @@ class Sequence:
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """Its tokens as the prefix cache hashes them: an image's tokens keyed by the image."""
+        return self.token_ids if self.vision is None else self.vision.cache_ids(self.token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -99,3 +99,5 @@ class StepInputs:
     paged: Paged | None = None
     lora: StepLora | None = None  # the step's LoRA adapter rows (None: every row is the base model's)
     hidden: bool = False  # give those tokens' final hidden states (after the last norm), not their logits
+    image_rows: torch.Tensor | None = None  # rows whose token is an image's: their embeddings are image_embeddings'
+    image_embeddings: torch.Tensor | None = None

@@ -159,15 +159,21 @@ class PagedRunner:
         return sum(w.nbytes() for w in self.projections()) + table + norms
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, hidden: bool = False) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, hidden: bool = False,
+                images: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Run the step's chunks; return the logits the chunks need (Chunk.num_logits each: a
         sampling chunk's last token, and one row per proposed token), in chunk order; with
-        `hidden`, those tokens' final hidden states instead (pooling: embeddings)."""
+        `hidden`, those tokens' final hidden states instead (pooling: embeddings). `images`: the
+        step's image-token rows (flat) and the embeddings that take their tokens' place."""
         # CUDA graphs and the one-token layer stack add no deltas: a step with adapter rows runs per layer.
         lora = StepLora.of(out.chunks, self.adapters, self.device) if self.adapters is not None else None
-        if not hidden and lora is None and self.graphs is not None and self.graphs.fits(out):
+        if not hidden and lora is None and images is None and self.graphs is not None and self.graphs.fits(out):
             return self.graphs.execute(out)
         step = step_inputs(out.chunks, self.device, self.block_size, self.window, self.plan.kernels)
         step.lora = lora
         step.hidden = hidden
+        if images is not None:
+            rows, embeddings = images
+            step.image_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            step.image_embeddings = embeddings.to(self.device)
         return self.forward(self, step)

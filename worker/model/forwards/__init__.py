@@ -33,3 +33,12 @@ class Runner(Protocol):
     one_token: Any  # the kernels' one-call layer stack (worker/model/forwards/llama_kernels.py), or None
 
     def projections(self) -> list: ...  # every fused projection of every layer, and the head
+
+
+def embed(core: torch.nn.Module, step) -> torch.Tensor:
+    """The step's input embeddings: the tokens' (core.embed_tokens), an image token's row replaced
+    by its image's embedding (worker/engine/vision.py) where the step has images."""
+    h = core.embed_tokens(step.input_ids)
+    if step.image_rows is not None:
+        h = h.index_copy(0, step.image_rows, step.image_embeddings.to(h.dtype))
+    return h

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 from worker.model.batch import StepInputs
-from worker.model.forwards import Runner
+from worker.model.forwards import Runner, embed
 from worker.model.forwards.attention import attend
 from worker.model.fused_layers import rotate_half
 
 
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core, config, paged = r.model.model, r.model.config, step.paged
-    h = core.embed_tokens(step.input_ids)
+    h = embed(core, step)
     total, heads = h.shape[0], config.num_attention_heads
     sizes = [heads * r.head_dim, r.kv_heads * r.head_dim, r.kv_heads * r.head_dim]
     rotary = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.batch import StepInputs
-from worker.model.forwards import Runner
+from worker.model.forwards import Runner, embed
 from worker.model.forwards.attention import attend
 from worker.model.fused_layers import rotate_half
 from worker.model.lm_head import output
@@ -14,7 +14,7 @@ from worker.model.lora_step import StepLora
 
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core = r.model.model
-    h = core.embed_tokens(step.input_ids)
+    h = embed(core, step)
     cos, sin = core.rotary_emb(h[None], step.positions[None])
     cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
     total, lora = h.shape[0], step.lora or StepLora([])  # no groups: the modules alone

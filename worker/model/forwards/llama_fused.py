@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.batch import StepInputs
-from worker.model.forwards import Runner
+from worker.model.forwards import Runner, embed
 from worker.model.forwards.attention import attend
 from worker.model.fused_layers import after_attention, before_attention
 from worker.model.lm_head import output
@@ -15,7 +15,7 @@ from worker.model.lm_head import output
 
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core = r.model.model
-    h = core.embed_tokens(step.input_ids)
+    h = embed(core, step)
     cos, sin = core.rotary_emb(h[None], step.positions[None])
     cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
     eps, scale = r.eps, r.scale

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.batch import StepInputs
-from worker.model.forwards import Runner
+from worker.model.forwards import Runner, embed
 from worker.model.lm_head import output
 from worker.model.quant_linear import float_activations_on
 
 
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core, ops, paged = r.model.model, r.kernels, step.paged
-    h = core.embed_tokens(step.input_ids)
+    h = embed(core, step)
     cos, sin = core.rotary_emb(h[None], step.positions[None])
     cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
     eps, scale = r.eps, r.scale

@@ -1,0 +1,157 @@
+"""A vision-language model's images in the paged engine (worker/engine/core.py): the vision tower
+and projector run inside the engine's step, batched over the images of the step's chunks, and
+their embeddings take the place of the image tokens' rows in the forward.
+
+LLaVA-1.5 (transformers' LlavaForConditionalGeneration): the paged runner runs its language model
+(`text_view`), and `ImageEncoder` gives each image its `tokens_per_image` embeddings, as the
+model's own `get_image_features` computes them from the processor's pixels. Embeddings are kept by
+image (its sha256, under the request's prefix-cache root: a tenant's image never answers another
+tenant's from this cache, so no timing tells one tenant what another sent), least recently used
+out first. A request's image tokens hash into the prefix cache as keys of that image
+(`Images.cache_ids`): the same text with another picture shares no block from the image on, and
+a second turn with the same picture reuses the blocks of the first.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.vision_model import VisionModel
+
+EMBEDDINGS_KEPT = 64  # images whose embeddings a worker keeps (576 rows each for LLaVA-1.5: 4.7 MB at 4096 wide, bf16)
+
+
+@dataclass
+class Images:
+    """A request's images: their keys (sha256), where their tokens sit in the prompt, and their bytes."""
+
+    keys: list[str]
+    spans: list[tuple[int, int]]  # (first position, tokens) of each image, in prompt order
+    data: list[bytes] = field(repr=False)
+
+    @classmethod
+    def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
+        """Find each image's run of image tokens (the api expanded one per image); ValueError where
+        the prompt's runs do not match the images."""
+        spans, i, n = [], 0, len(prompt_ids)
+        while i < n:
+            if prompt_ids[i] == vision.image_token_id:
+                start = i
+                while i < n and prompt_ids[i] == vision.image_token_id and i - start < vision.tokens_per_image:
+                    i += 1
+                spans.append((start, i - start))
+            else:
+                i += 1
+        if len(spans) != len(data) or any(length != vision.tokens_per_image for _, length in spans):
+            raise ValueError(f"the prompt's image tokens ({[length for _, length in spans]}) are not "
+                             f"{len(data)} images of {vision.tokens_per_image} tokens")
+        if len(keys) != len(data):
+            keys = [hashlib.sha256(d).hexdigest() for d in data]
+        return cls(list(keys), spans, list(data))
+
+    def cache_ids(self, token_ids: Seq[int]) -> list[int]:
+        """`token_ids` with each image token replaced by a key of its image and place in it (a
+        negative number, never a token id), for the prefix cache's block hashes."""
+        ids = list(token_ids)
+        for key, (start, length) in zip(self.keys, self.spans):
+            base = int(key[:12], 16) << 12  # 48 bits of the image's hash, then the token's place
+            for offset in range(length):
+                ids[start + offset] = -1 - (base | (offset & 0xFFF))
+        return ids
+
+    def end_of_image(self, position: int) -> int | None:
+        """Where the image holding `position` ends, if an image does but does not start there."""
+        for start, length in self.spans:
+            if start < position < start + length:
+                return start + length
+        return None
+
+    def start_of_image(self, position: int) -> int | None:
+        """Where the image holding `position` starts, if one does."""
+        for start, length in self.spans:
+            if start <= position < start + length:
+                return start
+        return None
+
+
+class TextView(torch.nn.Module):
+    """The language model of a LLaVA model as the paged runner reads a text model: `.model` (its
+    embeddings, layers, norm and rotary), `.lm_head`, `.config` (the text config). The same
+    modules, not copies."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model.model.language_model
+        self.lm_head = model.lm_head
+        self.config = model.config.text_config
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def text_view(model: torch.nn.Module) -> TextView:
+    return TextView(model)
+
+
+class ImageEncoder:
+    """The vision tower and projector of a LLaVA model, with the processor that makes its pixels."""
+
+    def __init__(self, model: torch.nn.Module, processor, vision: VisionModel, kept: int = EMBEDDINGS_KEPT):
+        self.model = model
+        self.processor = processor
+        self.vision = vision
+        self.kept = kept
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._cache: OrderedDict[tuple[int | None, str], torch.Tensor] = OrderedDict()
+        self.images_encoded = 0  # images run through the tower (the rest came from the cache)
+
+    def embeddings(self, wanted: list[tuple[int | None, str, bytes]]) -> list[torch.Tensor]:
+        """Each (prefix root, key, bytes)'s embeddings [tokens_per_image, hidden]: from the cache,
+        or from one batched run of the tower over those it lacks."""
+        missing = list(dict.fromkeys((root, key) for root, key, _ in wanted if (root, key) not in self._cache))
+        if missing:
+            data = {(root, key): blob for root, key, blob in wanted}
+            features = self._encode([data[m] for m in missing])
+            self.images_encoded += len(missing)
+            for k, f in zip(missing, features):
+                self._cache[k] = f
+        out = []
+        for root, key, _ in wanted:
+            self._cache.move_to_end((root, key))
+            out.append(self._cache[(root, key)])
+        while len(self._cache) > max(self.kept, len(wanted)):
+            self._cache.popitem(last=False)
+        return out
+
+    @torch.inference_mode()
+    def _encode(self, blobs: list[bytes]) -> list[torch.Tensor]:
+        from PIL import Image
+
+        frames = []
+        for data in blobs:  # checked by the api already; a GIF gives its first frame
+            with Image.open(io.BytesIO(data)) as image:
+                image.seek(0)
+                frames.append(image.convert("RGB"))
+        pixels = self.processor(frames, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        config = self.model.config
+        features = self.model.model.get_image_features(
+            pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy)
+        if hasattr(features, "pooler_output"):  # transformers' output object: a list, an image each
+            features = features.pooler_output
+        if not isinstance(features, torch.Tensor):
+            features = torch.stack(list(features))
+        features = features.reshape(len(blobs), -1, features.shape[-1])
+        if features.shape[1] != self.vision.tokens_per_image:
+            raise ValueError(f"the vision tower gave {features.shape[1]} embeddings an image, the processor "
+                             f"counts {self.vision.tokens_per_image}")
+        return list(features)
