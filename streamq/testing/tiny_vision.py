@@ -16,35 +16,40 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_llava(folder: Path, seed: int = 0) -> Path:
-    """A tiny LLaVA-1.5 in `folder`: weights, config, processor, tokenizer and chat template."""
+def build_llava(folder: Path, seed: int = 0, image_size: int = IMAGE_SIZE, patch: int = PATCH,
+                vision: dict | None = None, text: dict | None = None, context: int = 512) -> Path:
+    """A tiny LLaVA-1.5 in `folder`: weights, config, processor, tokenizer and chat template.
+    `vision`, `text`: other sizes for the CLIP tower's and the llama's configs (a benchmark's model
+    of a real one's shape; its weights still random)."""
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 
-    vocab = build_tokenizer(folder, context=512, chat_template=TEMPLATE, special_tokens=("<image>",))
+    vocab = build_tokenizer(folder, context=context, chat_template=TEMPLATE, special_tokens=("<image>",))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     image_token = tokenizer.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, initializer_range=0.2,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+    tower = CLIPVisionConfig(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "projection_dim": 32, **(vision or {}),
+                                "image_size": image_size, "patch_size": patch})
+    language = LlamaConfig(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2,
+                              **(text or {}), "vocab_size": vocab, "max_position_embeddings": context,
+                              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
+    config = LlavaConfig(vision_config=tower, text_config=language, image_token_index=image_token,
                          vision_feature_layer=-1, vision_feature_select_strategy="default",
-                         image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
+                         image_seq_length=(image_size // patch) ** 2)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
     with torch.no_grad():  # away from init, so that the image changes the reply
         for name, p in model.named_parameters():
             if "vision" in name or "projector" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, 0.3 if vision is None else 0.02)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
     model.save_pretrained(folder)
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                                                  crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-                               tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": image_size},
+                                                                  crop_size={"height": image_size, "width": image_size}),
+                               tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="default",
                                num_additional_image_tokens=1, chat_template=TEMPLATE)
     processor.save_pretrained(folder)
     return folder
