@@ -4,11 +4,13 @@ the output and error files the scheduler's batch job writes.
 Each file is one hash (shared/redis_keys.file_record) holding its metadata and its bytes, with a
 TTL from its creation, so nothing outlives `files_ttl_s`; a tenant's ids are a sorted set by
 creation time (redis_keys.tenant_files), pruned of expired ids as it is read. A file is its
-tenant's only: another tenant is told there is no such file. Files are UTF-8 text (JSON lines):
-the clients read Redis with decode_responses, so the api refuses other bytes at upload.
+tenant's only: another tenant is told there is no such file. A batch's files are UTF-8 text (JSON
+lines), kept as they are; an image (purpose vision or user_data) is kept base64-encoded, since the
+clients read Redis with decode_responses.
 """
 from __future__ import annotations
 
+import base64
 import enum
 import time
 import uuid
@@ -29,6 +31,9 @@ class FileField(enum.StrEnum):
     CREATED_AT = "created_at"  # whole seconds since the epoch
     EXPIRES_AT = "expires_at"  # likewise: when Redis frees it
     CONTENT = "content"
+
+
+BINARY_PURPOSES = ("vision", "user_data")  # images, for Responses' input_image file_id: kept base64-encoded
 
 
 def new_file_id() -> str:
@@ -82,7 +87,9 @@ class FileStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={FileField.TENANT: tenant, FileField.FILENAME: filename, FileField.PURPOSE: purpose,
                                     FileField.BYTES: stored.bytes, FileField.CREATED_AT: created,
-                                    FileField.EXPIRES_AT: stored.expires_at, FileField.CONTENT: content})
+                                    FileField.EXPIRES_AT: stored.expires_at,
+                                    FileField.CONTENT: base64.b64encode(content).decode() if purpose in BINARY_PURPOSES
+                                    else content})
             pipe.expire(key, self.ttl_s)
             pipe.zadd(index, {stored.id: created})
             pipe.expire(index, self.ttl_s)  # the newest file's lifetime: an index outlives none of its files
@@ -100,10 +107,13 @@ class FileStore:
         key = redis_keys.file_record(self.prefix, file_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hget(key, FileField.TENANT)
+            pipe.hget(key, FileField.PURPOSE)
             pipe.hget(key, FileField.CONTENT)
-            owner, content = await pipe.execute()
-        if owner is None or owner != tenant:
+            owner, purpose, content = await pipe.execute()
+        if owner is None or owner != tenant or content is None:
             return None
+        if purpose in BINARY_PURPOSES:
+            return base64.b64decode(content)
         return content.encode("utf-8") if isinstance(content, str) else content
 
     async def list(self, tenant: str, limit: int = 10_000) -> list[StoredFile]:

@@ -1,6 +1,7 @@
-"""OpenAI's Files API, for batches: a tenant uploads a batch's requests as a JSON-lines file
-(`purpose=batch`), creates the batch from it (`input_file_id`), and reads the batch's output and
-error files back. Files live in Redis (shared/files.py) with a lifetime (STREAMQ_FILES_TTL_S),
+"""OpenAI's Files API, for batches and images: a tenant uploads a batch's requests as a JSON-lines
+file (`purpose=batch`), creates the batch from it (`input_file_id`), and reads the batch's output and
+error files back; or uploads an image (`purpose=vision` or `user_data`, checked as a request's image
+is: api/core/images.py) that a Responses `input_image` names by `file_id`. Files live in Redis (shared/files.py) with a lifetime (STREAMQ_FILES_TTL_S),
 each one its tenant's only: another tenant is told there is no such file (404), as for batches.
 
 Caps: one file's bytes (STREAMQ_FILES_MAX_BYTES, 413 past it) and the bytes a tenant keeps at
@@ -8,6 +9,7 @@ once (STREAMQ_FILES_TENANT_MAX_BYTES, 413 past it), so files cannot fill Redis f
 """
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Annotated, Literal
 
@@ -20,16 +22,17 @@ from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer
 from api.openai.answers import FileDeleted, FileList, FileObject, OpenAIError
-from shared.files import FileStore, StoredFile
+from api.core import images
+from shared.files import BINARY_PURPOSES, FileStore, StoredFile
 
 router = APIRouter(tags=["files"], route_class=StrictJSONRoute, responses=errors(OpenAIError, "OpenAI's error body."))
 
 # The server's own form of a file id (shared/files.new_file_id, the batch job's batch_file_id):
 # any other spelling is no file of anyone's, answered 404 without a Redis read.
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
-# The purposes a file may be uploaded with: batch inputs only (a batch's results are written by
-# the server, purpose batch_output).
-UPLOAD_PURPOSES = ("batch",)
+# The purposes a file may be uploaded with: batch inputs, and images (a batch's results are written
+# by the server, purpose batch_output).
+UPLOAD_PURPOSES = ("batch", *BINARY_PURPOSES)
 
 
 def file_store(store: StoreDep, settings: SettingsDep) -> FileStore:
@@ -46,10 +49,12 @@ async def owned(files: FileStore, tenant: str, file_id: str, param: str = "file_
 
 
 @router.post("/v1/files", responses=json_answer(FileObject, "The file, stored."))
-async def upload_file(file: Annotated[UploadFile, File(description="The file: JSON lines, UTF-8.")],
-                      purpose: Annotated[str, Form(description="What the file is for: `batch`.")],
+async def upload_file(file: Annotated[UploadFile, File(description="The file: JSON lines, UTF-8; or an image.")],
+                      purpose: Annotated[str, Form(description="What the file is for: `batch`, or `vision` "
+                                                               "or `user_data` (an image).")],
                       tenant: TenantDep, store: StoreDep, settings: SettingsDep):
-    """Store a batch's input file (JSON lines, one request per line) for `POST /v1/batches`."""
+    """Store a batch's input file (JSON lines, one request per line) for `POST /v1/batches`, or an
+    image for a Responses `input_image` (`file_id`)."""
     if purpose not in UPLOAD_PURPOSES:
         raise ApiError(400, f"purpose {purpose!r} is not supported here; files are uploaded for: "
                             f"{', '.join(UPLOAD_PURPOSES)}", param="purpose")
@@ -59,11 +64,15 @@ async def upload_file(file: Annotated[UploadFile, File(description="The file: JS
                             "(STREAMQ_FILES_MAX_BYTES)", param="file", code="file_too_large")
     if not content:
         raise ApiError(400, "the file is empty", param="file")
-    try:
-        content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"the file is not UTF-8 text (byte {exc.start}); a batch file is JSON lines",
-                       param="file") from exc
+    if purpose in BINARY_PURPOSES:  # an image: checked now, as a request's image is (a 4xx naming why)
+        limits = images.Limits(settings.image_max_images, settings.image_max_bytes, settings.image_max_pixels)
+        await asyncio.to_thread(images.check, content, "file", limits, "file")
+    else:
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"the file is not UTF-8 text (byte {exc.start}); a batch file is JSON lines",
+                           param="file") from exc
     files = file_store(store, settings)
     kept = sum(f.bytes for f in await files.list(tenant))
     if kept + len(content) > settings.files_tenant_max_bytes:

@@ -181,6 +181,35 @@ def test_responses_and_messages_take_images_as_chat_does(served):
     assert bad.value.body["param"] == "input" and "not an image" in bad.value.body["message"]
 
 
+def test_a_responses_image_may_be_an_uploaded_file(served):
+    """files.create(purpose="vision") then an input_image naming it by file_id: the reply to the
+    picture itself, the stored input keeps the file_id; what is not an image is refused at upload,
+    and an unknown or deleted file is a 404 on `input`."""
+    _, client, folder = served
+    picture, words = png(12), "What is in the picture?"
+    uploaded = client.files.create(file=("picture.png", picture), purpose="vision")
+    assert uploaded.purpose == "vision" and uploaded.bytes == len(picture)
+    assert client.files.content(uploaded.id).content == picture  # the bytes back, unchanged
+    content = [{"type": "input_image", "file_id": uploaded.id}, {"type": "input_text", "text": words}]
+    response = client.responses.create(model="llava", max_output_tokens=MAX_TOKENS, temperature=0,
+                                       input=[{"role": "user", "content": content}])
+    assert response.output_text == _reference(folder, [picture, words])
+    stored = client.responses.input_items.list(response.id).data[0].content[0]
+    assert stored.type == "input_image" and stored.file_id == uploaded.id
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("notes.png", b"not a picture"), purpose="vision")
+    assert refused.value.body["param"] == "file" and "not an image" in refused.value.body["message"]
+    client.files.delete(uploaded.id)
+    for gone in (uploaded.id, "file-" + "0" * 32, "FILE-x"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
+                {"type": "input_image", "file_id": gone}]}])
+        assert missing.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError):  # both, or neither
+        client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": uploaded.id, "image_url": data_url(picture)}]}])
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "look: <image> what is it?"}]}, "messages"),
     ("/v1/completions", {"prompt": "<image> a picture of"}, "prompt"),

@@ -12,6 +12,7 @@ nothing is kept, and a dropped stream is cancelled.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from typing import Annotated, Any, Literal
 from collections.abc import AsyncIterator
@@ -19,20 +20,22 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Query
 
 from api.core.auth import AdmittedDep, TenantDep
-from api.core.deps import ModelsDep, ReplicaDep
+from api.core.deps import ModelsDep, ReplicaDep, SettingsDep, StoreDep
 from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer, json_or_stream
 from api.openai.answers import OpenAIError
+from api.openai.files import file_store, owned
 from api.openai.responses.answers import (RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE, InputItemList, ResponseDeleted,
                                           ResponseObject)
 from api.core.relay import Relay
 from api.openai.responses.events import ResponseEvents
 from api.openai.responses.record import ResponseRecord, now_s, whole_seconds, with_ids
 from api.openai.responses.store import ResponseStore
-from api.openai.responses.schemas import ResponseCreate
+from api.openai.responses.schemas import ImagePart, ResponseCreate
 from api.core.sse import RESPONSES, EventStreamResponse
 from shared import ids
+from shared.files import FileStore
 from shared.messages import FinalEvent, TokenEvent
 
 router = APIRouter(tags=["responses"], route_class=StrictJSONRoute,
@@ -70,17 +73,39 @@ async def _context(responses: ResponseStore, tenant: str, body: ResponseCreate) 
     return previous.context + events.output_items()
 
 
+async def _with_files(files: FileStore, tenant: str, items: list) -> list:
+    """The items with each `input_image` that names an uploaded image (`file_id`) holding its bytes
+    as a data URL, read now from the tenant's files (404 on `input` for no such file of its own);
+    the items stored keep the file_id."""
+    out = []
+    for item in items:
+        parts = getattr(item, "content", None)
+        if isinstance(parts, list) and any(isinstance(p, ImagePart) and p.file_id for p in parts):
+            read = []
+            for part in parts:
+                if isinstance(part, ImagePart) and part.file_id:
+                    await owned(files, tenant, part.file_id, param="input")
+                    data = await files.content(tenant, part.file_id)
+                    if data is None:  # expired between the two reads
+                        raise ApiError(404, f"no file {part.file_id!r}", param="input", code="not_found")
+                    part = part.model_copy(update={"image_url": f"data:;base64,{base64.b64encode(data).decode()}"})
+                read.append(part)
+            item = item.model_copy(update={"content": read})
+        out.append(item)
+    return out
+
+
 @router.post("/v1/responses", responses=json_or_stream(
     ResponseObject, "The response (finished; queued with `background: true`).", RESPONSE_EVENTS,
     RESPONSE_EVENTS_EXAMPLE))
 async def create_response(body: ResponseCreate, served: ModelsDep, tenant: AdmittedDep, responses: ResponsesDep,
-                          replica: ReplicaDep):
+                          replica: ReplicaDep, store: StoreDep, settings: SettingsDep):
     generation = await served.get(body.model)
     response_id = ids.response_id()
     items = with_ids(response_id, body.input_items())
     context = await _context(responses, tenant, body) + items
     try:
-        chat = body.chat_request(context)
+        chat = body.chat_request(await _with_files(file_store(store, settings), tenant, context))
     except ValueError as exc:
         raise ApiError(400, str(exc), param="input") from exc
     try:

@@ -47,22 +47,26 @@ class TextPart(BaseModel):
 
 
 class ImagePart(BaseModel):
-    """An input image: a data URL in image_url (the chat endpoint's checks: api/core/images.py)."""
+    """An input image: a data URL in image_url (the chat endpoint's checks: api/core/images.py), or
+    the id of an image the tenant uploaded (`POST /v1/files`, purpose vision or user_data), read
+    when the response is created (api/openai/responses/routes.py `_with_files`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["input_image"]
     image_url: str | None = None
-    file_id: str | None = None
+    file_id: str | None = Field(None, max_length=64)
     detail: Literal["auto", "low", "high"] | None = None
 
     @model_validator(mode="after")
     def _a_url(self) -> ImagePart:
-        if self.file_id is not None or not self.image_url:
-            raise ValueError("an input_image needs image_url (a data URL); file_id images are not supported yet")
+        if (self.file_id is None) == (not self.image_url):
+            raise ValueError("an input_image needs one of image_url (a data URL) and file_id (an uploaded image)")
         return self
 
     def chat_part(self) -> dict[str, Any]:
+        if not self.image_url:  # its file is read before the chat is built: never here
+            raise ValueError(f"the image file {self.file_id!r} was not read")
         return {"type": "image_url", "image_url": {"url": self.image_url, "detail": self.detail}}
 
 
