@@ -187,7 +187,8 @@ class _BatchingFields(BaseModel):
                                         description="Token budget of one step; longer prompts are prefilled in chunks.")
     flex_beside_priority: int | None = Field(
         None, ge=0, le=1024,
-        description="The most flex requests run in a step beside a decoding priority request (the oldest; the "
+        description="The most flex requests run in a step beside a decoding priority request, and for a second "
+                    "after one (the oldest; the "
                     "others keep their cache and wait). Unset: 4 on a CPU, where a step's time grows with its "
                     "batch and a priority request's first token waits for the step in flight; no cap on a GPU. "
                     "batch_size: no cap.")

@@ -5,7 +5,7 @@ import pytest
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.engine.batcher import Batcher
+from worker.engine.batcher import PRIORITY_HOLD_S, Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.sequence import Sequence, Status
@@ -166,6 +166,8 @@ def test_flex_requests_sit_out_while_a_priority_prompt_runs_and_keep_their_cache
 
 def test_beside_a_decoding_priority_request_only_the_oldest_flex_requests_run():
     b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=1)
+    clock = [0.0]
+    b.clock = lambda: clock[0]
     old_flex, new_flex, default = seq(2, tier="flex"), seq(2, tier="flex"), seq(2)
     for s in (old_flex, new_flex, default):
         b.add(s)
@@ -181,7 +183,10 @@ def test_beside_a_decoding_priority_request_only_the_oldest_flex_requests_run():
     b.remove(old_flex)
     assert lengths(step(b)) == {new_flex.id: 1, default.id: 1, prio.id: 1}
     b.remove(prio)
-    assert lengths(step(b)) == {new_flex.id: 1, default.id: 1, late_flex.id: 2}  # gone: no cap
+    # Gone: the cap holds a while (the same client's next request comes soon), then lifts.
+    assert lengths(step(b)) == {new_flex.id: 1, default.id: 1}
+    clock[0] += PRIORITY_HOLD_S
+    assert lengths(step(b)) == {new_flex.id: 1, default.id: 1, late_flex.id: 2}
 
 
 def test_without_the_cap_flex_requests_decode_beside_a_priority_one():
@@ -196,13 +201,20 @@ def test_without_the_cap_flex_requests_decode_beside_a_priority_one():
 
 def test_with_a_cap_of_zero_flex_waits_until_the_priority_request_ends():
     b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=0)
-    flex, prio = seq(2, tier="flex"), seq(2, tier="priority")
-    for s in (flex, prio):
+    clock = [0.0]
+    b.clock = lambda: clock[0]
+    flex, prio, default = seq(2, tier="flex"), seq(2, tier="priority"), seq(2)
+    for s in (flex, prio, default):
         b.add(s)
-    assert lengths(step(b)) == {prio.id: 2}
-    assert lengths(step(b)) == {prio.id: 1} and flex.status is Status.WAITING
+    assert lengths(step(b)) == {prio.id: 2, default.id: 2}
+    assert lengths(step(b)) == {prio.id: 1, default.id: 1} and flex.status is Status.WAITING
     b.remove(prio)
-    assert lengths(step(b)) == {flex.id: 2}
+    clock[0] += PRIORITY_HOLD_S / 2
+    assert lengths(step(b)) == {default.id: 1}  # held a while after it
+    b.remove(default)
+    assert lengths(step(b)) == {flex.id: 2}  # nothing else to run: it runs after all
+    clock[0] += PRIORITY_HOLD_S
+    assert lengths(step(b)) == {flex.id: 1}
 
 
 def test_a_better_tier_short_of_blocks_preempts_flex():

@@ -18,6 +18,8 @@ until the engine has its matcher and marks it WAITING.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 from shared.service_tier import PREEMPTIBLE_RANK, RANK
@@ -28,6 +30,7 @@ from worker.engine.sequence import Sequence, Status
 from worker.model.batch import Chunk, SchedulerOutput
 
 PRIORITY_RANK = RANK["priority"]
+PRIORITY_HOLD_S = 1.0  # flex stays capped this long after the last priority request ran
 
 
 class Batcher:
@@ -39,6 +42,8 @@ class Batcher:
         self.max_num_batched_tokens = max_num_batched_tokens
         # The most flex requests given tokens in a step that runs a priority request (None: no cap).
         self.flex_beside_priority = flex_beside_priority
+        self.clock = time.monotonic
+        self._priority_seen_at = -math.inf
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
@@ -71,11 +76,20 @@ class Batcher:
         yielded = self._yield_to_better_tier(out)
         # While a priority request waits or prefills, running flex requests sit the step out (their
         # cache kept): its prompt runs beside no flex decode, so its first token comes as soon as the
-        # step it waited for ends. While one decodes, at most flex_beside_priority flex requests (the
-        # oldest) run: on a CPU a step's time grows with its batch, and the next priority request's
-        # first token waits for the step in flight. A step with nothing else to run still runs them.
+        # step it waited for ends. While one decodes, and PRIORITY_HOLD_S after, at most
+        # flex_beside_priority flex requests (the oldest) run: on a CPU a step's time grows with its
+        # batch, and the next priority request's first token waits for the step in flight. A step
+        # with nothing else to run still runs them.
         flex_slots = 0 if self._priority_starting() else \
             self.flex_beside_priority if self._priority_running() else None
+        self._fill(out, yielded, flex_slots)
+        if flex_slots is not None and not out.chunks:  # nothing else to run: they run after all
+            self._fill(out, yielded, None)
+        return out
+
+    def _fill(self, out: SchedulerOutput, yielded: int, flex_slots: int | None) -> None:
+        """The running requests' next tokens, then waiting ones admitted, at most `flex_slots` flex
+        requests in all (None: any number)."""
         budget = self._run_running(out, self.max_num_batched_tokens, flex_slots)
         short = len(out.preempted) > yielded  # the cache ran short: admit nobody this step
         while not short and len(self.running) < self.max_num_seqs and budget > 0:
@@ -98,9 +112,6 @@ class Batcher:
             seq.status = Status.RUNNING
             out.chunks.append(self._chunk(seq, computed, length))
             budget -= length
-        if flex_slots is not None and not out.chunks:  # nothing else to run: they run after all
-            self._run_running(out, budget, None)
-        return out
 
     def _run_running(self, out: SchedulerOutput, budget: int, flex_slots: int | None) -> int:
         """Give the running requests their next tokens, oldest first, within `budget` (at most
@@ -121,7 +132,14 @@ class Batcher:
         return budget
 
     def _priority_running(self) -> bool:
-        return self.flex_beside_priority is not None and any(s.tier == PRIORITY_RANK for s in self.running)
+        """Whether a priority request runs, or ran within PRIORITY_HOLD_S: a priority client's next
+        request comes soon after its last one ends, and finds a capped step in flight."""
+        if self.flex_beside_priority is None:
+            return False
+        now = self.clock()
+        if any(s.tier == PRIORITY_RANK for s in self.running):
+            self._priority_seen_at = now
+        return now - self._priority_seen_at < PRIORITY_HOLD_S
 
     @staticmethod
     def _flex_given(out: SchedulerOutput) -> int:
