@@ -70,3 +70,21 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     import base64
 
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def reference_tokens(folder: Path, parts: list, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy reply to one user message of `parts` (bytes: a picture, str: text) on
+    the processor's inputs (its chat template, its image processing): the new token ids."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
+    inputs = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens if ignore_eos else None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

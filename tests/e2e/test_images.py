@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from shared import redis_keys
-from streamq.testing.tiny_vision import build_llava, data_url, png
+from streamq.testing.tiny_vision import build_llava, data_url, png, reference_tokens
 from tests.stack import Stack
 from tests.waiting import until_sync
 
@@ -36,19 +36,10 @@ def served(redis_url, tiny_llama, tmp_path_factory):
 
 def _reference(folder, parts: list) -> str:
     """transformers' greedy reply on the processor's inputs (its chat template, its image processing)."""
-    import torch
-    from PIL import Image
-    import io
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoTokenizer
 
-    processor = AutoProcessor.from_pretrained(folder)
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
-    inputs = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return AutoTokenizer.from_pretrained(folder).decode(reference_tokens(folder, parts, MAX_TOKENS),
+                                                        skip_special_tokens=True)
 
 
 def _ask(client, parts: list, model: str = "llava"):

@@ -8,15 +8,13 @@ and runs no tower, another picture with the same words reuses nothing from the i
 another tenant reuses neither blocks nor embeddings."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_llava, png
+from streamq.testing.tiny_vision import build_llava, png, reference_tokens
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
@@ -69,20 +67,6 @@ def _run(engine: Engine, requests: list[tuple[str, list, str]]) -> dict[str, lis
     return {seq.id: list(seq.output_ids) for seq in seqs}
 
 
-def _reference(folder, parts: list) -> list[int]:
-    from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(folder)
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
-    inputs = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 CASES = {"one image": [png(1), "What is in the picture?"],
          "two images": ["Compare", png(2, (64, 30)), "with", png(3, (20, 90))],
          "no image": ["Just words, no picture."]}
@@ -90,7 +74,7 @@ CASES = {"one image": [png(1), "What is in the picture?"],
 
 @pytest.fixture(scope="module")
 def references(llava):
-    return {name: _reference(llava, parts) for name, parts in CASES.items()}
+    return {name: reference_tokens(llava, parts, TOKENS, ignore_eos=True) for name, parts in CASES.items()}
 
 
 @pytest.mark.parametrize("path", PATHS)
