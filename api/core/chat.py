@@ -168,7 +168,7 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") == "image_url":
-                raise ValueError("an image goes in a user message, in a request without tools")
+                raise ValueError("an image goes in a user message")
             if part.get("type") != "text":
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text and image_url)")
             if not isinstance(part.get("text", ""), str):
@@ -306,12 +306,33 @@ class ChatRequest(SamplingFields):
         renders earlier calls, and describes the tools in a system message); a message with images
         as parts (text and `{"type": "image"}`), as vision models' templates read them."""
         with_images = [bool(m.image_urls()) for m in self.messages]
-        if any(with_images) and self.calls_tools:
-            raise ValueError("images and tools in one request are not supported yet")
         if not self.calls_tools:
             return [{"role": m.role, "content": m.template_parts()} if images else generic.template_message(m)
                     for m, images in zip(self.messages, with_images)]
-        return self._format.template_messages(self.messages, chosen(self.tools, self.tool_choice), self.tool_choice)
+        if not any(with_images):
+            return self._format.template_messages(self.messages, chosen(self.tools, self.tool_choice),
+                                                  self.tool_choice)
+        # The tool format writes the conversation from text: each user message with images goes in
+        # as a mark of its own, and comes out with its parts where the format wrote the mark as a
+        # message's whole content.
+        marks = {f"\x00streamq-images-{i}\x00": m for i, (m, images) in enumerate(zip(self.messages, with_images))
+                 if images}
+        stand_ins = [m.model_copy(update={"content": mark}) for mark, m in marks.items()]
+        it = iter(stand_ins)
+        written = self._format.template_messages([next(it) if images else m for m, images in
+                                                  zip(self.messages, with_images)],
+                                                 chosen(self.tools, self.tool_choice), self.tool_choice)
+        out, placed = [], set()
+        for message in written:
+            mark = message.get("content")
+            if isinstance(mark, str) and mark in marks:
+                message = {**message, "content": marks[mark].template_parts()}
+                placed.add(mark)
+            out.append(message)
+        if placed != set(marks):
+            raise ValueError(f"the {self._format.name} tool format cannot carry images in this conversation; "
+                             "send the images without tools")
+        return out
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra variables: chat_template_kwargs, and reasoning_effort unless they set it."""

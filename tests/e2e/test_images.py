@@ -6,6 +6,7 @@ and a good request sent beside them is answered as if alone."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -170,6 +171,26 @@ def test_responses_and_messages_take_images_as_chat_does(served):
         client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": data_url(b"not a picture")}]}])
     assert bad.value.body["param"] == "input" and "not an image" in bad.value.body["message"]
+
+
+def test_an_image_goes_beside_tools(served):
+    """A user message with a picture in a request with tools: the tool format writes the
+    conversation, the picture's tokens where the message is; a forced call comes back parsed."""
+    _, client, _ = served
+    tools = [{"type": "function", "function": {"name": "describe", "parameters": {
+        "type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"]}}}]
+    asked = []
+    for parts in ([png(13), "Which colour?"], ["Which colour?"]):
+        content = [{"type": "image_url", "image_url": {"url": data_url(p)}} if isinstance(p, bytes) else
+                   {"type": "text", "text": p} for p in parts]
+        reply = client.chat.completions.create(model="llava", messages=[{"role": "user", "content": content}],
+                                               tools=tools, tool_choice="required", max_tokens=200, temperature=0)
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        calls = reply.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "describe" and "colour" in json.loads(c.function.arguments)
+                             for c in calls)
+        asked.append(reply.usage.prompt_tokens)
+    assert asked[0] >= asked[1] + 4  # the picture's 4 tokens (and its line) in the prompt
 
 
 def test_a_responses_image_may_be_an_uploaded_file(served):
