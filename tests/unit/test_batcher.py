@@ -5,7 +5,7 @@ import pytest
 
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
-from worker.engine.batcher import PRIORITY_HOLD_S, Batcher
+from worker.engine.batcher import FLEX_CHUNK_BESIDE_PRIORITY, PRIORITY_HOLD_S, Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.sequence import Sequence, Status
@@ -197,6 +197,22 @@ def test_without_the_cap_flex_requests_decode_beside_a_priority_one():
         b.add(s)
     step(b)
     assert set(lengths(step(b))) == {s.id for s in (*flexes, prio)}
+
+
+def test_beside_priority_a_long_flex_prompt_goes_in_short_chunks():
+    b = Batcher(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=512, flex_beside_priority=2)
+    clock = [0.0]
+    b.clock = lambda: clock[0]
+    prio = seq(3, tier="priority")
+    b.add(prio)
+    step(b)
+    long_flex = seq(FLEX_CHUNK_BESIDE_PRIORITY * 2 + 5, tier="flex")
+    b.add(long_flex)
+    assert lengths(step(b)) == {prio.id: 1, long_flex.id: FLEX_CHUNK_BESIDE_PRIORITY}
+    assert lengths(step(b)) == {prio.id: 1, long_flex.id: FLEX_CHUNK_BESIDE_PRIORITY}
+    b.remove(prio)
+    clock[0] += PRIORITY_HOLD_S
+    assert lengths(step(b)) == {long_flex.id: 5}  # the cap lifted: the rest at once
 
 
 def test_with_a_cap_of_zero_flex_waits_until_the_priority_request_ends():

@@ -31,6 +31,9 @@ from worker.model.batch import Chunk, SchedulerOutput
 
 PRIORITY_RANK = RANK["priority"]
 PRIORITY_HOLD_S = 1.0  # flex stays capped this long after the last priority request ran
+# While capped, a flex request's prompt goes in chunks of at most this many tokens: a long one
+# would otherwise fill the step's budget, and the next priority prompt would wait for it.
+FLEX_CHUNK_BESIDE_PRIORITY = 64
 
 
 class Batcher:
@@ -100,7 +103,8 @@ class Batcher:
                 if self._flex_given(out) >= flex_slots:
                     break  # the queue is tier first: nobody better waits behind it
             computed = self.blocks.allocate_prefix(seq.id, seq.cache_ids, seq.kv_root)
-            length = _whole_images(seq, computed, min(seq.num_tokens - computed, budget))
+            length = _whole_images(seq, computed, min(seq.num_tokens - computed, budget,
+                                                      _flex_chunk(seq, flex_slots)))
             if self.blocks.blocks_needed(seq.id, computed + length) > self.blocks.num_free:
                 self.blocks.free(seq.id)  # not now: give back the shared prefix
                 break
@@ -122,7 +126,8 @@ class Batcher:
             if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK and flex >= flex_slots:
                 i += 1
                 continue  # sits the step out, its cache kept
-            length = _whole_images(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget))
+            length = _whole_images(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget,
+                                                              _flex_chunk(seq, flex_slots)))
             if not self._make_room(i, seq.num_computed + length, out):
                 continue  # seq itself was preempted (the newest of the worst tier): the next is at i now
             out.chunks.append(self._chunk(seq, seq.num_computed, length))
@@ -226,6 +231,12 @@ class Batcher:
         self.waiting.add(victim)
         out.preempted.append(victim)
         self.num_preemptions += 1
+
+
+def _flex_chunk(seq: Sequence, flex_slots: int | None) -> int:
+    """The most tokens `seq` gets in a step: FLEX_CHUNK_BESIDE_PRIORITY for a flex request while flex
+    is capped, else no limit."""
+    return FLEX_CHUNK_BESIDE_PRIORITY if flex_slots is not None and seq.tier >= PREEMPTIBLE_RANK else 1 << 62
 
 
 def _whole_images(seq: Sequence, start: int, length: int) -> int:
