@@ -36,7 +36,7 @@ from worker.model.model_loader import load_model, load_weights, pick_device, pic
 from worker.backends.null_engine import NullEngine
 from worker.service.service import EngineStalled, WorkerService
 from worker.engine.speculation import NgramProposer, Speculator
-from worker.engine.vision import ImageEncoder, text_view
+from worker.engine.vision import ImageEncoder, TextView
 from worker.backends.static_engine import BatchRunner, StaticEngine
 from worker.backends.vllm_backend import VllmBackend, VllmUnavailable, batch_invariant  # vLLM: imported only when chosen
 
@@ -76,16 +76,16 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
     dtype = pick_dtype(step.dtype, device)
     model = load_weights(settings, device, dtype)
     log.info("loaded %s (%s) on %s as %s", settings.model, model.config.model_type, device, dtype)
-    images, vlm = None, model
+    images, processor = None, None
     if tokenizer.vision is not None:
         from transformers import AutoProcessor
 
         log.info("a vision-language model (%s): %d tokens an image", tokenizer.vision.family,
                  tokenizer.vision.tokens_per_image)
         processor = AutoProcessor.from_pretrained(weights_dir(settings)).image_processor
-        if supports(text_view(model)):
-            model = text_view(model)  # the paged runner runs the language model; the engine, the tower
-            images = ImageEncoder(vlm, processor, tokenizer.vision)
+        language = TextView(model)
+        if supports(language):  # the paged runner runs the language model; the engine, the tower
+            images, model = ImageEncoder(model, processor, tokenizer.vision), language
     if not supports(model):
         if step.deterministic:
             raise ValueError(f"deterministic mode needs the paged engine, which has no runner for "
@@ -97,7 +97,6 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
         if settings.speculative.method != "off":
             log.warning("speculative decoding needs the paged engine: off for %s", model.config.model_type)
         pad = next(iter(tokenizer.eos_token_ids), 0)
-        processor = processor if tokenizer.vision is not None else None
         return StaticEngine(BatchRunner(model, device, pad_id=pad), tokenizer, batching.batch_size, processor)
     blocks = num_kv_blocks(cache, batching, model, dtype)
     batch = batch_for_cache(batching, cache, blocks)

@@ -38,6 +38,12 @@ class Limits:
     url_hosts: str = ""  # the hosts images are fetched from (STREAMQ_IMAGE_URL_HOSTS); empty: none
     url_timeout_s: float = 10.0
 
+    @classmethod
+    def of(cls, settings) -> Limits:
+        """The api's settings' (STREAMQ_IMAGE_*)."""
+        return cls(settings.image_max_images, settings.image_max_bytes, settings.image_max_pixels,
+                   settings.image_url_hosts, settings.image_url_timeout_s)
+
 
 @dataclass(frozen=True)
 class Image:

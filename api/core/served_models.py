@@ -78,9 +78,7 @@ class Models:
                                 tool_format=registry.choose(settings.tool_parser, name, tokenizer),
                                 reasoning=reasoning.choose(settings.reasoning_parser, name, tokenizer),
                                 grammars=self.grammars, tokenizing=self.tokenizing,
-                                image_limits=images.Limits(settings.image_max_images, settings.image_max_bytes,
-                                                           settings.image_max_pixels, settings.image_url_hosts,
-                                                           settings.image_url_timeout_s))
+                                image_limits=images.Limits.of(settings))
         self._loaded[name] = generation
         self.default = self.default or generation
         return generation

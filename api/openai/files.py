@@ -48,6 +48,14 @@ async def owned(files: FileStore, tenant: str, file_id: str, param: str = "file_
     return stored
 
 
+async def owned_content(files: FileStore, tenant: str, file_id: str, param: str = "file_id") -> bytes:
+    """The bytes of the tenant's file `file_id`, in one read; 404 (on `param`) as `owned` answers."""
+    content = await files.content(tenant, file_id) if FILE_ID.match(file_id) else None
+    if content is None:
+        raise ApiError(404, f"no file {file_id!r}", param=param, code="not_found")
+    return content
+
+
 @router.post("/v1/files", responses=json_answer(FileObject, "The file, stored."))
 async def upload_file(file: Annotated[UploadFile, File(description="The file: JSON lines, UTF-8; or an image.")],
                       purpose: Annotated[str, Form(description="What the file is for: `batch`, or `vision` "
@@ -65,8 +73,7 @@ async def upload_file(file: Annotated[UploadFile, File(description="The file: JS
     if not content:
         raise ApiError(400, "the file is empty", param="file")
     if purpose in BINARY_PURPOSES:  # an image: checked now, as a request's image is (a 4xx naming why)
-        limits = images.Limits(settings.image_max_images, settings.image_max_bytes, settings.image_max_pixels)
-        await asyncio.to_thread(images.check, content, "file", limits, "file")
+        await asyncio.to_thread(images.check, content, "file", images.Limits.of(settings), "file")
     else:
         try:
             content.decode("utf-8")
@@ -118,9 +125,7 @@ async def get_file(file_id: str, tenant: TenantDep, store: StoreDep, settings: S
 async def file_content(file_id: str, tenant: TenantDep, store: StoreDep, settings: SettingsDep):
     files = file_store(store, settings)
     stored = await owned(files, tenant, file_id)
-    content = await files.content(tenant, file_id)
-    if content is None:  # expired between the two reads
-        raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
+    content = await owned_content(files, tenant, file_id)  # 404 too where it expired between the reads
     return Response(content, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{_header_safe(stored.filename)}"'})
 

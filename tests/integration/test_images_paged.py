@@ -18,7 +18,7 @@ from streamq.testing.tiny_vision import build_llava, png, reference_tokens
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
-from worker.engine.vision import ImageEncoder, text_view
+from worker.engine.vision import ImageEncoder, TextView
 from worker.model import kernels
 from worker.model.model_runner import PagedRunner
 
@@ -41,7 +41,7 @@ def _engine(folder, path: str = "fused", budget: int = 512) -> Engine:
     ops = kernels.load() if path in ("kernels", "portable") else None
     if path == "portable":
         ops = kernels.with_isa(ops, "portable")
-    runner = PagedRunner(text_view(model), CPU, 128, BLOCK, ops, fuse=path != "eager")
+    runner = PagedRunner(TextView(model), CPU, 128, BLOCK, ops, fuse=path != "eager")
     encoder = ImageEncoder(model, AutoProcessor.from_pretrained(folder).image_processor, tok.vision)
     return Engine(runner, tok, Batcher(BlockManager(128, BLOCK), min(8, budget), budget), images=encoder)
 

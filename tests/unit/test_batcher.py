@@ -164,10 +164,17 @@ def test_flex_requests_sit_out_while_a_priority_prompt_runs_and_keep_their_cache
     assert b.num_preemptions == 0
 
 
-def test_beside_a_decoding_priority_request_only_the_oldest_flex_requests_run():
-    b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=1)
+def capped(flex_beside_priority: int, blocks: int = 64, budget: int = 64) -> tuple[Batcher, list[float]]:
+    """A batcher with flex capped beside priority, on a clock the test moves (clock[0], seconds)."""
+    b = Batcher(BlockManager(blocks, 4), max_num_seqs=8, max_num_batched_tokens=budget,
+                flex_beside_priority=flex_beside_priority)
     clock = [0.0]
     b.clock = lambda: clock[0]
+    return b, clock
+
+
+def test_beside_a_decoding_priority_request_only_the_oldest_flex_requests_run():
+    b, clock = capped(1)
     old_flex, new_flex, default = seq(2, tier="flex"), seq(2, tier="flex"), seq(2)
     for s in (old_flex, new_flex, default):
         b.add(s)
@@ -200,9 +207,7 @@ def test_without_the_cap_flex_requests_decode_beside_a_priority_one():
 
 
 def test_beside_priority_a_long_flex_prompt_goes_in_short_chunks():
-    b = Batcher(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=512, flex_beside_priority=2)
-    clock = [0.0]
-    b.clock = lambda: clock[0]
+    b, clock = capped(2, blocks=256, budget=512)
     prio = seq(3, tier="priority")
     b.add(prio)
     step(b)
@@ -216,9 +221,7 @@ def test_beside_priority_a_long_flex_prompt_goes_in_short_chunks():
 
 
 def test_with_a_cap_of_zero_flex_waits_until_the_priority_request_ends():
-    b = Batcher(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, flex_beside_priority=0)
-    clock = [0.0]
-    b.clock = lambda: clock[0]
+    b, clock = capped(0)
     flex, prio, default = seq(2, tier="flex"), seq(2, tier="priority"), seq(2)
     for s in (flex, prio, default):
         b.add(s)

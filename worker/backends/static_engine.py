@@ -8,7 +8,6 @@ models use the continuous engine (worker/engine/core.py) instead.
 from __future__ import annotations
 
 import inspect
-import io
 from collections import deque
 
 import torch
@@ -19,6 +18,7 @@ from shared.tokenizer import Tokenizer, served_context
 from worker.engine.base import BaseEngine
 from worker.engine.execution_plan import ExecutionPlan, static_plan
 from worker.engine.random_streams import make_generator, replay_draws
+from worker.engine.vision import pixel_values
 from worker.engine.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.engine.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.engine.structured import GrammarError, Grammars
@@ -56,15 +56,8 @@ class StaticEngine(BaseEngine):
         images = [image for seq in rows for image in seq.images]
         if not images:
             return None
-        from PIL import Image
-
-        frames = []
-        for data in images:
-            with Image.open(io.BytesIO(data)) as image:
-                image.seek(0)
-                frames.append(image.convert("RGB"))
-        pixels = self.image_processor(frames, return_tensors="pt")["pixel_values"]
-        return pixels.to(self.runner.device, next(self.runner.model.parameters()).dtype)
+        return pixel_values(self.image_processor, images, self.runner.device,
+                            next(self.runner.model.parameters()).dtype)
 
     @property
     def free_slots(self) -> int:

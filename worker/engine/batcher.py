@@ -243,11 +243,8 @@ def _whole_images(seq: Sequence, start: int, length: int) -> int:
     """A chunk's length, so that it never ends inside an image's tokens: cut before an image that
     starts within it, or, where the image starts at (or, its first blocks cached, before) the
     chunk's start, stretched to the image's end (over the step's budget by less than an image)."""
-    if seq.vision is None or length <= 0:
+    image = seq.vision.image_at(start + length) if seq.vision is not None and length > 0 else None
+    if image is None or image[0] == start + length:  # no image there, or one that starts there
         return length
-    end = start + length
-    image_end = seq.vision.end_of_image(end)
-    if image_end is None:
-        return length
-    image_start = seq.vision.start_of_image(end)
+    image_start, image_end = image
     return image_start - start if image_start > start else image_end - start

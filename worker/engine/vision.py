@@ -3,7 +3,7 @@ and projector run inside the engine's step, batched over the images of the step'
 their embeddings take the place of the image tokens' rows in the forward.
 
 LLaVA-1.5 (transformers' LlavaForConditionalGeneration): the paged runner runs its language model
-(`text_view`), and `ImageEncoder` gives each image its `tokens_per_image` embeddings, as the
+(`TextView`), and `ImageEncoder` gives each image its `tokens_per_image` embeddings, as the
 model's own `get_image_features` computes them from the processor's pixels. Embeddings are kept by
 image (its sha256, under the request's prefix-cache root: a tenant's image never answers another
 tenant's from this cache, so no timing tells one tenant what another sent), least recently used
@@ -28,11 +28,13 @@ EMBEDDINGS_KEPT = 64  # images whose embeddings a worker keeps (576 rows each fo
 
 @dataclass
 class Images:
-    """A request's images: their keys (sha256), where their tokens sit in the prompt, and their bytes."""
+    """A request's images: their keys (sha256), where their tokens sit in the prompt, their bytes,
+    and the prompt as the prefix cache hashes it (`cache_ids`)."""
 
     keys: list[str]
     spans: list[tuple[int, int]]  # (first position, tokens) of each image, in prompt order
     data: list[bytes] = field(repr=False)
+    keyed_prompt: list[int] = field(repr=False, default_factory=list)
 
     @classmethod
     def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
@@ -52,30 +54,24 @@ class Images:
                              f"{len(data)} images of {vision.tokens_per_image} tokens")
         if len(keys) != len(data):
             keys = [hashlib.sha256(d).hexdigest() for d in data]
-        return cls(list(keys), spans, list(data))
-
-    def cache_ids(self, token_ids: Seq[int]) -> list[int]:
-        """`token_ids` with each image token replaced by a key of its image and place in it (a
-        negative number, never a token id), for the prefix cache's block hashes."""
-        ids = list(token_ids)
-        for key, (start, length) in zip(self.keys, self.spans):
+        # Each image token as a key of its image and place in it (a negative number, never a token
+        # id): computed once, for the prefix cache's block hashes.
+        keyed = list(prompt_ids)
+        for key, (start, length) in zip(keys, spans):
             base = int(key[:12], 16) << 12  # 48 bits of the image's hash, then the token's place
             for offset in range(length):
-                ids[start + offset] = -1 - (base | (offset & 0xFFF))
-        return ids
+                keyed[start + offset] = -1 - (base | (offset & 0xFFF))
+        return cls(list(keys), spans, list(data), keyed)
 
-    def end_of_image(self, position: int) -> int | None:
-        """Where the image holding `position` ends, if an image does but does not start there."""
-        for start, length in self.spans:
-            if start < position < start + length:
-                return start + length
-        return None
+    def cache_ids(self, token_ids: Seq[int]) -> list[int]:
+        """`token_ids` (the prompt, then the output) with each image token keyed by its image."""
+        return self.keyed_prompt + list(token_ids[len(self.keyed_prompt):])
 
-    def start_of_image(self, position: int) -> int | None:
-        """Where the image holding `position` starts, if one does."""
+    def image_at(self, position: int) -> tuple[int, int] | None:
+        """(start, end) of the image holding `position`, if one does."""
         for start, length in self.spans:
             if start <= position < start + length:
-                return start
+                return start, start + length
         return None
 
 
@@ -95,10 +91,6 @@ class TextView(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-
-def text_view(model: torch.nn.Module) -> TextView:
-    return TextView(model)
 
 
 class ImageEncoder:
@@ -134,14 +126,7 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def _encode(self, blobs: list[bytes]) -> list[torch.Tensor]:
-        from PIL import Image
-
-        frames = []
-        for data in blobs:  # checked by the api already; a GIF gives its first frame
-            with Image.open(io.BytesIO(data)) as image:
-                image.seek(0)
-                frames.append(image.convert("RGB"))
-        pixels = self.processor(frames, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
+        pixels = pixel_values(self.processor, blobs, self.device, self.dtype)
         config = self.model.config
         features = self.model.model.get_image_features(
             pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
@@ -155,3 +140,16 @@ class ImageEncoder:
             raise ValueError(f"the vision tower gave {features.shape[1]} embeddings an image, the processor "
                              f"counts {self.vision.tokens_per_image}")
         return list(features)
+
+
+def pixel_values(processor, blobs: list[bytes], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The images' pixels as the model's image processor gives them, on `device` in `dtype`. Decoded
+    in the model thread: the api checked every one already; a GIF gives its first frame."""
+    from PIL import Image
+
+    frames = []
+    for data in blobs:
+        with Image.open(io.BytesIO(data)) as image:
+            image.seek(0)
+            frames.append(image.convert("RGB"))
+    return processor(frames, return_tensors="pt")["pixel_values"].to(device, dtype)

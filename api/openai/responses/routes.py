@@ -25,7 +25,7 @@ from api.core.errors import ApiError
 from api.core.json_body import StrictJSONRoute
 from api.core.openapi import errors, json_answer, json_or_stream
 from api.openai.answers import OpenAIError
-from api.openai.files import file_store, owned
+from api.openai.files import file_store, owned_content
 from api.openai.responses.answers import (RESPONSE_EVENTS, RESPONSE_EVENTS_EXAMPLE, InputItemList, ResponseDeleted,
                                           ResponseObject)
 from api.core.relay import Relay
@@ -84,10 +84,7 @@ async def _with_files(files: FileStore, tenant: str, items: list) -> list:
             read = []
             for part in parts:
                 if isinstance(part, ImagePart) and part.file_id:
-                    await owned(files, tenant, part.file_id, param="input")
-                    data = await files.content(tenant, part.file_id)
-                    if data is None:  # expired between the two reads
-                        raise ApiError(404, f"no file {part.file_id!r}", param="input", code="not_found")
+                    data = await owned_content(files, tenant, part.file_id, param="input")
                     part = part.model_copy(update={"image_url": f"data:;base64,{base64.b64encode(data).decode()}"})
                 read.append(part)
             item = item.model_copy(update={"content": read})
