@@ -1,12 +1,18 @@
 """What a vision-language model takes of an image, read from its folder without torch: the api
 needs it to count a prompt's image tokens and to refuse images to a model that takes none.
 
-Served here: LLaVA-1.5 (`model_type: llava`, a CLIP or SigLIP encoder and a projector; transformers'
-LlavaForConditionalGeneration), whose every image is a fixed number of tokens: the encoder's
-patches of the processor's crop, plus its CLS token unless the projector drops it
-(`vision_feature_select_strategy: default`). Its processor puts that many image tokens where the
-chat template writes one; the api does the same to the ids (`expand`), so the worker's input ids
-are the processor's.
+Served here (transformers' classes in brackets):
+- LLaVA-1.5 (`model_type: llava`, a CLIP or SigLIP encoder and a projector;
+  LlavaForConditionalGeneration), whose every image is a fixed number of tokens: the encoder's
+  patches of the processor's crop, plus its CLS token unless the projector drops it
+  (`vision_feature_select_strategy: default`).
+- LLaVA-NeXT (`model_type: llava_next`; LlavaNextForConditionalGeneration), "anyres": the image is
+  resized to the best of the processor's grid pinpoints and cut into tiles of the crop size, and
+  its tokens are the base image's, then the tiles' patches with the padding taken off, a newline
+  token ending each row. How many depends on the image's size (`tokens`).
+
+The processor puts that many image tokens where the chat template writes one; the api does the
+same to the ids (`expand`), so the worker's input ids are the processor's.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llava",)
+FAMILIES = ("llava", "llava_next")
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
 
@@ -27,19 +33,52 @@ class UnsupportedVision(ValueError):
 class VisionModel:
     family: str
     image_token_id: int
-    tokens_per_image: int
+    base_tokens: int  # the tokens of the image at the crop size (LLaVA-1.5: all of them)
+    crop: tuple[int, int] = (0, 0)  # (height, width) of the processor's crop: a tile's size (LLaVA-NeXT)
+    patch: int = 0  # the encoder's patch, in pixels
+    pinpoints: tuple[tuple[int, int], ...] = ()  # (height, width) the processor may resize an image to (LLaVA-NeXT)
 
-    def expand(self, ids: list[int], images: int) -> list[int]:
-        """`ids` with each image token repeated tokens_per_image times; ValueError unless the
-        prompt holds one image token per image (the chat template writes one per image part)."""
+    def tokens(self, width: int, height: int) -> int:
+        """How many tokens an image of `width` × `height` pixels is."""
+        if not self.pinpoints:
+            return self.base_tokens
+        best_h, best_w = best_resolution(height, width, self.pinpoints)
+        rows, cols = self.crop[0] // self.patch, self.crop[1] // self.patch
+        grid_h, grid_w = rows * (best_h // self.crop[0]), cols * (best_w // self.crop[1])
+        # The tiles' patches, less the rows (or columns) of padding the resize left, as the model's
+        # `unpad_image` takes them off; a newline token ends each row.
+        if width / height > grid_w / grid_h:
+            grid_h -= (grid_h - int(round(height * (grid_w / width), 7))) // 2 * 2
+        else:
+            grid_w -= (grid_w - int(round(width * (grid_h / height), 7))) // 2 * 2
+        return self.base_tokens + grid_h * grid_w + grid_h
+
+    def expand(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[int]:
+        """`ids` with the image token of each image repeated as many times as the image's (width,
+        height) in `sizes` makes it; ValueError unless the prompt holds one image token per image
+        (the chat template writes one per image part)."""
         found = ids.count(self.image_token_id)
-        if found != images:
-            raise ValueError(f"the prompt has {found} image tokens for {images} images: the chat template must write "
-                             "one per image part (and a text part may not spell the image token)")
+        if found != len(sizes):
+            raise ValueError(f"the prompt has {found} image tokens for {len(sizes)} images: the chat template must "
+                             "write one per image part (and a text part may not spell the image token)")
+        counts = iter([self.tokens(w, h) for w, h in sizes])
         out: list[int] = []
         for token in ids:
-            out.extend([token] * self.tokens_per_image if token == self.image_token_id else [token])
+            out.extend([token] * next(counts) if token == self.image_token_id else [token])
         return out
+
+
+def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The (height, width) of `pinpoints` an image is resized to: the one that keeps most of its
+    pixels (scaled down to fit, never up), then the one that wastes fewest."""
+    best, kept_most, wasted_least = pinpoints[0], -1, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - kept
+        if kept > kept_most or (kept == kept_most and wasted < wasted_least):
+            best, kept_most, wasted_least = (h, w), kept, wasted
+    return best
 
 
 def read(folder: Path) -> VisionModel | None:
@@ -58,12 +97,20 @@ def read(folder: Path) -> VisionModel | None:
     if not crop or not patch:
         raise UnsupportedVision(f"{folder}: the processor's crop size and patch size are needed to count image tokens")
     strategy = processor.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy")
-    count = (int(crop["height"]) // patch) * (int(crop["width"]) // patch) \
+    height, width = int(crop["height"]), int(crop["width"])
+    base = (height // patch) * (width // patch) \
         + int(processor.get("num_additional_image_tokens", 0)) - (1 if strategy == "default" else 0)
-    if config.get("image_seq_length") not in (None, count):
-        raise UnsupportedVision(f"{folder}: the processor gives {count} tokens an image, the config "
+    if family == "llava_next":
+        pinpoints = tuple((int(h), int(w)) for h, w in image.get("image_grid_pinpoints")
+                          or config.get("image_grid_pinpoints") or ())
+        if not pinpoints or any(h % height or w % width for h, w in pinpoints):
+            raise UnsupportedVision(f"{folder}: LLaVA-NeXT's grid pinpoints must be multiples of the crop size "
+                                    f"{height}×{width} (they are {list(pinpoints)})")
+        return VisionModel(family, int(config["image_token_index"]), base, (height, width), patch, pinpoints)
+    if config.get("image_seq_length") not in (None, base):
+        raise UnsupportedVision(f"{folder}: the processor gives {base} tokens an image, the config "
                                 f"{config['image_seq_length']}")
-    return VisionModel(family, int(config["image_token_index"]), count)
+    return VisionModel(family, int(config["image_token_index"]), base)
 
 
 def _json(path: Path) -> dict[str, Any]:

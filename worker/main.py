@@ -80,8 +80,8 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
     if tokenizer.vision is not None:
         from transformers import AutoProcessor
 
-        log.info("a vision-language model (%s): %d tokens an image", tokenizer.vision.family,
-                 tokenizer.vision.tokens_per_image)
+        log.info("a vision-language model (%s): %d tokens an image at %s", tokenizer.vision.family,
+                 tokenizer.vision.base_tokens, "its crop size, more by its tiles" if tokenizer.vision.pinpoints else "any size")
         processor = AutoProcessor.from_pretrained(weights_dir(settings)).image_processor
         language = TextView(model)
         if supports(language):  # the paged runner runs the language model; the engine, the tower

@@ -206,7 +206,7 @@ class Generation:
                                            template_kwargs=prompt.template_kwargs)
             if checked:
                 try:
-                    prompt_ids = self.tokenizer.vision.expand(prompt_ids, len(checked))
+                    prompt_ids = self.tokenizer.vision.expand(prompt_ids, [(i.width, i.height) for i in checked])
                 except ValueError as exc:
                     raise ApiError(400, str(exc), param=prompt.images_param) from exc
                 if len(prompt_ids) > self.tokenizer.context_length:

@@ -1,6 +1,7 @@
 """Tiny vision-language models with random weights, written by the tests from configs: LLaVA-1.5
-(a CLIP vision tower, a projector and a llama), saved with its processor as llava-hf's repos are,
-over the tiny byte-level tokenizer (streamq/testing/tiny_models.py) with `<image>` added."""
+(a CLIP vision tower, a projector and a llama) and LLaVA-NeXT (the same, with anyres tiles and an
+image newline), saved with their processors as llava-hf's repos are, over the tiny byte-level
+tokenizer (streamq/testing/tiny_models.py) with `<image>` added."""
 from __future__ import annotations
 
 import io
@@ -9,6 +10,8 @@ from pathlib import Path
 from streamq.testing.tiny_models import build_tokenizer
 
 IMAGE_SIZE, PATCH = 28, 14  # 2 × 2 patches: 4 tokens an image (the CLS token dropped, as LLaVA-1.5 does)
+# LLaVA-NeXT's grid, in crops of IMAGE_SIZE: a wide, a tall, a square and two long shapes
+PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
 # A chat template that writes an image part as <image>, as LLaVA's do
 TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
             "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
@@ -17,13 +20,15 @@ TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
 
 
 def build_llava(folder: Path, seed: int = 0, image_size: int = IMAGE_SIZE, patch: int = PATCH,
-                vision: dict | None = None, text: dict | None = None, context: int = 512) -> Path:
-    """A tiny LLaVA-1.5 in `folder`: weights, config, processor, tokenizer and chat template.
-    `vision`, `text`: other sizes for the CLIP tower's and the llama's configs (a benchmark's model
-    of a real one's shape; its weights still random)."""
+                vision: dict | None = None, text: dict | None = None, context: int = 512,
+                family: str = "llava") -> Path:
+    """A tiny LLaVA-1.5 in `folder` (`family` llava_next: a LLaVA-NeXT): weights, config, processor,
+    tokenizer and chat template. `vision`, `text`: other sizes for the CLIP tower's and the llama's
+    configs (a benchmark's model of a real one's shape; its weights still random)."""
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+                              LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor, LlavaProcessor, PreTrainedTokenizerFast)
 
     vocab = build_tokenizer(folder, context=context, chat_template=TEMPLATE, special_tokens=("<image>",))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -35,22 +40,29 @@ def build_llava(folder: Path, seed: int = 0, image_size: int = IMAGE_SIZE, patch
                               "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2,
                               **(text or {}), "vocab_size": vocab, "max_position_embeddings": context,
                               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
-    config = LlavaConfig(vision_config=tower, text_config=language, image_token_index=image_token,
-                         vision_feature_layer=-1, vision_feature_select_strategy="default",
-                         image_seq_length=(image_size // patch) ** 2)
+    common = dict(vision_config=tower, text_config=language, image_token_index=image_token,
+                  vision_feature_layer=-1, vision_feature_select_strategy="default")
+    sizes = dict(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    if family == "llava_next":
+        pinpoints = [[h * image_size // IMAGE_SIZE, w * image_size // IMAGE_SIZE] for h, w in PINPOINTS]
+        config, model_class = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints), LlavaNextForConditionalGeneration
+        processor_class = LlavaNextProcessor
+        image_processor = LlavaNextImageProcessor(**sizes, image_grid_pinpoints=pinpoints)
+    else:
+        config, model_class = LlavaConfig(**common, image_seq_length=(image_size // patch) ** 2), LlavaForConditionalGeneration
+        processor_class, image_processor = LlavaProcessor, CLIPImageProcessor(**sizes)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # away from init, so that the image changes the reply
         for name, p in model.named_parameters():
-            if "vision" in name or "projector" in name:
+            if "vision" in name or "projector" in name or "image_newline" in name:
                 p.normal_(0, 0.3 if vision is None else 0.02)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
     model.save_pretrained(folder)
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": image_size},
-                                                                  crop_size={"height": image_size, "width": image_size}),
-                               tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=TEMPLATE)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch,
+                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                chat_template=TEMPLATE)
     processor.save_pretrained(folder)
     return folder
 
@@ -77,10 +89,10 @@ def reference_tokens(folder: Path, parts: list, max_new_tokens: int, ignore_eos:
     the processor's inputs (its chat template, its image processing): the new token ids."""
     import torch
     from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder)
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
     prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None

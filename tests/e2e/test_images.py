@@ -1,5 +1,5 @@
-"""Images through the whole stack on a tiny LLaVA-1.5 (streamq/testing/tiny_vision.py) beside a tiny
-text model: OpenAI chat `image_url` parts (data URLs) checked by the api, kept in Redis under their
+"""Images through the whole stack on a tiny LLaVA-1.5 and a tiny LLaVA-NeXT
+(streamq/testing/tiny_vision.py) beside a tiny text model: OpenAI chat `image_url` parts (data URLs) checked by the api, kept in Redis under their
 sha256, run by the worker; the greedy reply equal to transformers' `generate` on the processor's
 inputs, for one image, two, none, and all of them at once. Bad images are each a 4xx naming why,
 and a good request sent beside them is answered as if alone."""
@@ -24,14 +24,21 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def served(redis_url, tiny_llama, tmp_path_factory):
+def llava_next(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("llava-next"), family="llava_next")
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_llama, llava_next, tmp_path_factory):
     llava = build_llava(tmp_path_factory.mktemp("llava"))
-    envs = [{"STREAMQ_SERVED_MODEL_NAME": "llava"}, {"STREAMQ_MODEL": str(tiny_llama), "STREAMQ_SERVED_MODEL_NAME": "text"}]
-    with Stack(redis_url, llava, tmp_path_factory.mktemp("images"), workers=2, worker_envs=envs,
+    envs = [{"STREAMQ_SERVED_MODEL_NAME": "llava"}, {"STREAMQ_MODEL": str(tiny_llama), "STREAMQ_SERVED_MODEL_NAME": "text"},
+            {"STREAMQ_MODEL": str(llava_next), "STREAMQ_SERVED_MODEL_NAME": "llava-next"}]
+    with Stack(redis_url, llava, tmp_path_factory.mktemp("images"), workers=3, worker_envs=envs,
                env={"STREAMQ_SERVED_MODEL_NAME": "llava"}) as stack:
         url = stack.urls[0]
-        until_sync(lambda: {"llava", "text"} <= {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]},
-                   timeout_s=180, what="both models listed")
+        until_sync(lambda: {"llava", "text", "llava-next"} <= {m["id"] for m in httpx.get(f"{url}/v1/models",
+                                                                                          timeout=10).json()["data"]},
+                   timeout_s=180, what="the three models listed")
         yield stack, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), llava
 
 
@@ -56,19 +63,36 @@ CASES = {"one image": [png(1), "What is in the picture?"],
          "a JPEG and a GIF": [png(4, kind="JPEG"), png(5, kind="GIF"), "and these?"]}
 
 
+@pytest.mark.parametrize("model", ["llava", "llava-next"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_reply_with_images_equals_transformers(served, case):
+def test_a_reply_with_images_equals_transformers(served, llava_next, case, model):
     stack, client, folder = served
-    reply = _ask(client, CASES[case])
+    folder = llava_next if model == "llava-next" else folder
+    reply = _ask(client, CASES[case], model)
     assert reply.choices[0].message.content == _reference(folder, CASES[case])
-    images = [p for p in CASES[case] if isinstance(p, bytes)]
-    assert reply.usage.prompt_tokens > 4 * len(images)  # each image is 4 tokens of the prompt
+    assert reply.usage.prompt_tokens == _processor_tokens(folder, CASES[case])  # each image counted by its size
 
 
-def test_all_at_once_each_equals_its_reply_alone(served):
+def _processor_tokens(folder, parts: list) -> int:
+    """How many tokens the model's processor makes of one user message of `parts`."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
+    return len(processor(images=images, text=prompt, add_special_tokens=False)["input_ids"][0])
+
+
+@pytest.mark.parametrize("model", ["llava", "llava-next"])
+def test_all_at_once_each_equals_its_reply_alone(served, llava_next, model):
     _, client, folder = served
+    folder = llava_next if model == "llava-next" else folder
     with ThreadPoolExecutor(len(CASES)) as pool:
-        replies = list(pool.map(lambda parts: _ask(client, parts).choices[0].message.content, CASES.values()))
+        replies = list(pool.map(lambda parts: _ask(client, parts, model).choices[0].message.content, CASES.values()))
     assert replies == [_reference(folder, parts) for parts in CASES.values()]
 
 

@@ -1,9 +1,11 @@
 """A vision-language request in the static engine (worker/backends/static_engine.py), in process: a
 request continued after the tokens another worker delivered (a takeover) gives the rest of the
 undisturbed reply, its images prefilled again with the prompt; rows with and without images share
-a batch."""
+a batch. On a tiny LLaVA-1.5 and a tiny LLaVA-NeXT (the static engine runs a LLaVA whose language
+model has no paged runner)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared.messages import RequestPayload
@@ -11,8 +13,14 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from streamq.testing.tiny_vision import build_llava, png
 from worker.backends.static_engine import BatchRunner, StaticEngine
+from worker.engine.vision import size_of
 
 TOKENS = 12
+
+
+@pytest.fixture(params=["llava", "llava_next"])
+def llava(request, tmp_path):
+    return build_llava(tmp_path, family=request.param)
 
 
 def _engine(folder) -> tuple[StaticEngine, Tokenizer]:
@@ -31,31 +39,30 @@ def _run(engine: StaticEngine, requests: list[tuple[RequestPayload, list, list[b
     return {seq.id: list(seq.output_ids) for seq in seqs}
 
 
-def _payload(rid: str, tok: Tokenizer, images: int) -> RequestPayload:
-    content = [{"type": "image"}] * images + [{"type": "text", "text": "Tell me about it."}]
+def _payload(rid: str, tok: Tokenizer, images: list[bytes]) -> RequestPayload:
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": "Tell me about it."}]
     ids = tok.encode_chat([{"role": "user", "content": content}])
-    ids = tok.vision.expand(ids, images)
+    ids = tok.vision.expand(ids, [size_of(image) for image in images])
     return RequestPayload(id=rid, model="m", prompt_token_ids=ids,
                           params=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
 
 
-def test_a_takeover_continues_a_request_with_its_images(tmp_path):
+def test_a_takeover_continues_a_request_with_its_images(llava):
     from shared.messages import TokenEvent
 
-    engine, tok = _engine(build_llava(tmp_path))
+    engine, tok = _engine(llava)
     pictures = [png(1), png(2, (30, 60))]
-    whole = _run(engine, [(_payload("a", tok, 2), [], pictures)])["a"]
+    whole = _run(engine, [(_payload("a", tok, pictures), [], pictures)])["a"]
     for cut in (1, 5):
         delivered = [TokenEvent(index=i, token_id=t, text=tok.decode([t])) for i, t in enumerate(whole[:cut])]
-        rest = _run(engine, [(_payload(f"b{cut}", tok, 2), delivered, pictures)])[f"b{cut}"]
+        rest = _run(engine, [(_payload(f"b{cut}", tok, pictures), delivered, pictures)])[f"b{cut}"]
         assert rest == whole, cut  # the delivered tokens, then exactly the undisturbed rest
 
 
-def test_rows_with_and_without_images_share_a_batch(tmp_path):
-    engine, tok = _engine(build_llava(tmp_path))
-    alone = {rid: _run(engine, [(_payload(rid, tok, n), [], [png(n + 3)] * n)])[rid] for rid, n in
-             (("none", 0), ("one", 1), ("two", 2))}
-    together = _run(engine, [(_payload(rid, tok, n), [], [png(n + 3)] * n) for rid, n in
-                             (("none", 0), ("one", 1), ("two", 2))])
+def test_rows_with_and_without_images_share_a_batch(llava):
+    engine, tok = _engine(llava)
+    rows = {rid: [png(n + 3, (40 + 20 * n, 50))] * n for rid, n in (("none", 0), ("one", 1), ("two", 2))}
+    alone = {rid: _run(engine, [(_payload(rid, tok, images), [], images)])[rid] for rid, images in rows.items()}
+    together = _run(engine, [(_payload(rid, tok, images), [], images) for rid, images in rows.items()])
     assert together == alone
     assert alone["one"] != alone["none"]  # the image changes the reply

@@ -1,5 +1,5 @@
 """A vision-language model in the paged engine (worker/engine/vision.py), in process, on a tiny
-LLaVA-1.5: the vision tower runs inside the engine's step, its embeddings in the image tokens'
+LLaVA-1.5 and a tiny LLaVA-NeXT (anyres tiles: each image's tokens by its size): the vision tower runs inside the engine's step, its embeddings in the image tokens'
 rows. Greedy tokens equal transformers' `generate` on the processor's inputs, for one image, two,
 none, and all of them in one batch, on each forward (the CPU step kernels, their portable ISA,
 the fused eager ops, the modules' own); a prompt chunked by a small token budget never splits an
@@ -18,7 +18,7 @@ from streamq.testing.tiny_vision import build_llava, png, reference_tokens
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
-from worker.engine.vision import ImageEncoder, TextView
+from worker.engine.vision import ImageEncoder, TextView, size_of
 from worker.model import kernels
 from worker.model.model_runner import PagedRunner
 
@@ -28,9 +28,9 @@ BLOCK = 4
 PATHS = ["kernels", "portable", "fused", "eager"]
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return build_llava(tmp_path_factory.mktemp("llava"))
+@pytest.fixture(scope="module", params=["llava", "llava_next"])
+def llava(request, tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp(request.param), family=request.param)
 
 
 def _engine(folder, path: str = "fused", budget: int = 512) -> Engine:
@@ -49,7 +49,7 @@ def _engine(folder, path: str = "fused", budget: int = 512) -> Engine:
 def _parts_ids(tok: Tokenizer, parts: list) -> list[int]:
     content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
     return tok.vision.expand(tok.encode_chat([{"role": "user", "content": content}]),
-                             sum(isinstance(p, bytes) for p in parts))
+                             [size_of(p) for p in parts if isinstance(p, bytes)])
 
 
 def _payload(rid: str, ids: list[int], tenant: str = "t") -> RequestPayload:
@@ -87,7 +87,7 @@ def test_greedy_tokens_equal_transformers_alone_and_in_one_batch(llava, referenc
 
 
 def test_a_small_token_budget_chunks_the_prompt_but_never_an_image(llava, references):
-    engine = _engine(llava, budget=6)  # 4 tokens an image; chunks of 6 tokens would cut some
+    engine = _engine(llava, budget=6)  # 4 tokens an image or more; chunks of 6 tokens would cut some
     cuts = []
     step = engine.runner.execute
 

@@ -80,7 +80,7 @@ def test_more_images_than_the_limit_are_refused_before_any_is_decoded():
 def test_a_llava_counts_its_image_tokens_as_its_processor_does(tmp_path):
     folder = build_llava(tmp_path)
     vision = vision_model.read(folder)
-    assert vision is not None and vision.tokens_per_image == 4
+    assert vision is not None and vision.tokens(40, 50) == vision.tokens(900, 20) == 4
     from transformers import AutoProcessor
 
     from PIL import Image
@@ -92,9 +92,56 @@ def test_a_llava_counts_its_image_tokens_as_its_processor_does(tmp_path):
     pictures = [Image.open(io.BytesIO(png(i))).convert("RGB") for i in (1, 2)]
     want = processor(images=pictures, text=prompt, add_special_tokens=False)["input_ids"][0]
     ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert vision.expand(ids, 2) == list(want)
+    assert vision.expand(ids, [(40, 50)] * 2) == list(want)
     with pytest.raises(ValueError, match="2 image tokens for 3 images"):
-        vision.expand(ids, 3)
+        vision.expand(ids, [(40, 50)] * 3)
+
+
+def test_a_llava_next_counts_each_image_by_its_size_as_its_processor_does(tmp_path):
+    """Anyres: the count depends on the best grid pinpoint for the image's shape and the padding
+    it leaves; equal to the processor's on 60 sizes from thin strips to squares, two at a time."""
+    import io
+    import random
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    folder = build_llava(tmp_path, family="llava_next")
+    vision = vision_model.read(folder)
+    assert vision is not None and vision.family == "llava_next"
+    processor = AutoProcessor.from_pretrained(folder)
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}], add_generation_prompt=True)
+    ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    sizes = [(1, 300), (300, 1), (28, 28), (56, 28), (29, 57)] + [(rng.randint(1, 200), rng.randint(1, 200))
+                                                                     for _ in range(55)]
+    counts = set()
+    for first, second in zip(sizes[::2], sizes[1::2]):
+        pictures = [Image.open(io.BytesIO(png(i, size))).convert("RGB") for i, size in enumerate((first, second))]
+        want = processor(images=pictures, text=prompt, add_special_tokens=False)["input_ids"][0]
+        assert vision.expand(ids, [first, second]) == list(want), (first, second)
+        counts |= {vision.tokens(*first), vision.tokens(*second)}
+    assert len(counts) > 3  # the sizes made different counts
+
+
+def test_llava_next_grid_pinpoints_off_the_crop_size_are_refused(tmp_path):
+    import json
+
+    folder = build_llava(tmp_path, family="llava_next")
+    path = folder / "preprocessor_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        config["image_grid_pinpoints"] = [[30, 56]]
+        path.write_text(json.dumps(config))
+    path = folder / "processor_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        if "image_processor" in config:
+            config["image_processor"]["image_grid_pinpoints"] = [[30, 56]]
+            path.write_text(json.dumps(config))
+    with pytest.raises(vision_model.UnsupportedVision, match="multiples of the crop size"):
+        vision_model.read(folder)
 
 
 def test_a_text_model_is_no_vision_model(tiny_llama):

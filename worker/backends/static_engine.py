@@ -18,7 +18,7 @@ from shared.tokenizer import Tokenizer, served_context
 from worker.engine.base import BaseEngine
 from worker.engine.execution_plan import ExecutionPlan, static_plan
 from worker.engine.random_streams import make_generator, replay_draws
-from worker.engine.vision import pixel_values
+from worker.engine.vision import processor_inputs
 from worker.engine.sampler import SamplingBatch, SamplingRow, sample_each
 from worker.engine.sequence import Sequence, StepOutput, new_sequence, step_output
 from worker.engine.structured import GrammarError, Grammars
@@ -50,13 +50,13 @@ class StaticEngine(BaseEngine):
     def takes_images(self) -> bool:
         return self.image_processor is not None
 
-    def _pixels(self, rows: list[Sequence]) -> torch.Tensor | None:
+    def _pixels(self, rows: list[Sequence]) -> dict[str, torch.Tensor] | None:
         """The rows' images as the model's processor gives them, in row order (None: no images).
         Decoded here, in the model thread: the api checked every one already."""
         images = [image for seq in rows for image in seq.images]
         if not images:
             return None
-        return pixel_values(self.image_processor, images, self.runner.device,
+        return processor_inputs(self.image_processor, images, self.runner.device,
                             next(self.runner.model.parameters()).dtype)
 
     @property
@@ -157,9 +157,10 @@ class BatchRunner:
         return served_context(self.model.config.to_dict())
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Start a new batch; return the logits of each prompt's last position, [rows, vocab].
-        `pixel_values`: a vision-language model's images, in the order of their tokens in the rows."""
+        `images`: a vision-language model's (pixel_values and what else its processor gives), in the
+        order of their tokens in the rows."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -171,7 +172,7 @@ class BatchRunner:
         self._cache = DynamicCache(config=self.model.config)
         self._mask = mask
         self._next_pos = positions[:, -1] + 1
-        return self._forward(ids, positions, pixel_values)
+        return self._forward(ids, positions, images)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -187,9 +188,9 @@ class BatchRunner:
         """Free the batch's KV cache."""
         self._cache = self._mask = self._next_pos = None
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, pixel_values: torch.Tensor | None = None
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None
                  ) -> torch.Tensor:
-        extra = {"pixel_values": pixel_values} if pixel_values is not None else {}
+        extra = images or {}
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache}, **extra)
         return out.logits[:, -1, :]

@@ -2,14 +2,15 @@
 and projector run inside the engine's step, batched over the images of the step's chunks, and
 their embeddings take the place of the image tokens' rows in the forward.
 
-LLaVA-1.5 (transformers' LlavaForConditionalGeneration): the paged runner runs its language model
-(`TextView`), and `ImageEncoder` gives each image its `tokens_per_image` embeddings, as the
-model's own `get_image_features` computes them from the processor's pixels. Embeddings are kept by
-image (its sha256, under the request's prefix-cache root: a tenant's image never answers another
-tenant's from this cache, so no timing tells one tenant what another sent), least recently used
-out first. A request's image tokens hash into the prefix cache as keys of that image
-(`Images.cache_ids`): the same text with another picture shares no block from the image on, and
-a second turn with the same picture reuses the blocks of the first.
+LLaVA-1.5 and LLaVA-NeXT (transformers' LlavaForConditionalGeneration and
+LlavaNextForConditionalGeneration): the paged runner runs the language model (`TextView`), and
+`ImageEncoder` gives each image its embeddings (as many as shared/vision_model.py counts for its
+size), as the model's own `get_image_features` computes them from the processor's pixels.
+Embeddings are kept by image (its sha256, under the request's prefix-cache root: a tenant's image
+never answers another tenant's from this cache, so no timing tells one tenant what another sent),
+least recently used out first. A request's image tokens hash into the prefix cache as keys of
+that image (`Images.cache_ids`): the same text with another picture shares no block from the
+image on, and a second turn with the same picture reuses the blocks of the first.
 """
 from __future__ import annotations
 
@@ -38,20 +39,22 @@ class Images:
 
     @classmethod
     def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
-        """Find each image's run of image tokens (the api expanded one per image); ValueError where
-        the prompt's runs do not match the images."""
-        spans, i, n = [], 0, len(prompt_ids)
+        """Find each image's run of image tokens (the api expanded one per image, as many as the
+        image's size makes it); ValueError where the prompt's runs do not match the images."""
+        counts = [vision.tokens(*size_of(d)) for d in data]
+        spans, i, n, k = [], 0, len(prompt_ids), 0
         while i < n:
             if prompt_ids[i] == vision.image_token_id:
                 start = i
-                while i < n and prompt_ids[i] == vision.image_token_id and i - start < vision.tokens_per_image:
+                while i < n and prompt_ids[i] == vision.image_token_id and (k >= len(counts) or i - start < counts[k]):
                     i += 1
                 spans.append((start, i - start))
+                k += 1
             else:
                 i += 1
-        if len(spans) != len(data) or any(length != vision.tokens_per_image for _, length in spans):
+        if [length for _, length in spans] != counts:
             raise ValueError(f"the prompt's image tokens ({[length for _, length in spans]}) are not "
-                             f"{len(data)} images of {vision.tokens_per_image} tokens")
+                             f"{len(data)} images of {counts} tokens")
         if len(keys) != len(data):
             keys = [hashlib.sha256(d).hexdigest() for d in data]
         # Each image token as a key of its image and place in it (a negative number, never a token
@@ -107,7 +110,7 @@ class ImageEncoder:
         self.images_encoded = 0  # images run through the tower (the rest came from the cache)
 
     def embeddings(self, wanted: list[tuple[int | None, str, bytes]]) -> list[torch.Tensor]:
-        """Each (prefix root, key, bytes)'s embeddings [tokens_per_image, hidden]: from the cache,
+        """Each (prefix root, key, bytes)'s embeddings [its tokens, hidden]: from the cache,
         or from one batched run of the tower over those it lacks."""
         missing = list(dict.fromkeys((root, key) for root, key, _ in wanted if (root, key) not in self._cache))
         if missing:
@@ -126,25 +129,27 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def _encode(self, blobs: list[bytes]) -> list[torch.Tensor]:
-        pixels = pixel_values(self.processor, blobs, self.device, self.dtype)
+        inputs = processor_inputs(self.processor, blobs, self.device, self.dtype)
         config = self.model.config
         features = self.model.model.get_image_features(
-            pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
+            **inputs, vision_feature_layer=config.vision_feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy)
-        if hasattr(features, "pooler_output"):  # transformers' output object: a list, an image each
+        if hasattr(features, "pooler_output"):  # transformers' output object
             features = features.pooler_output
-        if not isinstance(features, torch.Tensor):
-            features = torch.stack(list(features))
-        features = features.reshape(len(blobs), -1, features.shape[-1])
-        if features.shape[1] != self.vision.tokens_per_image:
-            raise ValueError(f"the vision tower gave {features.shape[1]} embeddings an image, the processor "
-                             f"counts {self.vision.tokens_per_image}")
-        return list(features)
+        if isinstance(features, torch.Tensor):  # LLaVA-1.5: [images × tokens, hidden] or [images, tokens, hidden]
+            features = list(features.reshape(len(blobs), -1, features.shape[-1]))
+        features = list(features)  # LLaVA-NeXT: an image each, of its own length
+        for data, feature in zip(blobs, features):
+            want = self.vision.tokens(*size_of(data))
+            if feature.shape[0] != want:
+                raise ValueError(f"the vision tower gave {feature.shape[0]} embeddings for an image, the processor "
+                                 f"counts {want}")
+        return features
 
 
-def pixel_values(processor, blobs: list[bytes], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The images' pixels as the model's image processor gives them, on `device` in `dtype`. Decoded
-    in the model thread: the api checked every one already; a GIF gives its first frame."""
+def _frames(blobs: list[bytes]) -> list:
+    """The images decoded, as RGB. Decoded in the model thread: the api checked every one already;
+    a GIF gives its first frame."""
     from PIL import Image
 
     frames = []
@@ -152,4 +157,25 @@ def pixel_values(processor, blobs: list[bytes], device: torch.device, dtype: tor
         with Image.open(io.BytesIO(data)) as image:
             image.seek(0)
             frames.append(image.convert("RGB"))
-    return processor(frames, return_tensors="pt")["pixel_values"].to(device, dtype)
+    return frames
+
+
+def size_of(data: bytes) -> tuple[int, int]:
+    """An image's (width, height), read from its header."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except OSError as exc:  # bytes that are no image (the api checked them: not from it)
+        raise ValueError(f"an image cannot be read ({exc})") from None
+
+
+def processor_inputs(processor, blobs: list[bytes], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The images as the model's image processor gives them, on `device`: `pixel_values` in
+    `dtype`, and LLaVA-NeXT's `image_sizes` beside them."""
+    out = processor(_frames(blobs), return_tensors="pt")
+    inputs = {"pixel_values": out["pixel_values"].to(device, dtype)}
+    if "image_sizes" in out:
+        inputs["image_sizes"] = out["image_sizes"].to(device)
+    return inputs
