@@ -10,6 +10,11 @@ Served here (transformers' classes in brackets):
   resized to the best of the processor's grid pinpoints and cut into tiles of the crop size, and
   its tokens are the base image's, then the tiles' patches with the padding taken off, a newline
   token ending each row. How many depends on the image's size (`tokens`).
+- Qwen2-VL and Qwen2.5-VL (`model_type: qwen2_vl`, `qwen2_5_vl`; Qwen2VLForConditionalGeneration
+  and Qwen2_5_VLForConditionalGeneration), dynamic resolution: the image is resized to multiples
+  of the patch times the merge, its pixels kept within the processor's bounds, and each merge ×
+  merge square of patches is one token. Their positions are M-RoPE's (time, height, width), which
+  the static engine's runner takes from the model (worker/backends/static_engine.py).
 
 The processor puts that many image tokens where the chat template writes one; the api does the
 same to the ids (`expand`), so the worker's input ids are the processor's.
@@ -17,11 +22,13 @@ same to the ids (`expand`), so the worker's input ids are the processor's.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llava", "llava_next")
+FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+PAGED = ("llava", "llava_next")  # the families the paged engine runs; the others, static batches
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
 
@@ -37,9 +44,15 @@ class VisionModel:
     crop: tuple[int, int] = (0, 0)  # (height, width) of the processor's crop: a tile's size (LLaVA-NeXT)
     patch: int = 0  # the encoder's patch, in pixels
     pinpoints: tuple[tuple[int, int], ...] = ()  # (height, width) the processor may resize an image to (LLaVA-NeXT)
+    merge: int = 0  # Qwen2-VL: the side of the square of patches one token is
+    pixels: tuple[int, int] = (0, 0)  # Qwen2-VL: the fewest and most pixels an image is resized to
 
     def tokens(self, width: int, height: int) -> int:
-        """How many tokens an image of `width` × `height` pixels is."""
+        """How many tokens an image of `width` × `height` pixels is (ValueError: one the model's
+        processor refuses)."""
+        if self.merge:
+            resized_h, resized_w = dynamic_resolution(height, width, self.patch * self.merge, *self.pixels)
+            return (resized_h // self.patch) * (resized_w // self.patch) // self.merge ** 2
         if not self.pinpoints:
             return self.base_tokens
         best_h, best_w = best_resolution(height, width, self.pinpoints)
@@ -68,6 +81,22 @@ class VisionModel:
         return out
 
 
+def dynamic_resolution(height: int, width: int, factor: int, fewest: int, most: int) -> tuple[int, int]:
+    """Qwen2-VL's resize: the (height, width), multiples of `factor`, nearest the image's with its
+    area within [fewest, most] pixels and its aspect kept as far as it can be."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an image of {width}×{height} pixels is longer than 200 times its width: the model's "
+                         "processor takes none such")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > most:
+        beta = math.sqrt(height * width / most)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < fewest:
+        beta = math.sqrt(fewest / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def best_resolution(height: int, width: int, pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """The (height, width) of `pinpoints` an image is resized to: the one that keeps most of its
     pixels (scaled down to fit, never up), then the one that wastes fewest."""
@@ -92,6 +121,16 @@ def read(folder: Path) -> VisionModel | None:
         raise UnsupportedVision(f"vision-language models of type {family!r} are not served here ({', '.join(FAMILIES)} are)")
     processor = _json(folder / "processor_config.json")
     image = processor.get("image_processor") or _json(folder / "preprocessor_config.json")
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        size = image.get("size") or {}
+        fewest = image.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+        most = image.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        patch, merge = int(image.get("patch_size") or 0), int(image.get("merge_size") or 0)
+        if not (fewest and most and patch and merge):
+            raise UnsupportedVision(f"{folder}: the processor's pixel bounds, patch size and merge size are needed "
+                                    "to count image tokens")
+        return VisionModel(family, int(config["image_token_id"]), 0, patch=patch, merge=merge,
+                           pixels=(int(fewest), int(most)))
     crop = image.get("crop_size") or {}
     patch = int(processor.get("patch_size") or config["vision_config"].get("patch_size") or 0)
     if not crop or not patch:

@@ -1,7 +1,8 @@
 """Tiny vision-language models with random weights, written by the tests from configs: LLaVA-1.5
-(a CLIP vision tower, a projector and a llama) and LLaVA-NeXT (the same, with anyres tiles and an
-image newline), saved with their processors as llava-hf's repos are, over the tiny byte-level
-tokenizer (streamq/testing/tiny_models.py) with `<image>` added."""
+(a CLIP vision tower, a projector and a llama), LLaVA-NeXT (the same, with anyres tiles and an
+image newline) and Qwen2-VL (its own tower at dynamic resolution, a Qwen2 with M-RoPE), saved with
+their processors as their hub repos are, over the tiny byte-level tokenizer
+(streamq/testing/tiny_models.py) with the image tokens added."""
 from __future__ import annotations
 
 import io
@@ -67,6 +68,52 @@ def build_llava(folder: Path, seed: int = 0, image_size: int = IMAGE_SIZE, patch
     return folder
 
 
+QWEN_TEMPLATE = TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_PIXELS = (28 * 28 * 2, 28 * 28 * 12)  # the fewest and most pixels an image is resized to: 2 to 12 tokens
+
+
+def build_qwen2_vl(folder: Path, seed: int = 0, family: str = "qwen2_vl", context: int = 512) -> Path:
+    """A tiny Qwen2-VL (`family` qwen2_5_vl: a Qwen2.5-VL) in `folder`: weights, config, image
+    processor, tokenizer and chat template (no processor class: transformers builds Qwen's only
+    with torchvision, for its video processor; the image processor and the tokenizer are what it
+    runs on images). Patches of 14 pixels, 2 × 2 of them a token, M-RoPE sections (time, height,
+    width) of a 16-wide head."""
+    import torch
+    from transformers import AutoModelForImageTextToText, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vocab = build_tokenizer(folder, context=context, chat_template=QWEN_TEMPLATE,
+                            special_tokens=("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": context,
+            "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}}
+    vision = {"depth": 2, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen2_5_vl":
+        vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "window_size": 56,
+                   "fullatt_block_indexes": [1]}
+        config_class = Qwen2_5_VLConfig
+    else:
+        vision |= {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+        config_class = Qwen2VLConfig
+    config = config_class(text_config=text, vision_config=vision, image_token_id=pad, vision_start_token_id=start,
+                          vision_end_token_id=end, video_token_id=vocab + 1)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # away from init, so that the image changes the reply
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.normal_(0, 0.3)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=QWEN_PIXELS[0], max_pixels=QWEN_PIXELS[1], patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(folder)
+    return folder
+
+
 def png(seed: int, size: tuple[int, int] = (40, 50), kind: str = "PNG") -> bytes:
     """A random picture of `size` (width, height), encoded as `kind`."""
     import numpy as np
@@ -89,14 +136,39 @@ def reference_tokens(folder: Path, parts: list, max_new_tokens: int, ignore_eos:
     the processor's inputs (its chat template, its image processing): the new token ids."""
     import torch
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
-    inputs = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
+    inputs = processor_inputs(folder, [{"role": "user", "content": content}], images)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                          min_new_tokens=max_new_tokens if ignore_eos else None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def processor_inputs(folder: Path, messages: list[dict], images: list | None) -> dict:
+    """The model's processor's inputs for `messages` and their PIL `images`. Qwen2-VL's as its
+    processor makes them (its image processor's pixels and grid; its chat template's text, each
+    image pad repeated a token per merged square of patches; its token types), the others by
+    their processor."""
+    import json
+
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    if json.loads((folder / "config.json").read_text())["model_type"] not in ("qwen2_vl", "qwen2_5_vl"):
+        processor = AutoProcessor.from_pretrained(folder)
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        return processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = {}
+    if images:
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+        out = dict(image_processor(images, return_tensors="pt"))
+        counts = iter((out["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist())
+        prompt = "".join(piece + ("<|image_pad|>" * next(counts) if i < prompt.count("<|image_pad|>") else "")
+                         for i, piece in enumerate(prompt.split("<|image_pad|>")))
+    text = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    return {**text, **out, "mm_token_type_ids": (text["input_ids"] == image_token).int()}

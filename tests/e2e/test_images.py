@@ -1,4 +1,4 @@
-"""Images through the whole stack on a tiny LLaVA-1.5 and a tiny LLaVA-NeXT
+"""Images through the whole stack on a tiny LLaVA-1.5, LLaVA-NeXT and Qwen2-VL
 (streamq/testing/tiny_vision.py) beside a tiny text model: OpenAI chat `image_url` parts (data URLs) checked by the api, kept in Redis under their
 sha256, run by the worker; the greedy reply equal to transformers' `generate` on the processor's
 inputs, for one image, two, none, and all of them at once. Bad images are each a 4xx naming why,
@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from shared import redis_keys
-from streamq.testing.tiny_vision import build_llava, data_url, png, reference_tokens
+from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, data_url, png, processor_inputs, reference_tokens
 from tests.stack import Stack
 from tests.waiting import until_sync
 
@@ -24,21 +24,23 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def llava_next(tmp_path_factory):
-    return build_llava(tmp_path_factory.mktemp("llava-next"), family="llava_next")
+def others(tmp_path_factory) -> dict:
+    """The other vision-language models served, by name: their folders."""
+    return {"llava-next": build_llava(tmp_path_factory.mktemp("llava-next"), family="llava_next"),
+            "qwen2-vl": build_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))}
 
 
 @pytest.fixture(scope="module")
-def served(redis_url, tiny_llama, llava_next, tmp_path_factory):
+def served(redis_url, tiny_llama, others, tmp_path_factory):
     llava = build_llava(tmp_path_factory.mktemp("llava"))
     envs = [{"STREAMQ_SERVED_MODEL_NAME": "llava"}, {"STREAMQ_MODEL": str(tiny_llama), "STREAMQ_SERVED_MODEL_NAME": "text"},
-            {"STREAMQ_MODEL": str(llava_next), "STREAMQ_SERVED_MODEL_NAME": "llava-next"}]
-    with Stack(redis_url, llava, tmp_path_factory.mktemp("images"), workers=3, worker_envs=envs,
+            *({"STREAMQ_MODEL": str(folder), "STREAMQ_SERVED_MODEL_NAME": name} for name, folder in others.items())]
+    with Stack(redis_url, llava, tmp_path_factory.mktemp("images"), workers=len(envs), worker_envs=envs,
                env={"STREAMQ_SERVED_MODEL_NAME": "llava"}) as stack:
         url = stack.urls[0]
-        until_sync(lambda: {"llava", "text", "llava-next"} <= {m["id"] for m in httpx.get(f"{url}/v1/models",
-                                                                                          timeout=10).json()["data"]},
-                   timeout_s=180, what="the three models listed")
+        until_sync(lambda: {"llava", "text", *others} <= {m["id"] for m in httpx.get(f"{url}/v1/models",
+                                                                                     timeout=10).json()["data"]},
+                   timeout_s=180, what="every model listed")
         yield stack, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), llava
 
 
@@ -63,11 +65,11 @@ CASES = {"one image": [png(1), "What is in the picture?"],
          "a JPEG and a GIF": [png(4, kind="JPEG"), png(5, kind="GIF"), "and these?"]}
 
 
-@pytest.mark.parametrize("model", ["llava", "llava-next"])
+@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_reply_with_images_equals_transformers(served, llava_next, case, model):
+def test_a_reply_with_images_equals_transformers(served, others, case, model):
     stack, client, folder = served
-    folder = llava_next if model == "llava-next" else folder
+    folder = others.get(model, folder)
     reply = _ask(client, CASES[case], model)
     assert reply.choices[0].message.content == _reference(folder, CASES[case])
     assert reply.usage.prompt_tokens == _processor_tokens(folder, CASES[case])  # each image counted by its size
@@ -78,19 +80,16 @@ def _processor_tokens(folder, parts: list) -> int:
     import io
 
     from PIL import Image
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(folder)
     content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)] or None
-    return len(processor(images=images, text=prompt, add_special_tokens=False)["input_ids"][0])
+    return len(processor_inputs(folder, [{"role": "user", "content": content}], images)["input_ids"][0])
 
 
-@pytest.mark.parametrize("model", ["llava", "llava-next"])
-def test_all_at_once_each_equals_its_reply_alone(served, llava_next, model):
+@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl"])
+def test_all_at_once_each_equals_its_reply_alone(served, others, model):
     _, client, folder = served
-    folder = llava_next if model == "llava-next" else folder
+    folder = others.get(model, folder)
     with ThreadPoolExecutor(len(CASES)) as pool:
         replies = list(pool.map(lambda parts: _ask(client, parts, model).choices[0].message.content, CASES.values()))
     assert replies == [_reference(folder, parts) for parts in CASES.values()]
@@ -263,3 +262,18 @@ def test_the_image_token_without_an_image_is_a_400_and_fails_no_neighbour(served
         assert good.result().choices[0].message.content == _reference(folder, CASES["one image"])
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
     assert "image token" in reply.json()["error"]["message"]
+
+
+def test_an_image_qwen2_vl_cannot_take_is_a_400_and_its_neighbour_is_answered(served, others):
+    """Qwen2-VL's processor refuses a picture longer than 200 times its width: the api says so
+    before the request is queued, and a good request sent beside it is answered as if alone."""
+    _, client, _ = served
+    strip = png(9, (201, 1))
+    good = ["What is in the picture?", png(1)]
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(_ask, client, [strip, "and this?"], "qwen2-vl")
+        answer = pool.submit(_ask, client, good, "qwen2-vl")
+        with pytest.raises(openai.BadRequestError) as refused:
+            bad.result()
+        assert answer.result().choices[0].message.content == _reference(others["qwen2-vl"], good)
+    assert refused.value.status_code == 400 and "200 times" in str(refused.value)

@@ -1,8 +1,10 @@
 """A vision-language request in the static engine (worker/backends/static_engine.py), in process: a
 request continued after the tokens another worker delivered (a takeover) gives the rest of the
 undisturbed reply, its images prefilled again with the prompt; rows with and without images share
-a batch. On a tiny LLaVA-1.5 and a tiny LLaVA-NeXT (the static engine runs a LLaVA whose language
-model has no paged runner)."""
+a batch; greedy tokens equal transformers' `generate` on the processor's inputs for one image, two,
+none, and all in one batch. On a tiny LLaVA-1.5 and a tiny LLaVA-NeXT (the static engine runs a
+LLaVA whose language model has no paged runner), and a tiny Qwen2-VL and Qwen2.5-VL (M-RoPE: the
+static engine runs them)."""
 from __future__ import annotations
 
 import pytest
@@ -11,24 +13,30 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_llava, png
+from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, png, reference_tokens
 from worker.backends.static_engine import BatchRunner, StaticEngine
 from worker.engine.vision import size_of
 
 TOKENS = 12
 
 
-@pytest.fixture(params=["llava", "llava_next"])
-def llava(request, tmp_path):
-    return build_llava(tmp_path, family=request.param)
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def llava(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param.startswith("qwen"):
+        return build_qwen2_vl(folder, family=request.param)
+    return build_llava(folder, family=request.param)
 
 
 def _engine(folder) -> tuple[StaticEngine, Tokenizer]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     tok = Tokenizer(folder)
-    processor = AutoProcessor.from_pretrained(folder).image_processor
+    processor = AutoImageProcessor.from_pretrained(folder)
     return StaticEngine(BatchRunner(model, torch.device("cpu"), pad_id=2), tok, 4, processor), tok
 
 
@@ -39,8 +47,10 @@ def _run(engine: StaticEngine, requests: list[tuple[RequestPayload, list, list[b
     return {seq.id: list(seq.output_ids) for seq in seqs}
 
 
-def _payload(rid: str, tok: Tokenizer, images: list[bytes]) -> RequestPayload:
+def _payload(rid: str, tok: Tokenizer, images: list[bytes], parts: list | None = None) -> RequestPayload:
     content = [{"type": "image"}] * len(images) + [{"type": "text", "text": "Tell me about it."}]
+    if parts is not None:
+        content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
     ids = tok.encode_chat([{"role": "user", "content": content}])
     ids = tok.vision.expand(ids, [size_of(image) for image in images])
     return RequestPayload(id=rid, model="m", prompt_token_ids=ids,
@@ -66,3 +76,21 @@ def test_rows_with_and_without_images_share_a_batch(llava):
     together = _run(engine, [(_payload(rid, tok, images), [], images) for rid, images in rows.items()])
     assert together == alone
     assert alone["one"] != alone["none"]  # the image changes the reply
+
+
+CASES = {"one image": [png(1), "What is in the picture?"],
+         "two images": ["Compare", png(2, (64, 30)), "with", png(3, (20, 90))],
+         "no image": ["Just words, no picture."]}
+
+
+def test_greedy_tokens_equal_transformers_alone_and_in_one_batch(llava):
+    engine, tok = _engine(llava)
+    want = {name: reference_tokens(llava, parts, TOKENS, ignore_eos=True) for name, parts in CASES.items()}
+
+    def request(rid: str, parts: list):
+        images = [p for p in parts if isinstance(p, bytes)]
+        return _payload(rid, tok, images, parts), [], images
+
+    for name, parts in CASES.items():
+        assert _run(engine, [request(name, parts)])[name] == want[name], name
+    assert _run(engine, [request(name, parts) for name, parts in CASES.items()]) == want

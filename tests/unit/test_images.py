@@ -9,7 +9,7 @@ import pytest
 from api.core import images
 from api.core.errors import ApiError
 from shared import vision_model
-from streamq.testing.tiny_vision import build_llava, data_url, png
+from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, data_url, png, processor_inputs
 
 LIMITS = images.Limits(max_images=3, max_bytes=200_000, max_pixels=1_000_000)
 
@@ -123,6 +123,34 @@ def test_a_llava_next_counts_each_image_by_its_size_as_its_processor_does(tmp_pa
         assert vision.expand(ids, [first, second]) == list(want), (first, second)
         counts |= {vision.tokens(*first), vision.tokens(*second)}
     assert len(counts) > 3  # the sizes made different counts
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen2_vl_counts_each_image_by_its_size_as_its_processor_does(tmp_path, family):
+    """Dynamic resolution: the image resized to multiples of 28 within the pixel bounds, a token
+    per 2 × 2 patches; equal to the image processor's grid on 40 sizes; a strip longer than 200
+    times its width is refused as the processor refuses it."""
+    import io
+    import random
+
+    from PIL import Image
+
+    folder = build_qwen2_vl(tmp_path, family=family)
+    vision = vision_model.read(folder)
+    assert vision is not None and vision.family == family
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    ids = processor_inputs(folder, messages, None)["input_ids"][0].tolist()
+    rng = random.Random(1)
+    sizes = [(1, 150), (150, 1), (28, 28), (500, 400)] + [(rng.randint(2, 300), rng.randint(2, 300)) for _ in range(36)]
+    counts = set()
+    for first, second in zip(sizes[::2], sizes[1::2]):
+        pictures = [Image.open(io.BytesIO(png(i, size))).convert("RGB") for i, size in enumerate((first, second))]
+        want = processor_inputs(folder, messages, pictures)["input_ids"][0].tolist()
+        assert vision.expand(ids, [first, second]) == want, (first, second)
+        counts |= {vision.tokens(*first), vision.tokens(*second)}
+    assert len(counts) > 3
+    with pytest.raises(ValueError, match="200 times"):
+        vision.tokens(1, 201)
 
 
 def test_llava_next_grid_pinpoints_off_the_crop_size_are_refused(tmp_path):

@@ -151,6 +151,12 @@ class BatchRunner:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
         self._next_pos: torch.Tensor | None = None
+        # M-RoPE (Qwen2-VL): positions in (time, height, width), an image's by its grid, the text's
+        # after it by each row's offset (`_deltas`), as the model's get_rope_index gives them.
+        inner = getattr(model, "model", None)
+        self._rope_index = getattr(inner, "get_rope_index", None)
+        self._image_token = getattr(model.config, "image_token_id", None)
+        self._deltas: torch.Tensor | None = None
 
     @property
     def context_length(self) -> int:
@@ -172,6 +178,10 @@ class BatchRunner:
         self._cache = DynamicCache(config=self.model.config)
         self._mask = mask
         self._next_pos = positions[:, -1] + 1
+        if self._rope_index is not None:
+            grid = (images or {}).get("image_grid_thw")
+            types = ((ids == self._image_token) & mask.bool()).int()
+            positions, self._deltas = self._rope_index(ids, types, image_grid_thw=grid, attention_mask=mask)
         return self._forward(ids, positions, images)
 
     @torch.inference_mode()
@@ -182,11 +192,13 @@ class BatchRunner:
         self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
         positions = self._next_pos.unsqueeze(1)
         self._next_pos = self._next_pos + 1
+        if self._deltas is not None:  # M-RoPE: the three axes alike after the prompt, each row by its offset
+            positions = (positions + self._deltas.to(positions.device)).unsqueeze(0).expand(3, -1, -1)
         return self._forward(ids, positions)
 
     def release(self) -> None:
         """Free the batch's KV cache."""
-        self._cache = self._mask = self._next_pos = None
+        self._cache = self._mask = self._next_pos = self._deltas = None
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None
                  ) -> torch.Tensor:

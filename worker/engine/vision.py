@@ -173,9 +173,10 @@ def size_of(data: bytes) -> tuple[int, int]:
 
 def processor_inputs(processor, blobs: list[bytes], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The images as the model's image processor gives them, on `device`: `pixel_values` in
-    `dtype`, and LLaVA-NeXT's `image_sizes` beside them."""
+    `dtype`, and beside them LLaVA-NeXT's `image_sizes`, Qwen2-VL's `image_grid_thw`."""
     out = processor(_frames(blobs), return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"].to(device, dtype)}
-    if "image_sizes" in out:
-        inputs["image_sizes"] = out["image_sizes"].to(device)
+    for key in ("image_sizes", "image_grid_thw"):
+        if key in out:
+            inputs[key] = out[key].to(device)
     return inputs
