@@ -160,7 +160,12 @@ class Tokenizer:
                     add_generation_prompt: bool = True, add_special_tokens: bool = False,
                     extra: dict[str, Any] | None = None) -> list[int]:
         # The template writes the special tokens itself, as transformers does (unless asked to add them again).
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, extra), add_special_tokens)
+        text = self.render_chat(messages, add_generation_prompt, tools, extra)
+        if self.vision is not None and self.vision.frame[0] >= 0:  # Gemma 3: each image written out as its processor does
+            first, last = self.vision.frame
+            opening, soft, closing = self.token_strs([first, self.vision.image_token_id, last])
+            text = text.replace(opening, f"\n\n{opening}{soft}{closing}\n\n")
+        return self.encode(text, add_special_tokens)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's piece of the vocabulary, as it is written there (a byte-level BPE's Ġ for a space)."""

@@ -15,6 +15,12 @@ Served here (transformers' classes in brackets):
   of the patch times the merge, its pixels kept within the processor's bounds, and each merge ×
   merge square of patches is one token. Their positions are M-RoPE's (time, height, width), which
   the static engine's runner takes from the model (worker/backends/static_engine.py).
+- Gemma 3 (`model_type: gemma3`; Gemma3ForConditionalGeneration): a SigLIP tower whose patches
+  are pooled to `mm_tokens_per_image` soft tokens at any size. Its chat template writes
+  <start_of_image>, and its processor writes that out in the text as "\n\n<start_of_image>", the
+  soft tokens, "<end_of_image>\n\n" before tokenizing (`frame`: the tokenizer does the same,
+  shared/tokenizer.py). An image's tokens attend to each other both ways, which the model's own
+  masks do on static batches.
 
 The processor puts that many image tokens where the chat template writes one; the api does the
 same to the ids (`expand`), so the worker's input ids are the processor's.
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
 PAGED = ("llava", "llava_next")  # the families the paged engine runs; the others, static batches
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
@@ -46,6 +52,7 @@ class VisionModel:
     pinpoints: tuple[tuple[int, int], ...] = ()  # (height, width) the processor may resize an image to (LLaVA-NeXT)
     merge: int = 0  # Qwen2-VL: the side of the square of patches one token is
     pixels: tuple[int, int] = (0, 0)  # Qwen2-VL: the fewest and most pixels an image is resized to
+    frame: tuple[int, int] = (-1, -1)  # Gemma 3: the tokens that open and close an image (its template writes the first)
 
     def tokens(self, width: int, height: int) -> int:
         """How many tokens an image of `width` × `height` pixels is (ValueError: one the model's
@@ -121,6 +128,13 @@ def read(folder: Path) -> VisionModel | None:
         raise UnsupportedVision(f"vision-language models of type {family!r} are not served here ({', '.join(FAMILIES)} are)")
     processor = _json(folder / "processor_config.json")
     image = processor.get("image_processor") or _json(folder / "preprocessor_config.json")
+    if family == "gemma3":
+        tokens = int(config.get("mm_tokens_per_image") or 256)
+        if processor.get("image_seq_length", tokens) != tokens or image.get("do_pan_and_scan"):
+            raise UnsupportedVision(f"{folder}: Gemma 3 is served with {tokens} tokens an image and no pan and scan "
+                                    "crops (the processor's image_seq_length and do_pan_and_scan)")
+        return VisionModel(family, int(config.get("image_token_index", 262_144)), tokens,
+                           frame=(int(config.get("boi_token_index", 255_999)), int(config.get("eoi_token_index", 256_000))))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         size = image.get("size") or {}
         fewest = image.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")

@@ -114,6 +114,56 @@ def build_qwen2_vl(folder: Path, seed: int = 0, family: str = "qwen2_vl", contex
     return folder
 
 
+GEMMA_TEMPLATE = TEMPLATE.replace("<image>\n", "<start_of_image>")
+GEMMA_IMAGE = 56  # a SigLIP of 4 × 4 patches of 14, pooled 2 × 2: 4 soft tokens an image
+
+
+def build_gemma3(folder: Path, seed: int = 0, context: int = 512) -> Path:
+    """A tiny Gemma 3 with vision (Gemma3ForConditionalGeneration: a SigLIP tower, its patches
+    average-pooled to `mm_tokens_per_image` soft tokens, a Gemma 3 text model) in `folder`, with its
+    processor: the chat template writes <start_of_image>, which the processor writes out as
+    "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n"."""
+    import json
+
+    import torch
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor,
+                              PreTrainedTokenizerFast)
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    vocab = build_tokenizer(folder, context=context, chat_template=GEMMA_TEMPLATE,
+                            special_tokens=("<start_of_image>", "<end_of_image>", "<image_soft_token>"))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["extra_special_tokens"] = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                      "image_token": "<image_soft_token>"}
+    config_path.write_text(json.dumps(config))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    boi, eoi, soft = tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab, "max_position_embeddings": context,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.2,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": GEMMA_IMAGE, "patch_size": 14, "vision_use_head": False}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=boi,
+                          eoi_token_index=eoi, image_token_index=soft, initializer_range=0.2,
+                          tie_word_embeddings=False)  # a tied head repeats the last token: the image would change nothing
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # away from init, so that the image changes the reply
+        for name, p in model.named_parameters():
+            if "vision" in name or "multi_modal" in name:
+                p.normal_(0, 0.3)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    model.save_pretrained(folder)
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE})
+    Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA_TEMPLATE,
+                    image_seq_length=4).save_pretrained(folder)
+    return folder
+
+
 def png(seed: int, size: tuple[int, int] = (40, 50), kind: str = "PNG") -> bytes:
     """A random picture of `size` (width, height), encoded as `kind`."""
     import numpy as np

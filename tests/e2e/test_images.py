@@ -1,4 +1,4 @@
-"""Images through the whole stack on a tiny LLaVA-1.5, LLaVA-NeXT and Qwen2-VL
+"""Images through the whole stack on a tiny LLaVA-1.5, LLaVA-NeXT, Qwen2-VL and Gemma 3
 (streamq/testing/tiny_vision.py) beside a tiny text model: OpenAI chat `image_url` parts (data URLs) checked by the api, kept in Redis under their
 sha256, run by the worker; the greedy reply equal to transformers' `generate` on the processor's
 inputs, for one image, two, none, and all of them at once. Bad images are each a 4xx naming why,
@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from shared import redis_keys
-from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, data_url, png, processor_inputs, reference_tokens
+from streamq.testing.tiny_vision import build_gemma3, build_llava, build_qwen2_vl, data_url, png, processor_inputs, reference_tokens
 from tests.stack import Stack
 from tests.waiting import until_sync
 
@@ -27,7 +27,8 @@ MAX_TOKENS = 8
 def others(tmp_path_factory) -> dict:
     """The other vision-language models served, by name: their folders."""
     return {"llava-next": build_llava(tmp_path_factory.mktemp("llava-next"), family="llava_next"),
-            "qwen2-vl": build_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))}
+            "qwen2-vl": build_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl")),
+            "gemma3": build_gemma3(tmp_path_factory.mktemp("gemma3"))}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ CASES = {"one image": [png(1), "What is in the picture?"],
          "a JPEG and a GIF": [png(4, kind="JPEG"), png(5, kind="GIF"), "and these?"]}
 
 
-@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl"])
+@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl", "gemma3"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_reply_with_images_equals_transformers(served, others, case, model):
     stack, client, folder = served
@@ -86,7 +87,7 @@ def _processor_tokens(folder, parts: list) -> int:
     return len(processor_inputs(folder, [{"role": "user", "content": content}], images)["input_ids"][0])
 
 
-@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl"])
+@pytest.mark.parametrize("model", ["llava", "llava-next", "qwen2-vl", "gemma3"])
 def test_all_at_once_each_equals_its_reply_alone(served, others, model):
     _, client, folder = served
     folder = others.get(model, folder)

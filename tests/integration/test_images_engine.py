@@ -3,8 +3,8 @@ request continued after the tokens another worker delivered (a takeover) gives t
 undisturbed reply, its images prefilled again with the prompt; rows with and without images share
 a batch; greedy tokens equal transformers' `generate` on the processor's inputs for one image, two,
 none, and all in one batch. On a tiny LLaVA-1.5 and a tiny LLaVA-NeXT (the static engine runs a
-LLaVA whose language model has no paged runner), and a tiny Qwen2-VL and Qwen2.5-VL (M-RoPE: the
-static engine runs them)."""
+LLaVA whose language model has no paged runner), a tiny Qwen2-VL and Qwen2.5-VL (M-RoPE) and a
+tiny Gemma 3 (an image's tokens attending to each other both ways): the static engine runs those."""
 from __future__ import annotations
 
 import pytest
@@ -13,14 +13,14 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, png, reference_tokens
+from streamq.testing.tiny_vision import build_gemma3, build_llava, build_qwen2_vl, png, reference_tokens
 from worker.backends.static_engine import BatchRunner, StaticEngine
 from worker.engine.vision import size_of
 
 TOKENS = 12
 
 
-FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -28,6 +28,8 @@ def llava(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     if request.param.startswith("qwen"):
         return build_qwen2_vl(folder, family=request.param)
+    if request.param == "gemma3":
+        return build_gemma3(folder)
     return build_llava(folder, family=request.param)
 
 
@@ -94,3 +96,34 @@ def test_greedy_tokens_equal_transformers_alone_and_in_one_batch(llava):
     for name, parts in CASES.items():
         assert _run(engine, [request(name, parts)])[name] == want[name], name
     assert _run(engine, [request(name, parts) for name, parts in CASES.items()]) == want
+
+
+def test_the_prefill_logits_equal_transformers_on_the_processor_inputs(llava):
+    """Each row's last logits of a left-padded batch equal the model's forward on its processor's
+    inputs alone, within 1e-4: the positions (M-RoPE's included) and the masks (Gemma 3's two-way
+    attention within an image, which moves them by far more) as the model's own."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from streamq.testing.tiny_vision import processor_inputs
+    from worker.engine.vision import processor_inputs as worker_inputs
+
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+    tok = Tokenizer(llava)
+    rows = [[png(1), "What is in the picture?"], ["Compare", png(2, (64, 30)), "with", png(3, (20, 90)), "now"]]
+    want = []
+    for parts in rows:
+        content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+        pictures = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+        with torch.no_grad():
+            want.append(model(**processor_inputs(llava, [{"role": "user", "content": content}], pictures)).logits[0, -1])
+    runner = BatchRunner(model, torch.device("cpu"), pad_id=2)
+    blobs = [p for parts in rows for p in parts if isinstance(p, bytes)]
+    images = worker_inputs(AutoImageProcessor.from_pretrained(llava), blobs, torch.device("cpu"), torch.float32)
+    ids = [_payload(str(i), tok, [p for p in parts if isinstance(p, bytes)], parts).prompt_token_ids
+           for i, parts in enumerate(rows)]
+    got = runner.prefill(ids, images)
+    for row, expected in enumerate(want):
+        assert torch.allclose(got[row], expected, atol=1e-4), (row, (got[row] - expected).abs().max())

@@ -9,7 +9,7 @@ import pytest
 from api.core import images
 from api.core.errors import ApiError
 from shared import vision_model
-from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, data_url, png, processor_inputs
+from streamq.testing.tiny_vision import build_gemma3, build_llava, build_qwen2_vl, data_url, png, processor_inputs
 
 LIMITS = images.Limits(max_images=3, max_bytes=200_000, max_pixels=1_000_000)
 
@@ -151,6 +151,38 @@ def test_a_qwen2_vl_counts_each_image_by_its_size_as_its_processor_does(tmp_path
     assert len(counts) > 3
     with pytest.raises(ValueError, match="200 times"):
         vision.tokens(1, 201)
+
+
+def test_a_gemma3_writes_each_image_out_as_its_processor_does(tmp_path):
+    """Gemma 3's processor writes "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n" in
+    the text where the template put <start_of_image>, then tokenizes (the newlines may merge with
+    the text's): the api's ids are the processor's, for images first, between words and last."""
+    import io
+
+    from PIL import Image
+
+    from shared.tokenizer import Tokenizer
+
+    folder = build_gemma3(tmp_path)
+    tok = Tokenizer(folder)
+    assert tok.vision is not None and tok.vision.family == "gemma3" and tok.vision.tokens(900, 20) == 4
+    for parts in ([png(1), "What?"], ["Compare\n", png(2), "\nwith", png(3, (20, 90))], ["Just words"]):
+        content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+        messages = [{"role": "user", "content": content}]
+        pictures = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+        want = processor_inputs(folder, messages, pictures or None)["input_ids"][0].tolist()
+        assert tok.vision.expand(tok.encode_chat(messages), [p.size for p in pictures]) == want, parts
+
+
+def test_a_gemma3_with_pan_and_scan_crops_is_refused(tmp_path):
+    import json
+
+    folder = build_gemma3(tmp_path)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["image_processor"]["do_pan_and_scan"] = True
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(vision_model.UnsupportedVision, match="pan and scan"):
+        vision_model.read(folder)
 
 
 def test_llava_next_grid_pinpoints_off_the_crop_size_are_refused(tmp_path):

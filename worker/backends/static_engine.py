@@ -157,6 +157,8 @@ class BatchRunner:
         self._rope_index = getattr(inner, "get_rope_index", None)
         self._image_token = getattr(model.config, "image_token_id", None)
         self._deltas: torch.Tensor | None = None
+        # Gemma 3: an image's tokens attend to each other both ways in the prefill (its token types)
+        self._image_types = model.config.model_type == "gemma3"
 
     @property
     def context_length(self) -> int:
@@ -178,10 +180,12 @@ class BatchRunner:
         self._cache = DynamicCache(config=self.model.config)
         self._mask = mask
         self._next_pos = positions[:, -1] + 1
+        types = ((ids == self._image_token) & mask.bool()).long() if self._image_token is not None else None
         if self._rope_index is not None:
             grid = (images or {}).get("image_grid_thw")
-            types = ((ids == self._image_token) & mask.bool()).int()
-            positions, self._deltas = self._rope_index(ids, types, image_grid_thw=grid, attention_mask=mask)
+            positions, self._deltas = self._rope_index(ids, types.int(), image_grid_thw=grid, attention_mask=mask)
+        if self._image_types:
+            images = {**(images or {}), "token_type_ids": types}
         return self._forward(ids, positions, images)
 
     @torch.inference_mode()
