@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
-PAGED = ("llava", "llava_next")  # the families the paged engine runs; the others, static batches
+PAGED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")  # the families the paged engine runs; the others, static batches
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
 
@@ -58,8 +58,8 @@ class VisionModel:
         """How many tokens an image of `width` × `height` pixels is (ValueError: one the model's
         processor refuses)."""
         if self.merge:
-            resized_h, resized_w = dynamic_resolution(height, width, self.patch * self.merge, *self.pixels)
-            return (resized_h // self.patch) * (resized_w // self.patch) // self.merge ** 2
+            rows, cols = self.grid(width, height)
+            return rows * cols
         if not self.pinpoints:
             return self.base_tokens
         best_h, best_w = best_resolution(height, width, self.pinpoints)
@@ -72,6 +72,11 @@ class VisionModel:
         else:
             grid_w -= (grid_w - int(round(width * (grid_h / height), 7))) // 2 * 2
         return self.base_tokens + grid_h * grid_w + grid_h
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """Qwen2-VL: the rows and columns of tokens an image of `width` × `height` pixels is."""
+        resized_h, resized_w = dynamic_resolution(height, width, self.patch * self.merge, *self.pixels)
+        return resized_h // (self.patch * self.merge), resized_w // (self.patch * self.merge)
 
     def expand(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[int]:
         """`ids` with the image token of each image repeated as many times as the image's (width,

@@ -1,6 +1,7 @@
-"""A worker killed mid-reply to a chat with images (two LLaVA workers, the scheduler, real Redis and
-processes): the other worker takes the request over with its images (kept in Redis by sha256) and
-continues it; the client's streamed reply is the undisturbed one, nothing lost or repeated."""
+"""A worker killed mid-reply to a chat with images (two workers of a LLaVA, or of a Qwen2-VL whose
+M-RoPE positions the continuation must rebuild, the scheduler, real Redis and processes): the other
+worker takes the request over with its images (kept in Redis by sha256) and continues it; the
+client's streamed reply is the undisturbed one, nothing lost or repeated."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 from shared import redis_keys
 from shared.messages import RequestStatus
 from shared.request_record import RequestRecord
-from streamq.testing.tiny_vision import build_llava, data_url, png
+from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, data_url, png
 from tests.stack import Stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,8 +72,10 @@ def _killed_mid_reply(stack: Stack, url: str, attempts: int = 5) -> tuple[str, s
     raise AssertionError(f"the request ended before its worker was held, {attempts} times")
 
 
-def test_a_worker_killed_mid_reply_with_images_is_continued_with_them(redis_url, tmp_path_factory):
-    llava = build_llava(tmp_path_factory.mktemp("llava"))
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_worker_killed_mid_reply_with_images_is_continued_with_them(redis_url, tmp_path_factory, family):
+    folder = tmp_path_factory.mktemp(family)
+    llava = build_qwen2_vl(folder) if family == "qwen2_vl" else build_llava(folder)
     with Stack(redis_url, llava, tmp_path_factory.mktemp("images-failover"), workers=2, scheduler=True,
                env=FAST_FAILOVER) as stack:
         url = f"{stack.urls[0]}/v1/chat/completions"

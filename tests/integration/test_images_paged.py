@@ -14,7 +14,7 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_llava, png, reference_tokens
+from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, png, reference_tokens
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
@@ -28,13 +28,16 @@ BLOCK = 4
 PATHS = ["kernels", "portable", "fused", "eager"]
 
 
-@pytest.fixture(scope="module", params=["llava", "llava_next"])
+@pytest.fixture(scope="module", params=["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"])
 def llava(request, tmp_path_factory):
-    return build_llava(tmp_path_factory.mktemp(request.param), family=request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param.startswith("qwen"):
+        return build_qwen2_vl(folder, family=request.param)
+    return build_llava(folder, family=request.param)
 
 
 def _engine(folder, path: str = "fused", budget: int = 512) -> Engine:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     tok = Tokenizer(folder)
@@ -42,7 +45,7 @@ def _engine(folder, path: str = "fused", budget: int = 512) -> Engine:
     if path == "portable":
         ops = kernels.with_isa(ops, "portable")
     runner = PagedRunner(TextView(model), CPU, 128, BLOCK, ops, fuse=path != "eager")
-    encoder = ImageEncoder(model, AutoProcessor.from_pretrained(folder).image_processor, tok.vision)
+    encoder = ImageEncoder(model, AutoImageProcessor.from_pretrained(folder), tok.vision)
     return Engine(runner, tok, Batcher(BlockManager(128, BLOCK), min(8, budget), budget), images=encoder)
 
 

@@ -79,6 +79,10 @@ class Sequence:
         """Its tokens as the prefix cache hashes them: an image's tokens keyed by the image."""
         return self.token_ids if self.vision is None else self.vision.cache_ids(self.token_ids)
 
+    def rope_positions(self, start: int, end: int) -> list[list[int]] | None:
+        """M-RoPE's positions of its tokens start .. end (worker/model/batch.py ChunkRequest)."""
+        return None if self.vision is None else self.vision.rope_positions(start, end)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -36,6 +36,8 @@ class Images:
     spans: list[tuple[int, int]]  # (first position, tokens) of each image, in prompt order
     data: list[bytes] = field(repr=False)
     keyed_prompt: list[int] = field(repr=False, default_factory=list)
+    rope: list[list[int]] | None = field(repr=False, default=None)  # M-RoPE's three axes over the prompt (Qwen2-VL)
+    rope_delta: int = 0  # M-RoPE: a token after the prompt is at its index plus this, on every axis
 
     @classmethod
     def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
@@ -64,7 +66,18 @@ class Images:
             base = int(key[:12], 16) << 12  # 48 bits of the image's hash, then the token's place
             for offset in range(length):
                 keyed[start + offset] = -1 - (base | (offset & 0xFFF))
-        return cls(list(keys), spans, list(data), keyed)
+        images = cls(list(keys), spans, list(data), keyed)
+        if vision.merge:
+            images.rope, images.rope_delta = _rope(len(prompt_ids), spans, [vision.grid(*size_of(d)) for d in data])
+        return images
+
+    def rope_positions(self, start: int, end: int) -> list[list[int]] | None:
+        """M-RoPE's (time, height, width) positions of tokens start .. end; None: not an M-RoPE model."""
+        if self.rope is None:
+            return None
+        n = len(self.rope[0])
+        after = list(range(max(start, n) + self.rope_delta, end + self.rope_delta))
+        return [axis[start:end] + after for axis in self.rope]
 
     def cache_ids(self, token_ids: Seq[int]) -> list[int]:
         """`token_ids` (the prompt, then the output) with each image token keyed by its image."""
@@ -76,6 +89,27 @@ class Images:
             if start <= position < start + length:
                 return start, start + length
         return None
+
+
+def _rope(n: int, spans: list[tuple[int, int]], grids: list[tuple[int, int]]) -> tuple[list[list[int]], int]:
+    """M-RoPE's positions of a prompt of `n` tokens with images at `spans` of `grids` (rows, columns
+    of tokens), as Qwen2-VL's get_rope_index gives them: a text token one past the last position on
+    every axis; an image's tokens row by row, all at the next position in time, at it plus their
+    row in height and plus their column in width; the text after an image from that position plus
+    the image's longer side. Returns the three axes and the offset of the tokens after the prompt."""
+    axes: list[list[int]] = [[], [], []]
+    at, i = 0, 0
+    for (start, length), (rows, cols) in zip(spans, grids):
+        for axis in axes:
+            axis += range(at, at + start - i)
+        at += start - i
+        axes[0] += [at] * length
+        axes[1] += [at + r for r in range(rows) for _ in range(cols)]
+        axes[2] += [at + c for _ in range(rows) for c in range(cols)]
+        at, i = at + max(rows, cols), start + length
+    for axis in axes:
+        axis += range(at, at + n - i)
+    return axes, at + n - i - n
 
 
 class TextView(torch.nn.Module):
@@ -130,10 +164,10 @@ class ImageEncoder:
     @torch.inference_mode()
     def _encode(self, blobs: list[bytes]) -> list[torch.Tensor]:
         inputs = processor_inputs(self.processor, blobs, self.device, self.dtype)
-        config = self.model.config
-        features = self.model.model.get_image_features(
-            **inputs, vision_feature_layer=config.vision_feature_layer,
-            vision_feature_select_strategy=config.vision_feature_select_strategy)
+        config = self.model.config  # LLaVA's choice of layer and of tokens (Qwen2-VL has none)
+        chosen = {k: getattr(config, k) for k in ("vision_feature_layer", "vision_feature_select_strategy")
+                  if hasattr(config, k)}
+        features = self.model.model.get_image_features(**inputs, **chosen)
         if hasattr(features, "pooler_output"):  # transformers' output object
             features = features.pooler_output
         if isinstance(features, torch.Tensor):  # LLaVA-1.5: [images × tokens, hidden] or [images, tokens, hidden]

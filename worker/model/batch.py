@@ -23,6 +23,11 @@ class ChunkRequest(Protocol):
     @property
     def adapter_revision(self) -> int | None: ...
 
+    def rope_positions(self, start: int, end: int) -> list[list[int]] | None:
+        """M-RoPE's (time, height, width) positions of its tokens start .. end (Qwen2-VL's images);
+        None: each token's index, on every axis."""
+        ...
+
 
 R = TypeVar("R", bound=ChunkRequest)
 
@@ -101,3 +106,8 @@ class StepInputs:
     hidden: bool = False  # give those tokens' final hidden states (after the last norm), not their logits
     image_rows: torch.Tensor | None = None  # rows whose token is an image's: their embeddings are image_embeddings'
     image_embeddings: torch.Tensor | None = None
+    rope: torch.Tensor | None = None  # [3, T] M-RoPE's positions (None: `positions` on every axis)
+
+    def rotary_positions(self) -> torch.Tensor:
+        """The positions the model's rotary embedding takes: [1, T], or M-RoPE's [3, 1, T]."""
+        return self.positions[None] if self.rope is None else self.rope[:, None]

@@ -25,7 +25,10 @@ AMX_MATMUL_ROWS = 5
 DETERMINISTIC_TILE = 16
 
 ARCHS = {"opt": "opt", "gemma3_text": "gemma3"}  # model_type -> forward; any other: the llama family's
-SUPPORTED = quant_model.LLAMA_FAMILY | set(ARCHS)
+# Qwen2-VL's and Qwen2.5-VL's language models: a Qwen2 whose rotary takes M-RoPE's three axes of
+# positions (StepInputs.rope, from the request's images: worker/engine/vision.py)
+MROPE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text"})
+SUPPORTED = quant_model.LLAMA_FAMILY | set(ARCHS) | MROPE
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -84,8 +87,10 @@ def choose(model: torch.nn.Module, device: torch.device, *, kernels: bool, graph
     if quant_model.is_quantized(model) and not fused:
         raise ValueError(f"quantized weights run on the fused llama-family or Gemma 3 layers; "
                          f"model_type={model.config.model_type!r} has none")
-    # Decode graphs: the fused llama layers, unless the CPU kernels are loaded on a CPU (their step is faster).
-    graphs = graph_batch > 0 and fused and arch == "llama" and not (kernels and device.type == "cpu")
+    # Decode graphs: the fused llama layers, unless the CPU kernels are loaded on a CPU (their step is
+    # faster); not with M-RoPE, whose positions a graph's buffers do not carry.
+    graphs = graph_batch > 0 and fused and arch == "llama" and not (kernels and device.type == "cpu") \
+        and model.config.model_type not in MROPE
     # The kernels serve fp32 and bf16 on a CPU; on a GPU, in fp16 or without them the eager ops run.
     kernels = kernels and fused and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if deterministic and not (kernels and arch == "llama"):

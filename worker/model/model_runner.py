@@ -25,7 +25,7 @@ from shared.tokenizer import served_context
 from worker.model import kv_cache, lm_head, quant_model
 from worker.model.batch import SchedulerOutput
 from worker.model.cuda_graphs import DecodeGraphs
-from worker.model.forward_plan import choose
+from worker.model.forward_plan import MROPE, choose
 from worker.model.forwards import gemma, llama_eager, llama_fused, llama_kernels, opt
 from worker.model.fused_layers import Weight, fuse
 from worker.model.lora_step import StepLora
@@ -59,6 +59,7 @@ class PagedRunner:
         # rest, the gathered groups mask them. The cache still holds every position.
         self.windows = kv_cache.layer_windows(model.config)
         self.window = max(self.windows)  # one window per model: the config's sliding_window
+        self.mrope = model.config.model_type in MROPE  # positions on three axes, from the requests' images
         # Decode graphs pad their batch with rows that write to one more block, never handed out.
         self.k_cache, self.v_cache = kv_cache.allocate(model, dtype, device, num_blocks + plan.graphs, block_size)
         # The CPU step kernels (worker/model/kernels.py) run the fused layers' norms, rotary, cache
@@ -169,7 +170,7 @@ class PagedRunner:
         lora = StepLora.of(out.chunks, self.adapters, self.device) if self.adapters is not None else None
         if not hidden and lora is None and images is None and self.graphs is not None and self.graphs.fits(out):
             return self.graphs.execute(out)
-        step = step_inputs(out.chunks, self.device, self.block_size, self.window, self.plan.kernels)
+        step = step_inputs(out.chunks, self.device, self.block_size, self.window, self.plan.kernels, self.mrope)
         step.lora = lora
         step.hidden = hidden
         if images is not None:

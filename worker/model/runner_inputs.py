@@ -21,15 +21,23 @@ from worker.model.batch import AttentionGroup, Chunk, Paged, StepInputs
 
 
 def step_inputs(chunks: list[Chunk], device: torch.device, block_size: int, window: int,
-                paged: bool) -> StepInputs:
+                paged: bool, mrope: bool = False) -> StepInputs:
     """The step's inputs on `device`; `window`: the model's sliding window (0: none); `paged`:
-    every chunk on the paged kernel (the plan's CPU kernels), else in attention groups."""
+    every chunk on the paged kernel (the plan's CPU kernels), else in attention groups; `mrope`:
+    the model's rotary takes M-RoPE's three axes, which the chunks' requests give."""
     bs = block_size
     ids, positions, slots, logits_index = [], [], [], []
+    rope: list[list[int]] | None = None  # M-RoPE's three axes, once a chunk has them
     groups: dict[int, list] = {}
     for chunk in chunks:
         first = len(ids)
         span = range(chunk.start, chunk.start + chunk.length)
+        axes = chunk.seq.rope_positions(span.start, span.stop) if mrope and chunk.seq is not None else None
+        if axes is not None and rope is None:
+            rope = [list(positions) for _ in range(3)]
+        if rope is not None:
+            for axis, values in zip(rope, axes or (span, span, span)):
+                axis += values
         ids += chunk.input_ids
         positions += span
         slots += [chunk.block_table[p // bs] * bs + p % bs for p in span]
@@ -41,9 +49,12 @@ def step_inputs(chunks: list[Chunk], device: torch.device, block_size: int, wind
     kernel = None
     if paged:  # every chunk, taken out of the groups
         kernel = _paged([m for size in sorted(groups) for m in groups.pop(size)], chunks, bs)
-    return StepInputs(tensor(ids), tensor(positions), tensor(slots),
+    step = StepInputs(tensor(ids), tensor(positions), tensor(slots),
                       [_group(groups[size], total, device, bs, window) for size in sorted(groups)],
                       tensor(logits_index), kernel)
+    if rope is not None:
+        step.rope = torch.tensor(rope, dtype=torch.long, device=device)
+    return step
 
 
 def _paged(members: list, chunks: list[Chunk], bs: int) -> Paged:

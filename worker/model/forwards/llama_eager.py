@@ -15,7 +15,7 @@ from worker.model.lora_step import StepLora
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core = r.model.model
     h = embed(core, step)
-    cos, sin = core.rotary_emb(h[None], step.positions[None])
+    cos, sin = core.rotary_emb(h[None], step.rotary_positions())
     cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
     total, lora = h.shape[0], step.lora or StepLora([])  # no groups: the modules alone
     for i, layer in enumerate(core.layers):

@@ -16,7 +16,7 @@ from worker.model.lm_head import output
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core = r.model.model
     h = embed(core, step)
-    cos, sin = core.rotary_emb(h[None], step.positions[None])
+    cos, sin = core.rotary_emb(h[None], step.rotary_positions())
     cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, D]
     eps, scale = r.eps, r.scale
     heads = r.model.config.num_attention_heads

@@ -18,7 +18,7 @@ from worker.model.quant_linear import float_activations_on
 def forward(r: Runner, step: StepInputs) -> torch.Tensor:
     core, ops, paged = r.model.model, r.kernels, step.paged
     h = embed(core, step)
-    cos, sin = core.rotary_emb(h[None], step.positions[None])
+    cos, sin = core.rotary_emb(h[None], step.rotary_positions())
     cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
     eps, scale = r.eps, r.scale
     heads, total = r.model.config.num_attention_heads, h.shape[0]
