@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
-PAGED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")  # the families the paged engine runs; the others, static batches
+PAGED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")  # the families the paged engine runs; the others, static batches
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
 

@@ -1,5 +1,6 @@
 """A vision-language model in the paged engine (worker/engine/vision.py), in process, on a tiny
-LLaVA-1.5 and a tiny LLaVA-NeXT (anyres tiles: each image's tokens by its size): the vision tower runs inside the engine's step, its embeddings in the image tokens'
+LLaVA-1.5, LLaVA-NeXT (anyres tiles: each image's tokens by its size), Qwen2-VL and Qwen2.5-VL
+(M-RoPE) and Gemma 3 (an image's tokens attending to each other both ways): the vision tower runs inside the engine's step, its embeddings in the image tokens'
 rows. Greedy tokens equal transformers' `generate` on the processor's inputs, for one image, two,
 none, and all of them in one batch, on each forward (the CPU step kernels, their portable ISA,
 the fused eager ops, the modules' own); a prompt chunked by a small token budget never splits an
@@ -14,7 +15,7 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_llava, build_qwen2_vl, png, reference_tokens
+from streamq.testing.tiny_vision import build_gemma3, build_llava, build_qwen2_vl, png, reference_tokens
 from worker.engine.batcher import Batcher
 from worker.engine.block_manager import BlockManager
 from worker.engine.core import Engine
@@ -28,11 +29,13 @@ BLOCK = 4
 PATHS = ["kernels", "portable", "fused", "eager"]
 
 
-@pytest.fixture(scope="module", params=["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"])
 def llava(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     if request.param.startswith("qwen"):
         return build_qwen2_vl(folder, family=request.param)
+    if request.param == "gemma3":
+        return build_gemma3(folder)
     return build_llava(folder, family=request.param)
 
 
@@ -82,6 +85,8 @@ def references(llava):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_greedy_tokens_equal_transformers_alone_and_in_one_batch(llava, references, path):
+    if path == "eager" and "gemma3" in llava.name:
+        pytest.skip("Gemma 3 runs on its fused forward only (worker/model/forwards/gemma.py)")
     engine = _engine(llava, path)
     for name, parts in CASES.items():
         assert _run(engine, [(name, parts, "t")])[name] == references[name], name
@@ -145,3 +150,37 @@ def test_a_request_whose_images_do_not_match_its_image_tokens_fails_alone(llava,
                 errors[out.request_id] = out.end.error
     assert set(errors) == {"bad"} and "image" in errors["bad"]
     assert list(good.output_ids) == references["one image"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_prefill_logits_equal_transformers_on_the_processor_inputs(llava, path):
+    """The last logits of a prompt with two images equal the model's forward on its processor's
+    inputs within 1e-4, in fp32 on each forward: M-RoPE's positions and Gemma 3's two-way attention
+    within an image (its sliding window still ending at each token) as the model's own, which
+    greedy tokens alone may not show (the test fails without the two-way attention)."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from streamq.testing.tiny_vision import processor_inputs
+
+    if path == "eager" and "gemma3" in llava.name:
+        pytest.skip("Gemma 3 runs on its fused forward only (worker/model/forwards/gemma.py)")
+    parts = CASES["two images"]
+    content = [{"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts]
+    pictures = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(**processor_inputs(llava, [{"role": "user", "content": content}], pictures)).logits[0, -1]
+    engine = _engine(llava, path)
+    seen = []
+    step = engine.runner.execute
+
+    def keeping(out, hidden=False, images=None):
+        logits = step(out, hidden, images)
+        seen.append(logits)
+        return logits
+    engine.runner.execute = keeping
+    _run(engine, [("two", parts, "t")])
+    assert torch.allclose(seen[0][0], want, atol=1e-4), (seen[0][0] - want).abs().max()

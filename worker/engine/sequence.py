@@ -83,6 +83,10 @@ class Sequence:
         """M-RoPE's positions of its tokens start .. end (worker/model/batch.py ChunkRequest)."""
         return None if self.vision is None else self.vision.rope_positions(start, end)
 
+    def attention_ends(self, start: int, end: int) -> list[int] | None:
+        """The last key each of its tokens start .. end attends to (worker/model/batch.py ChunkRequest)."""
+        return None if self.vision is None else self.vision.attention_ends(start, end)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

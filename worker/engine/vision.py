@@ -38,6 +38,7 @@ class Images:
     keyed_prompt: list[int] = field(repr=False, default_factory=list)
     rope: list[list[int]] | None = field(repr=False, default=None)  # M-RoPE's three axes over the prompt (Qwen2-VL)
     rope_delta: int = 0  # M-RoPE: a token after the prompt is at its index plus this, on every axis
+    both_ways: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
     @classmethod
     def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
@@ -66,7 +67,7 @@ class Images:
             base = int(key[:12], 16) << 12  # 48 bits of the image's hash, then the token's place
             for offset in range(length):
                 keyed[start + offset] = -1 - (base | (offset & 0xFFF))
-        images = cls(list(keys), spans, list(data), keyed)
+        images = cls(list(keys), spans, list(data), keyed, both_ways=vision.family == "gemma3")
         if vision.merge:
             images.rope, images.rope_delta = _rope(len(prompt_ids), spans, [vision.grid(*size_of(d)) for d in data])
         return images
@@ -82,6 +83,17 @@ class Images:
     def cache_ids(self, token_ids: Seq[int]) -> list[int]:
         """`token_ids` (the prompt, then the output) with each image token keyed by its image."""
         return self.keyed_prompt + list(token_ids[len(self.keyed_prompt):])
+
+    def attention_ends(self, start: int, end: int) -> list[int] | None:
+        """The last key each token start .. end attends to: an image's last for its tokens where
+        they attend both ways, else its own; None where every one is its own."""
+        if not self.both_ways or not any(s < end and start < s + n for s, n in self.spans):
+            return None
+        ends = list(range(start, end))
+        for s, n in self.spans:
+            for p in range(max(s, start), min(s + n, end)):
+                ends[p - start] = s + n - 1
+        return ends
 
     def image_at(self, position: int) -> tuple[int, int] | None:
         """(start, end) of the image holding `position`, if one does."""
@@ -122,6 +134,7 @@ class TextView(torch.nn.Module):
         self.model = model.model.language_model
         self.lm_head = model.lm_head
         self.config = model.config.text_config
+        self.images_both_ways = model.config.model_type == "gemma3"  # its image tokens attend to each other
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens

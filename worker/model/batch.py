@@ -28,6 +28,11 @@ class ChunkRequest(Protocol):
         None: each token's index, on every axis."""
         ...
 
+    def attention_ends(self, start: int, end: int) -> list[int] | None:
+        """The last key each of its tokens start .. end attends to, where an image's tokens attend
+        to each other both ways (Gemma 3's): the image's last; None: each its own (causal)."""
+        ...
+
 
 R = TypeVar("R", bound=ChunkRequest)
 
@@ -87,8 +92,9 @@ class Paged:
 
     tokens: torch.Tensor  # [N] flat index of each token
     rows: torch.Tensor  # [N] its chunk's row in tables
-    context: torch.Tensor  # [N] keys it sees: position + 1
+    context: torch.Tensor  # [N] keys it sees: position + 1 (past it, for an image's token that sees the whole image)
     tables: torch.Tensor  # [chunks, B] each chunk's block table (0 past its end)
+    positions: torch.Tensor | None = None  # [N] its position, where the context passes it (the sliding window ends there)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class PagedRunner:
         self.windows = kv_cache.layer_windows(model.config)
         self.window = max(self.windows)  # one window per model: the config's sliding_window
         self.mrope = model.config.model_type in MROPE  # positions on three axes, from the requests' images
+        self.both_ways = bool(getattr(model, "images_both_ways", False))  # an image's tokens see each other (Gemma 3)
         # Decode graphs pad their batch with rows that write to one more block, never handed out.
         self.k_cache, self.v_cache = kv_cache.allocate(model, dtype, device, num_blocks + plan.graphs, block_size)
         # The CPU step kernels (worker/model/kernels.py) run the fused layers' norms, rotary, cache
@@ -170,7 +171,8 @@ class PagedRunner:
         lora = StepLora.of(out.chunks, self.adapters, self.device) if self.adapters is not None else None
         if not hidden and lora is None and images is None and self.graphs is not None and self.graphs.fits(out):
             return self.graphs.execute(out)
-        step = step_inputs(out.chunks, self.device, self.block_size, self.window, self.plan.kernels, self.mrope)
+        step = step_inputs(out.chunks, self.device, self.block_size, self.window, self.plan.kernels, self.mrope,
+                           self.both_ways)
         step.lora = lora
         step.hidden = hidden
         if images is not None:

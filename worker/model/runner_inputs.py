@@ -21,10 +21,11 @@ from worker.model.batch import AttentionGroup, Chunk, Paged, StepInputs
 
 
 def step_inputs(chunks: list[Chunk], device: torch.device, block_size: int, window: int,
-                paged: bool, mrope: bool = False) -> StepInputs:
+                paged: bool, mrope: bool = False, both_ways: bool = False) -> StepInputs:
     """The step's inputs on `device`; `window`: the model's sliding window (0: none); `paged`:
     every chunk on the paged kernel (the plan's CPU kernels), else in attention groups; `mrope`:
-    the model's rotary takes M-RoPE's three axes, which the chunks' requests give."""
+    the model's rotary takes M-RoPE's three axes, which the chunks' requests give; `both_ways`: an
+    image's tokens attend to each other both ways (the chunks' requests say where)."""
     bs = block_size
     ids, positions, slots, logits_index = [], [], [], []
     rope: list[list[int]] | None = None  # M-RoPE's three axes, once a chunk has them
@@ -46,33 +47,41 @@ def step_inputs(chunks: list[Chunk], device: torch.device, block_size: int, wind
     total = len(ids)
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
+    # The last key each chunk's tokens attend to, where some see past themselves (None: causal)
+    ends = {id(c): c.seq.attention_ends(c.start, c.start + c.length) if both_ways and c.seq is not None else None
+            for c in chunks}
     kernel = None
     if paged:  # every chunk, taken out of the groups
-        kernel = _paged([m for size in sorted(groups) for m in groups.pop(size)], chunks, bs)
+        kernel = _paged([m for size in sorted(groups) for m in groups.pop(size)], chunks, bs, ends)
     step = StepInputs(tensor(ids), tensor(positions), tensor(slots),
-                      [_group(groups[size], total, device, bs, window) for size in sorted(groups)],
+                      [_group(groups[size], total, device, bs, window, ends) for size in sorted(groups)],
                       tensor(logits_index), kernel)
     if rope is not None:
         step.rope = torch.tensor(rope, dtype=torch.long, device=device)
     return step
 
 
-def _paged(members: list, chunks: list[Chunk], bs: int) -> Paged:
+def _paged(members: list, chunks: list[Chunk], bs: int, ends: dict) -> Paged:
     row_of = {id(chunk): row for row, chunk in enumerate(chunks)}
     width = max((-(-(c.start + c.length) // bs) for c in chunks), default=1)
     tables = [c.block_table[:width] + [0] * (width - min(width, len(c.block_table))) for c in chunks]
-    tokens, rows, context = [], [], []
+    tokens, rows, context, positions = [], [], [], []
     for first, chunk in members:
         row = row_of[id(chunk)]
         tokens += range(first, first + chunk.length)
         rows += [row] * chunk.length
-        context += range(chunk.start + 1, chunk.start + chunk.length + 1)
+        span = range(chunk.start, chunk.start + chunk.length)
+        last = ends[id(chunk)]
+        context += [p + 1 for p in (last or span)]
+        positions += span
     def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
-    return Paged(tensor(tokens), tensor(rows), tensor(context), tensor(tables))
+    seeing_past = any(ends[id(chunk)] is not None for _, chunk in members)
+    return Paged(tensor(tokens), tensor(rows), tensor(context), tensor(tables),
+                 tensor(positions) if seeing_past else None)
 
 
-def _group(members: list, total: int, dev: torch.device, bs: int, window: int) -> AttentionGroup:
+def _group(members: list, total: int, dev: torch.device, bs: int, window: int, ends: dict) -> AttentionGroup:
     width = max(c.length for _, c in members)
     nblocks = max(-(-(c.start + c.length) // bs) for _, c in members)
     first = torch.tensor([f for f, _ in members])
@@ -84,10 +93,17 @@ def _group(members: list, total: int, dev: torch.device, bs: int, window: int) -
         blocks[row, :len(table)] = torch.tensor(table, dtype=torch.long)
     q = torch.arange(width)
     real = q[None, :] < length[:, None]  # [S, Q]: a query of the chunk, not padding
-    # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk.
+    # Query q (at position start + q) sees keys 0 .. start + q: causal within the chunk (an image's
+    # token that sees the whole image: to the image's last).
     keys, position = torch.arange(nblocks * bs)[None, None, :], (start[:, None] + q[None, :])[:, :, None]
-    masks = [keys <= position]
-    if 0 < window < nblocks * bs:  # the sliding-window layers' mask: keys position-window+1 .. position
+    last = position
+    if any(ends[id(c)] is not None for _, c in members):
+        last = position.clone()
+        for row, (_, chunk) in enumerate(members):
+            if ends[id(chunk)] is not None:
+                last[row, :chunk.length, 0] = torch.tensor(ends[id(chunk)])
+    masks = [keys <= last]
+    if 0 < window < nblocks * bs:  # the sliding-window layers' mask: from position-window+1 on
         masks.append(masks[0] & (keys > position - window))
     for m in masks:
         m &= real[:, :, None]

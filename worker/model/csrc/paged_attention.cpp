@@ -11,8 +11,8 @@
 //            lanes in the same tree
 //   output   the sum of p_j v_j over the keys in order, one fused multiply-add a term, over the sum
 // Up to kTileRows query tokens of one sequence share each key's load (a prefill chunk's tokens):
-// that changes the speed, not the sums. Keys outside a token's own range (past its position, or
-// before its sliding window) are skipped or count as exact zeros.
+// that changes the speed, not the sums. Keys outside a token's own range (past its context, or
+// before the sliding window that ends at its position) are skipped or count as exact zeros.
 //
 // Plain loops over 16 lanes, vectorised by the compiler for the CPU it builds on: each lane runs
 // the same operations on any ISA, so AVX2 and AVX-512 builds give the same bits.
@@ -200,7 +200,7 @@ void weigh_dispatch(int nv, int64_t lo, int64_t hi, const int64_t* first, const 
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows,
                           const at::Tensor& context, const at::Tensor& tables, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, double scale, int64_t window) {
+                          const at::Tensor& v_cache, double scale, int64_t window, const int64_t* pos) {
   const int64_t heads = q.size(1), dim = q.size(2), width = (dim + kLanes - 1) / kLanes * kLanes;
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block = k_cache.size(2);
   const int64_t group = heads / kv_heads, n = tokens.numel(), table_width = tables.size(1);
@@ -213,9 +213,13 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
   const int64_t* ctx = context.data_ptr<int64_t>();
   const int64_t* tab = tables.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  // Each token's first key: 0, or the start of its sliding window.
+  // Each token's first key: 0, or the start of its sliding window (which ends at its position:
+  // its last key, unless it sees past itself).
   std::vector<int64_t> firsts(n);
-  for (int64_t i = 0; i < n; ++i) firsts[i] = window > 0 && ctx[i] > window ? ctx[i] - window : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t last = pos != nullptr ? pos[i] + 1 : ctx[i];
+    firsts[i] = window > 0 && last > window ? last - window : 0;
+  }
   // Tiles: runs of up to kTileRows listed tokens of one sequence (a chunk's tokens are listed together).
   std::vector<int64_t> starts;
   for (int64_t i = 0; i < n; ++i)
@@ -302,7 +306,8 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
 }  // namespace
 
 void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
-                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window) {
+                     at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window,
+                     const c10::optional<at::Tensor>& positions) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
               "q and out must be contiguous [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -316,11 +321,19 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "every tensor must have q's dtype");
   const int64_t* ctx = context.data_ptr<int64_t>();
   for (int64_t i = 0; i < context.numel(); ++i) TORCH_CHECK(ctx[i] >= 1, "every token sees at least its own key");
+  const int64_t* pos = nullptr;
+  if (positions.has_value()) {
+    TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+                    positions->numel() == tokens.numel(), "positions: [N] int64");
+    pos = positions->data_ptr<int64_t>();
+    for (int64_t i = 0; i < tokens.numel(); ++i)
+      TORCH_CHECK(0 <= pos[i] && pos[i] < ctx[i], "a token sees its own position's key");
+  }
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window);
+    paged_attention_impl<float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
-    paged_attention_impl<c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window);
+    paged_attention_impl<c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
   }
 }
 

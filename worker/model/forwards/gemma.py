@@ -32,7 +32,7 @@ def forward(r: Runner, step: StepInputs) -> torch.Tensor:
         o = attend(r, i, q, k, v.reshape(total, r.kv_heads, r.head_dim), step, attn.scaling)
         if paged is not None:
             r.kernels.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables,
-                                      r.k_cache[i], r.v_cache[i], attn.scaling, r.windows[i])
+                                      r.k_cache[i], r.v_cache[i], attn.scaling, r.windows[i], paged.positions)
         h = h + layer.post_attention_layernorm(w.o(o.view(total, -1)))
         gate, up = w.gate_up(layer.pre_feedforward_layernorm(h)).chunk(2, dim=-1)
         h = h + layer.post_feedforward_layernorm(w.down(layer.mlp.act_fn(gate) * up))

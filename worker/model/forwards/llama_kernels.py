@@ -36,7 +36,7 @@ def forward(r: Runner, step: StepInputs) -> torch.Tensor:
                            v_cache.view(r.kv_heads, -1, r.head_dim), heads, r.kv_heads)
         o = torch.empty_like(q)
         ops.paged_attention(q, o, paged.tokens, paged.rows, paged.context, paged.tables, k_cache, v_cache, scale,
-                            r.windows[i])
+                            r.windows[i], paged.positions)
         x = ops.add_rms_norm(h, w.o(o.view(total, -1)), w.ln2, eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         y = w.down(F.silu(gate) * up)
