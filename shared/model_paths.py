@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shared import model_download, tokenizer_files
+from shared import mmproj, model_download, tokenizer_files
 from shared.gguf_convert import convert_gguf, gguf_cache
-from shared.model_source import source
+from shared.model_source import ModelNotFound, source
 from shared.settings import CommonSettings
 
 
@@ -63,7 +63,7 @@ def prepare_model(settings: CommonSettings, weights: bool = True) -> Path:
         src = source(settings)
         if src.kind in ("gguf", "hub_gguf"):
             gguf = gguf_file(settings)
-            convert_gguf(gguf, gguf_cache(settings, gguf), folder)
+            convert_gguf(gguf, gguf_cache(settings, gguf), folder, settings.mmproj)
         else:
             weights_dir(settings)
     return folder
@@ -71,12 +71,17 @@ def prepare_model(settings: CommonSettings, weights: bool = True) -> Path:
 
 def _tokenizer_dir(settings: CommonSettings, in_child: bool) -> Path:
     src = source(settings)
+    if settings.mmproj is not None and (src.kind not in ("gguf", "hub_gguf") or not settings.mmproj.is_file()):
+        raise ModelNotFound(f"STREAMQ_MMPROJ={settings.mmproj}: an mmproj is a local GGUF file served beside a GGUF "
+                            "model (STREAMQ_MODEL=...gguf)" + ("" if settings.mmproj.is_file() else "; no such file"))
     if src.kind in ("gguf", "hub_gguf"):
         gguf = gguf_file(settings)
         weights = gguf_cache(settings, gguf)
         folder = weights.with_name(f"{weights.name}-tokenizer")
         if not tokenizer_files.has_tokenizer(folder):
             tokenizer_files.build(tokenizer_files.write_from_gguf, gguf, folder, in_child)
+        if settings.mmproj is not None and not mmproj.described(folder):
+            mmproj.describe(settings.mmproj, folder)
         return folder
     if src.kind == "folder":
         files, slug = Path(src.where), _slug(settings.model)

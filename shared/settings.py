@@ -51,6 +51,8 @@ class CommonSettings(BaseSettings):
     model_revision: str = Field("main", min_length=1, max_length=256,
                                 description="Hub models: the branch, tag or commit to load; a branch or tag is resolved "
                                             "to one commit, which the api and every worker then share (via Redis).")
+    mmproj: Path | None = Field(None, description="A local llama.cpp mmproj GGUF (a vision tower and projector) to serve "
+                                                 "beside a GGUF `model`, as one vision-language model (Gemma 3's).")
     served_model_name: str | None = Field(None, description="Name clients use for the model; derived from `model` when unset.")
     model_cache_dir: Path = Field(default_factory=_default_cache_dir,
                                   description="Where converted models and tokenizers are kept.")

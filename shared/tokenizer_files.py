@@ -78,8 +78,9 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 
 
 def gguf_metadata(path: Path) -> dict[str, object]:
-    """The scalar and string entries of a GGUF file's header (arrays skipped), read without numpy
-    or transformers and without reading past the header: context length, token ids, chat template."""
+    """The scalar and string entries of a GGUF file's header, and its numeric arrays of up to 16
+    items (longer arrays skipped), read without numpy or transformers and without reading past the
+    header: context length, token ids, chat template, an mmproj's image mean and std."""
     with path.open("rb") as f:
         def read(fmt: str):
             return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
@@ -90,6 +91,8 @@ def gguf_metadata(path: Path) -> dict[str, object]:
             if kind != 9:
                 return read(_GGUF_SCALARS[kind])
             item, count = read("<I"), read("<Q")
+            if item in _GGUF_SCALARS and count <= 16:
+                return [read(_GGUF_SCALARS[item]) for _ in range(count)]
             if item in _GGUF_SCALARS:
                 f.seek(count * struct.calcsize(_GGUF_SCALARS[item]), 1)
             else:  # strings (a vocabulary) or nested arrays: one at a time

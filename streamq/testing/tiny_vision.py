@@ -118,11 +118,14 @@ GEMMA_TEMPLATE = TEMPLATE.replace("<image>\n", "<start_of_image>")
 GEMMA_IMAGE = 56  # a SigLIP of 4 × 4 patches of 14, pooled 2 × 2: 4 soft tokens an image
 
 
-def build_gemma3(folder: Path, seed: int = 0, context: int = 512) -> Path:
+def build_gemma3(folder: Path, seed: int = 0, context: int = 512, gguf_shaped: bool = False) -> Path:
     """A tiny Gemma 3 with vision (Gemma3ForConditionalGeneration: a SigLIP tower, its patches
     average-pooled to `mm_tokens_per_image` soft tokens, a Gemma 3 text model) in `folder`, with its
     processor: the chat template writes <start_of_image>, which the processor writes out as
-    "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n"."""
+    "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n". `gguf_shaped`: a text model
+    whose every setting a GGUF file carries or transformers' default for it gives (6 layers, the
+    sixth global; a tied head, its embeddings scaled down so the reply is no copy of the prompt's
+    last token), for write_gemma3_gguf and write_mmproj."""
     import json
 
     import torch
@@ -144,17 +147,24 @@ def build_gemma3(folder: Path, seed: int = 0, context: int = 512) -> Path:
             "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.2,
             "tie_word_embeddings": False,
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    if gguf_shaped:
+        del text["layer_types"]
+        text |= {"num_hidden_layers": 6, "tie_word_embeddings": True}
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "image_size": GEMMA_IMAGE, "patch_size": 14, "vision_use_head": False}
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=boi,
                           eoi_token_index=eoi, image_token_index=soft, initializer_range=0.2,
-                          tie_word_embeddings=False)  # a tied head repeats the last token: the image would change nothing
+                          tie_word_embeddings=gguf_shaped)  # a tied head repeats the last token: the image would change nothing
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():  # away from init, so that the image changes the reply
         for name, p in model.named_parameters():
             if "vision" in name or "multi_modal" in name:
                 p.normal_(0, 0.3)
+            if gguf_shaped and "embed_tokens" in name:
+                p.mul_(0.1)
+            if gguf_shaped and "input_projection" in name:  # llama.cpp's mmproj keeps it in F16: lossless so
+                p.copy_(p.half().float())
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
     model.save_pretrained(folder)
@@ -222,3 +232,91 @@ def processor_inputs(folder: Path, messages: list[dict], images: list | None) ->
     text = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     return {**text, **out, "mm_token_type_ids": (text["input_ids"] == image_token).int()}
+
+
+def write_gemma3_ggufs(model: Path, text_path: Path, mmproj_path: Path) -> tuple[Path, Path]:
+    """The pair of files llama.cpp serves a Gemma 3 with images from, for a `gguf_shaped`
+    build_gemma3 folder: its language model as a text GGUF (architecture gemma3, its BPE vocabulary
+    and chat template, every norm stored plus one as llama.cpp's converter stores Gemma's) and its
+    vision tower and projector as an mmproj GGUF laid out as llama.cpp's `convert_hf_to_gguf.py
+    --mmproj` writes one (architecture clip, projector type gemma3, tensor names from gguf-py's
+    table, the projector's norm plus one, its input projection in F16). All F32 otherwise."""
+    import json
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from streamq.testing.tiny_models import finish
+
+    config = json.loads((model / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    weights = {name: tensor.to(torch.float32).numpy() for name, tensor in load_file(model / "model.safetensors").items()}
+
+    writer = gguf.GGUFWriter(str(text_path), "gemma3")
+    writer.add_context_length(text["max_position_embeddings"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_block_count(text["num_hidden_layers"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_key_length(text["head_dim"])
+    writer.add_value_length(text["head_dim"])
+    writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    writer.add_rope_freq_base(text["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_sliding_window(text["sliding_window"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in special else 1 for token, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, text["num_hidden_layers"])
+    for name, data in weights.items():  # transformers saves the language model as language_model.model.*
+        for prefix in ("language_model.model.", "model.language_model."):
+            if name.startswith(prefix):
+                hf = "model." + name[len(prefix):]
+                writer.add_tensor(names.get_name(hf, try_suffixes=(".weight",)),
+                                  data + 1 if name.endswith("norm.weight") else data)
+    finish(writer)
+
+    writer = gguf.GGUFWriter(str(mmproj_path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", text["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-6))
+    writer.add_bool("clip.use_gelu", True)
+    per_side = int(config["mm_tokens_per_image"] ** 0.5)
+    if (scale := vision["image_size"] // vision["patch_size"] // per_side) != 4:
+        writer.add_uint32("clip.vision.projector.scale_factor", scale)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, data in weights.items():
+        if name.startswith(("vision_tower.", "model.vision_tower.")):
+            hub = "vision_tower.vision_model." + name.split("vision_tower.", 1)[1]
+        elif name.startswith(("multi_modal_projector.", "model.multi_modal_projector.")):
+            hub = "multi_modal_projector." + name.split("multi_modal_projector.", 1)[1].replace("_weight", ".weight")
+        else:
+            continue
+        if "soft_emb_norm" in hub:
+            data = data + 1
+        if "input_projection" in hub:
+            data = data.astype(np.float16)
+        writer.add_tensor(names.get_name(hub, try_suffixes=(".weight", ".bias")), data)
+    finish(writer)
+    return text_path, mmproj_path

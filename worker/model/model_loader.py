@@ -61,7 +61,10 @@ def load_weights(settings: WorkerSettings, device: torch.device, dtype: torch.dt
     step = settings.step
     model = None
     gguf = gguf_file(settings)
-    if gguf is not None and step.gguf_weights == "quantized" and device.type == "cpu":
+    if gguf is not None and settings.mmproj is not None:  # the pair: one transformers model, dequantized
+        log.info("%s with the mmproj %s: their weights are dequantized into one vision-language model",
+                 gguf.name, settings.mmproj.name)
+    elif gguf is not None and step.gguf_weights == "quantized" and device.type == "cpu":
         config = gguf_config(settings, gguf)
         if config.model_type in QUANTIZABLE:
             from worker.model.gguf_weights import build_model, load_gguf
