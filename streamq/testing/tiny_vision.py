@@ -174,6 +174,18 @@ def build_gemma3(folder: Path, seed: int = 0, context: int = 512, gguf_shaped: b
     return folder
 
 
+FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
+
+
+def build(family: str, folder: Path) -> Path:
+    """A tiny model of `family` (one of FAMILIES) in `folder`."""
+    if family.startswith("qwen"):
+        return build_qwen2_vl(folder, family=family)
+    if family == "gemma3":
+        return build_gemma3(folder)
+    return build_llava(folder, family=family)
+
+
 def png(seed: int, size: tuple[int, int] = (40, 50), kind: str = "PNG") -> bytes:
     """A random picture of `size` (width, height), encoded as `kind`."""
     import numpy as np

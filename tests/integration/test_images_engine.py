@@ -13,24 +13,16 @@ import torch
 from shared.messages import RequestPayload
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
-from streamq.testing.tiny_vision import build_gemma3, build_llava, build_qwen2_vl, png, reference_tokens
+from streamq.testing.tiny_vision import FAMILIES, build, png, reference_tokens
 from worker.backends.static_engine import BatchRunner, StaticEngine
 from worker.engine.vision import size_of
 
 TOKENS = 12
 
 
-FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def llava(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    if request.param.startswith("qwen"):
-        return build_qwen2_vl(folder, family=request.param)
-    if request.param == "gemma3":
-        return build_gemma3(folder)
-    return build_llava(folder, family=request.param)
+    return build(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _engine(folder) -> tuple[StaticEngine, Tokenizer]:
