@@ -19,7 +19,8 @@ def gguf_cache(settings: CommonSettings, gguf: Path) -> Path:
     change (and its mmproj's, when one is served beside it), so a changed or replaced file is read
     again. Its tokenizer's folder adds '-tokenizer'."""
     files = [gguf] + ([settings.mmproj] if settings.mmproj is not None else [])
-    text = "\0\0".join(f"{f.resolve()}\0{f.stat().st_size}\0{f.stat().st_mtime_ns}" for f in files)
+    stats = [(f, f.stat()) for f in files]
+    text = "\0\0".join(f"{f.resolve()}\0{s.st_size}\0{s.st_mtime_ns}" for f, s in stats)
     return settings.model_cache_dir / f"{gguf.stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 

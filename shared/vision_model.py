@@ -13,14 +13,14 @@ Served here (transformers' classes in brackets):
 - Qwen2-VL and Qwen2.5-VL (`model_type: qwen2_vl`, `qwen2_5_vl`; Qwen2VLForConditionalGeneration
   and Qwen2_5_VLForConditionalGeneration), dynamic resolution: the image is resized to multiples
   of the patch times the merge, its pixels kept within the processor's bounds, and each merge ×
-  merge square of patches is one token. Their positions are M-RoPE's (time, height, width), which
-  the static engine's runner takes from the model (worker/backends/static_engine.py).
+  merge square of patches is one token. Their positions are M-RoPE's (time, height, width), built
+  from the images in the worker (worker/engine/vision.py).
 - Gemma 3 (`model_type: gemma3`; Gemma3ForConditionalGeneration): a SigLIP tower whose patches
   are pooled to `mm_tokens_per_image` soft tokens at any size. Its chat template writes
   <start_of_image>, and its processor writes that out in the text as "\n\n<start_of_image>", the
   soft tokens, "<end_of_image>\n\n" before tokenizing (`frame`: the tokenizer does the same,
-  shared/tokenizer.py). An image's tokens attend to each other both ways, which the model's own
-  masks do on static batches.
+  shared/tokenizer.py). An image's tokens attend to each other both ways (the paged forwards'
+  attention lets them: worker/model/runner_inputs.py).
 
 The processor puts that many image tokens where the chat template writes one; the api does the
 same to the ids (`expand`), so the worker's input ids are the processor's.
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
-PAGED = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")  # the families the paged engine runs; the others, static batches
 FILES = ("processor_config.json", "preprocessor_config.json")  # beside the tokenizer, published with it
 
 

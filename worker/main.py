@@ -80,13 +80,11 @@ def build_engine(settings: WorkerSettings) -> Engine | EncoderEngine | StaticEng
     if tokenizer.vision is not None:
         from transformers import AutoImageProcessor
 
-        from shared.vision_model import PAGED
-
         log.info("a vision-language model (%s): %d tokens an image at %s", tokenizer.vision.family,
                  tokenizer.vision.base_tokens, "its crop size, more by its tiles" if tokenizer.vision.pinpoints else "any size")
         processor = AutoImageProcessor.from_pretrained(weights_dir(settings))
         language = TextView(model)
-        if tokenizer.vision.family in PAGED and supports(language):  # the paged runner runs the language model; the engine, the tower
+        if supports(language):  # the paged runner runs the language model; the engine, the tower
             images, model = ImageEncoder(model, processor, tokenizer.vision), language
     if not supports(model):
         if step.deterministic:

@@ -38,13 +38,13 @@ class Images:
     keyed_prompt: list[int] = field(repr=False, default_factory=list)
     rope: list[list[int]] | None = field(repr=False, default=None)  # M-RoPE's three axes over the prompt (Qwen2-VL)
     rope_delta: int = 0  # M-RoPE: a token after the prompt is at its index plus this, on every axis
-    both_ways: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
     @classmethod
     def of(cls, prompt_ids: Seq[int], vision: VisionModel, keys: list[str], data: list[bytes]) -> Images:
         """Find each image's run of image tokens (the api expanded one per image, as many as the
         image's size makes it); ValueError where the prompt's runs do not match the images."""
-        counts = [vision.tokens(*size_of(d)) for d in data]
+        sizes = [size_of(d) for d in data]
+        counts = [vision.tokens(*size) for size in sizes]
         spans, i, n, k = [], 0, len(prompt_ids), 0
         while i < n:
             if prompt_ids[i] == vision.image_token_id:
@@ -67,9 +67,9 @@ class Images:
             base = int(key[:12], 16) << 12  # 48 bits of the image's hash, then the token's place
             for offset in range(length):
                 keyed[start + offset] = -1 - (base | (offset & 0xFFF))
-        images = cls(list(keys), spans, list(data), keyed, both_ways=vision.family == "gemma3")
+        images = cls(list(keys), spans, list(data), keyed)
         if vision.merge:
-            images.rope, images.rope_delta = _rope(len(prompt_ids), spans, [vision.grid(*size_of(d)) for d in data])
+            images.rope, images.rope_delta = _rope(len(prompt_ids), spans, [vision.grid(*size) for size in sizes])
         return images
 
     def rope_positions(self, start: int, end: int) -> list[list[int]] | None:
@@ -85,9 +85,10 @@ class Images:
         return self.keyed_prompt + list(token_ids[len(self.keyed_prompt):])
 
     def attention_ends(self, start: int, end: int) -> list[int] | None:
-        """The last key each token start .. end attends to: an image's last for its tokens where
-        they attend both ways, else its own; None where every one is its own."""
-        if not self.both_ways or not any(s < end and start < s + n for s, n in self.spans):
+        """The last key each token start .. end attends to where an image's tokens attend to each
+        other both ways (asked only of a model whose do: TextView.images_both_ways): an image's
+        last for its tokens, else its own; None where every one is its own."""
+        if not any(s < end and start < s + n for s, n in self.spans):
             return None
         ends = list(range(start, end))
         for s, n in self.spans:
