@@ -1,6 +1,6 @@
 """A hostile tenant against a victim, on one stack with keys on, in ONE run.
 
-    .venv/bin/python benchmarks/abuse.py [--model PATH] [--seconds 20] [--streams 2] [--attacks 'NAME;...']
+    .venv/bin/python benchmarks/abuse.py [--model PATH] [--seconds 20] [--streams 2] [--rounds 1] [--attacks 'NAME;...']
 
 One stack (its own Redis, one worker, the scheduler, one api replica; the default model unless
 --model) with two tenants: the victim, unlimited, and the attacker, limited to 60 requests a
@@ -23,7 +23,8 @@ attack in turn runs (in a process of its own) beside that load, right after the 
 - mis-spelled ids: poll and SSE of a real id in upper case and padded (404, and how fast);
 - cached tokens across tenants: the attacker sends the victim's last prompt; its cached_tokens.
 
-Per attack: the victim's TTFT p50/p99 beside it, its p99 alone just before and the ratio,
+Per attack (`--rounds` times over, alone then beside, each side's TTFTs pooled): the victim's TTFT
+p50/p99 beside it, its p99 alone just before and the ratio,
 /healthz p99 beside it, and the attack's own figure. Requests lost or answered twice: every victim request must end done with
 its whole text once. The machine (lscpu model and flags) under the table.
 """
@@ -286,6 +287,8 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alone, then beside the attack, this many times over; each side's TTFTs pooled")
     parser.add_argument("--attacks", default="all",
                         help="the attacks to run, their rows' names separated by ';' (e.g. 'flex flood, victim priority'), or all")
     args = parser.parse_args()
@@ -322,23 +325,35 @@ def main() -> None:
                 parser.error(f"no attack named {sorted(unknown)}; the attacks: {sorted(attacks)}")
             attacks = {name: attacks[name] for name in chosen}
         for name, (attack, *attack_args) in attacks.items():
-            # Each attack beside the victim's chats right after the same chats alone: the machine's
-            # drift over the run (other work on a shared host) falls on both sides of the ratio.
+            # Each attack beside the victim's chats right after the same chats alone, `--rounds` times
+            # over, the TTFTs of each side pooled: the machine's drift over the run (other work on a
+            # shared host) falls on both sides of the ratio.
             victim.tier = name.rsplit(" ", 1)[1] if name.startswith("flex flood") else None
-            alone, lost_alone = victim.run(args.seconds)
-            with Prober(url) as probe, attacker_process() as pool:
-                result = pool.submit(attack, *attack_args)
-                if name.startswith("flex flood"):
-                    time.sleep(5)  # the flood fills the batch first
-                beside, lost = victim.run(args.seconds)
-                figure = result.result()
+            alone, beside, lost, probes, figures, each = [], [], 0, [], [], []
+            for _ in range(args.rounds):
+                ttfts, bad = victim.run(args.seconds)
+                alone += ttfts
+                lost += bad
+                each.append(pct(ttfts, .99))
+                with Prober(url) as probe, attacker_process() as pool:
+                    result = pool.submit(attack, *attack_args)
+                    if name.startswith("flex flood"):
+                        time.sleep(5)  # the flood fills the batch first
+                    ttfts, bad = victim.run(args.seconds)
+                    figures.append(result.result())  # a flood's threads end their requests in flight first
+                beside += ttfts
+                lost += bad
+                probes += probe.times
+                each[-1] = f"{each[-1] * 1000:.0f} / {pct(ttfts, .99) * 1000:.0f}"
+            if args.rounds > 1:
+                figures.append(f"p99 alone / beside in each round (ms): {', '.join(each)}")
             rows.append([name, f"{pct(beside, .5) * 1000:.0f}", f"{pct(beside, .99) * 1000:.0f}",
                          f"{pct(alone, .99) * 1000:.0f}", f"{pct(beside, .99) / pct(alone, .99):.2f}",
-                         f"{pct(probe.times, .99) * 1000:.1f}", lost + lost_alone, figure])
+                         f"{pct(probes, .99) * 1000:.1f}", lost, "; ".join(figures)])
         victim.tier = None
     print_table(["attack", "victim TTFT p50 ms", "p99 ms", "p99 alone ms", "p99 / alone", "/healthz p99 ms",
                  "victim lost", "attack's own figure"], rows)
-    print_machine(machine("auto", 0, streams=args.streams, seconds=args.seconds))
+    print_machine(machine("auto", 0, streams=args.streams, seconds=args.seconds, rounds=args.rounds))
 
 
 if __name__ == "__main__":
