@@ -132,6 +132,38 @@ def test_paged_attention_gives_a_token_the_same_bits_alone_or_in_any_chunk(ops, 
     assert torch.equal(mixed[20:45], alone[20:45])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_gives_the_same_bits_on_every_isa(ops, dtype):
+    """The portable loops, AVX2's and AVX-512's intrinsics (those this CPU runs) give each token the
+    same bits: a request taken over by a worker on another CPU goes on with the same numbers. Head
+    sizes that fill the 16 lanes and one that does not; whole contexts, sliding windows, and tokens
+    that see keys past their position (Gemma 3's images)."""
+    isas = ["portable", *(isa for isa in ops.isas if isa != "avx512vnni")]
+    gen = torch.Generator().manual_seed(11)
+    for dim, heads, kv_heads, window, seen_past in [(64, 14, 2, 0, False), (20, 6, 3, 7, False), (128, 8, 2, 0, True),
+                                                     (16, 4, 4, 33, True)]:
+        blocks, block = 48, 16
+        k_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+        v_cache = _randn(kv_heads, blocks, block, dim, dtype=dtype, gen=gen)
+        tables = torch.stack([torch.randperm(blocks, generator=gen)[:16] for _ in range(3)])
+        rows = [0] * 90 + [1] + [2] * 21  # a prefill chunk from position 7, a decode, a chunk from 200
+        context = list(range(8, 98)) + [170] + list(range(201, 222))
+        positions = torch.tensor([c - 1 - (5 if seen_past and i % 4 == 0 else 0) for i, c in enumerate(context)])
+        q = _randn(len(rows), heads, dim, dtype=dtype, gen=gen)
+        outs = {}
+        for isa in isas:
+            out = torch.zeros_like(q)
+            ops.paged_attention(q, out, torch.arange(len(rows)), torch.tensor(rows), torch.tensor(context), tables,
+                                k_cache, v_cache, dim ** -0.5, window, positions if seen_past else None, isa=isa)
+            outs[isa] = out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        assert outs["portable"].any()
+        for isa in isas[1:]:
+            assert torch.equal(outs[isa], outs["portable"]), (isa, dim, window)
+    with pytest.raises(RuntimeError, match="isa 'avx9'"):
+        ops.paged_attention(q, torch.zeros_like(q), torch.arange(2), torch.tensor([0, 0]), torch.tensor([1, 2]),
+                            tables, k_cache, v_cache, 0.5, 0, None, isa="avx9")
+
+
 def test_the_kernels_give_transformers_tokens_in_fp32(tiny_llama):
     texts = prompts(12, seed=7)
     with_kernels = run(_engine(tiny_llama, fuse=True, kernels=True, dtype=torch.float32), texts, arrive_every=2)

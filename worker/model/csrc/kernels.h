@@ -16,10 +16,11 @@ inline void check_rows(const at::Tensor& t, const char* name) {
 
 // paged_attention.cpp: each listed query token over its sequence's cached keys, read in place.
 // `positions`: each token's own position, where its sliding window ends (none: context - 1; a
-// token may see keys past it, as Gemma 3's image tokens see the rest of their image).
+// token may see keys past it, as Gemma 3's image tokens see the rest of their image). `isa`:
+// "auto" (the widest), "avx512", "avx2" or "portable", the same bits on each.
 void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
                      at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window,
-                     const c10::optional<at::Tensor>& positions = c10::nullopt);
+                     const c10::optional<at::Tensor>& positions = c10::nullopt, const std::string& isa = "auto");
 
 // panel_linear.cpp: float weights in panels of 32 columns.
 bool panels_for(at::ScalarType dtype, Isa isa);

@@ -14,8 +14,11 @@
 // that changes the speed, not the sums. Keys outside a token's own range (past its context, or
 // before the sliding window that ends at its position) are skipped or count as exact zeros.
 //
-// Plain loops over 16 lanes, vectorised by the compiler for the CPU it builds on: each lane runs
-// the same operations on any ISA, so AVX2 and AVX-512 builds give the same bits.
+// Three forms of the same sums, chosen per call (`isa`): plain loops over 16 lanes ("portable",
+// vectorised by the compiler as it can), and AVX2 and AVX-512 intrinsics for the scores' dot
+// products and lane tree and for the output's sums. Each lane runs the same operations in the
+// same order in all three, so every ISA gives the same bits (tested): a request replayed on
+// another machine continues with the same numbers.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -35,7 +38,6 @@ namespace {
 
 constexpr int64_t kLanes = 16;    // keys scored at once; head-dimension columns summed at once
 constexpr int64_t kTileRows = 16;  // query tokens of one sequence that share each key's load
-constexpr int kGroup = 8;         // query vectors (token, head) whose sums run together, in registers
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -159,45 +161,235 @@ inline void score_keys(const float* q, const float* k, int64_t width, float scal
 // Columns d0 .. d0 + 15 of NV query vectors' outputs: the sum over keys lo .. hi - 1 in order of
 // p[v][j] * v_j (values: rows of width floats from key lo), each vector over its own keys
 // first[v] .. end[v] - 1 only, one fused multiply-add a term; then times its 1 / (sum of p).
-template <int NV, typename T>
-void weigh_values(int64_t lo, int64_t hi, const int64_t* first, const int64_t* end, const float* const* p,
-                  const float* inv, const float* values, int64_t width, int64_t d0, int64_t columns, T* const* out) {
-  Lanes acc[NV] = {};
-  int64_t f[NV], e[NV];
-  for (int v = 0; v < NV; ++v) f[v] = first[v], e[v] = end[v];
-  // Keys every vector sees need no check: from the last first to the first end.
-  const int64_t all_from = *std::max_element(f, f + NV), all_to = *std::min_element(e, e + NV);
-  auto some = [&](int64_t from, int64_t to) {
-    for (int64_t j = from; j < to; ++j) {
-      const Lanes row = load_lanes(values + (j - lo) * width + d0);
-      for (int v = 0; v < NV; ++v)
-        if (j >= f[v] && j < e[v]) acc[v] = fma_lanes(p[v][j - lo], row, acc[v]);
-    }
-  };
-  if (all_from < all_to) {
-    some(lo, all_from);
-    for (int64_t j = all_from; j < all_to; ++j) {
-      const Lanes row = load_lanes(values + (j - lo) * width + d0);
-      for (int v = 0; v < NV; ++v) acc[v] = fma_lanes(p[v][j - lo], row, acc[v]);
-    }
-    some(all_to, hi);
-  } else {
-    some(lo, hi);
+// A query vector's scores s (chunks of 16 keys from key `from`, -inf where unseen) -> e^(s - max)
+// where it sees the key (first .. end - 1), exact zeros elsewhere; returns their sum: lane by lane
+// over the chunks in order, then the lanes in lane_sum's tree.
+inline float softmax_lanes(float* s, int64_t chunks, int64_t from, int64_t first, int64_t end) {
+  const float unseen = -std::numeric_limits<float>::infinity();
+  Lanes most = (Lanes){} + unseen;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Lanes sc = load_lanes(s + c * kLanes);
+    most = sc > most ? sc : most;
   }
-  for (int v = 0; v < NV; ++v)
-    for (int64_t l = 0; l < columns; ++l) out[v][d0 + l] = narrow<T>(acc[v][l] * inv[v]);
+  float top = unseen;
+  for (int64_t l = 0; l < kLanes; ++l) top = most[l] > top ? most[l] : top;
+  Lanes sums = {};
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Ints position = static_cast<int32_t>(from + c * kLanes) + kIota;
+    const Ints seen = (position >= static_cast<int32_t>(first)) & (position < static_cast<int32_t>(end));
+    const Lanes e = seen ? exp_nonpositive(load_lanes(s + c * kLanes) - top) : (Lanes){};
+    std::memcpy(s + c * kLanes, &e, sizeof(e));
+    sums += e;
+  }
+  float lanes[kLanes];
+  std::memcpy(lanes, &sums, sizeof(sums));
+  return lane_sum(lanes);
 }
 
-template <typename T, int NV = kGroup>
+// The portable form: the lanes as GCC's vector extension.
+struct Portable {
+  static constexpr int kGroup = 8;  // query vectors whose output sums run together
+  static constexpr int kParts = 1;  // vectors of 16 lanes
+  using Part = Lanes;
+  static Part zero() { return Part{}; }
+  static Part load(const float* p) { return load_lanes(p); }
+  static Part fma(float a, Part b, Part c) { return fma_lanes(a, b, c); }
+  static void store(float* p, Part v) { std::memcpy(p, &v, sizeof(v)); }
+  static void score(const float* q, const float* k, int64_t width, float scale, float* s) {
+    score_keys(q, k, width, scale, s);
+  }
+  static float softmax(float* s, int64_t chunks, int64_t from, int64_t first, int64_t end) {
+    return softmax_lanes(s, chunks, from, first, end);
+  }
+};
+
+#if defined(STREAMQ_AVX2)
+// lane_sum's tree past its first level, for 8 keys at once: y[j] holds key j's first-level sums
+// (lane l: its lanes l + l + 8); the result, key j's whole sum in lane j. Each level adds the same
+// pairs as lane_sum: lanes l and l + 4, then l and l + 2, then 0 and 1.
+inline __m256 tree8(const __m256* y) {
+  __m256 z[4], w[2];
+  for (int i = 0; i < 4; ++i)  // [a_l + a_l+4 | b_l + b_l+4], keys a = 2i, b = 2i + 1
+    z[i] = _mm256_add_ps(_mm256_permute2f128_ps(y[2 * i], y[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(y[2 * i], y[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i) {  // [a_l + a_l+2, c_l + c_l+2 | b.., d..], keys a..d = 4i .. 4i + 3
+    const __m256d a = _mm256_castps_pd(z[2 * i]), b = _mm256_castps_pd(z[2 * i + 1]);
+    w[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  // lanes 0 + 1: keys in the order 0 2 4 6 1 3 5 7, then put in order
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// score_keys with the tree above: each key's lane sums (P::halves4: their first level), 8 keys a tree.
+template <typename P>
+void score_by_tree(const float* q, const float* k, int64_t width, float scale, float* s) {
+  const __m256 times = _mm256_set1_ps(scale);
+  for (int half = 0; half < 2; ++half) {
+    __m256 y[8];
+    for (int j = 0; j < 8; j += 4) P::halves4(q, k + (half * 8 + j) * width, width, y + j);
+    _mm256_storeu_ps(s + half * 8, _mm256_mul_ps(tree8(y), times));
+  }
+}
+
+// exp_nonpositive on 8 lanes, the same operations in the same order.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.0f), shifter = _mm256_set1_ps(12582912.0f);
+  x = _mm256_blendv_ps(x, low, _mm256_cmp_ps(x, low, _CMP_LT_OQ));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), shifter), shifter);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// softmax_lanes on two 8-lane halves: the same sums (a max is exact in any order).
+inline float softmax_avx2(float* s, int64_t chunks, int64_t from, int64_t first, int64_t end) {
+  __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < 2 * chunks; ++i) most = _mm256_max_ps(most, _mm256_loadu_ps(s + 8 * i));
+  float lanes[kLanes];
+  _mm256_storeu_ps(lanes, most);
+  float top = lanes[0];
+  for (int l = 1; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+  const __m256 max = _mm256_set1_ps(top);
+  const __m256i after = _mm256_set1_epi32(static_cast<int32_t>(first) - 1), before = _mm256_set1_epi32(static_cast<int32_t>(end));
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < 2 * chunks; ++i) {  // lanes 0-7, then 8-15, of each chunk
+    const __m256i position = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(from + 8 * i)), iota);
+    const __m256i seen = _mm256_and_si256(_mm256_cmpgt_epi32(position, after), _mm256_cmpgt_epi32(before, position));
+    const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * i), max)),
+                                   _mm256_castsi256_ps(seen));
+    _mm256_storeu_ps(s + 8 * i, e);
+    sums[i % 2] = _mm256_add_ps(sums[i % 2], e);
+  }
+  _mm256_storeu_ps(lanes, sums[0]);
+  _mm256_storeu_ps(lanes + 8, sums[1]);
+  return lane_sum(lanes);
+}
+
+// 16 lanes as two AVX2 vectors.
+struct Avx2Lanes {
+  static constexpr int kGroup = 6;  // 12 accumulators of the 16 registers
+  static constexpr int kParts = 2;  // 8 lanes a vector
+  using Part = __m256;
+  static Part zero() { return _mm256_setzero_ps(); }
+  static Part load(const float* p) { return _mm256_loadu_ps(p); }
+  static Part fma(float a, Part b, Part c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
+  static void store(float* p, Part v) { _mm256_storeu_ps(p, v); }
+  // Four keys (rows of k, `width` apart): q . key's 16 lane sums (lane l over d = l, l + 16, ...),
+  // then lanes l + l + 8, into y[0..3]. Four keys share each load of q.
+  static void halves4(const float* q, const float* k, int64_t width, __m256* y) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < width; d += kLanes) {
+      const __m256 qlo = _mm256_loadu_ps(q + d), qhi = _mm256_loadu_ps(q + d + 8);
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = _mm256_fmadd_ps(qlo, _mm256_loadu_ps(k + j * width + d), lo[j]);
+        hi[j] = _mm256_fmadd_ps(qhi, _mm256_loadu_ps(k + j * width + d + 8), hi[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) y[j] = _mm256_add_ps(lo[j], hi[j]);
+  }
+  static void score(const float* q, const float* k, int64_t width, float scale, float* s) {
+    score_by_tree<Avx2Lanes>(q, k, width, scale, s);
+  }
+  static float softmax(float* s, int64_t chunks, int64_t from, int64_t first, int64_t end) {
+    return softmax_avx2(s, chunks, from, first, end);
+  }
+};
+#endif
+
+#if defined(STREAMQ_AVX512)
+// 16 lanes as one AVX-512 vector.
+struct Avx512Lanes {
+  static constexpr int kGroup = 12;
+  static constexpr int kParts = 1;
+  using Part = __m512;
+  static Part zero() { return _mm512_setzero_ps(); }
+  static Part load(const float* p) { return _mm512_loadu_ps(p); }
+  static Part fma(float a, Part b, Part c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+  static void store(float* p, Part v) { _mm512_storeu_ps(p, v); }
+  static void halves4(const float* q, const float* k, int64_t width, __m256* y) {
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < width; d += kLanes) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + j * width + d), acc[j]);
+    }
+    for (int j = 0; j < 4; ++j)
+      y[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+  }
+  static void score(const float* q, const float* k, int64_t width, float scale, float* s) {
+    score_by_tree<Avx512Lanes>(q, k, width, scale, s);
+  }
+  static float softmax(float* s, int64_t chunks, int64_t from, int64_t first, int64_t end) {
+    return softmax_avx2(s, chunks, from, first, end);
+  }
+};
+#endif
+
+template <typename P, int NV, typename T>
+void weigh_values(int64_t lo, int64_t hi, const int64_t* first, const int64_t* end, const float* const* p,
+                  const float* inv, const float* values, int64_t width, int64_t d0, int64_t columns, T* const* out) {
+  using Part = typename P::Part;
+  constexpr int kParts = P::kParts;  // vectors a row of 16 columns takes
+  Part acc[NV][kParts];
+  const float* weight[NV];  // p[v], indexed by key
+  int64_t f[NV], e[NV];
+  for (int v = 0; v < NV; ++v) {
+    f[v] = first[v], e[v] = end[v], weight[v] = p[v] - lo;
+    for (int i = 0; i < kParts; ++i) acc[v][i] = P::zero();
+  }
+  // Keys every vector sees need no check: from the last first to the first end.
+  const int64_t all_from = *std::max_element(f, f + NV), all_to = *std::min_element(e, e + NV);
+  // Keys only some vectors see, one at a time (few: a chunk's last tokens' own keys), then the
+  // keys all see in a loop with nothing to check, its accumulators in registers.
+  auto checked = [&](int64_t j) {
+    const float* row = values + (j - lo) * width + d0;
+    for (int v = 0; v < NV; ++v)
+      if (j >= f[v] && j < e[v])
+        for (int i = 0; i < kParts; ++i) acc[v][i] = P::fma(weight[v][j], P::load(row + i * (kLanes / kParts)), acc[v][i]);
+  };
+  const int64_t from = std::min(std::max(all_from, lo), hi), to = std::max(std::min(all_to, hi), from);
+  for (int64_t j = lo; j < from; ++j) checked(j);
+  {
+    Part a[NV][kParts];
+    for (int v = 0; v < NV; ++v)
+      for (int i = 0; i < kParts; ++i) a[v][i] = acc[v][i];
+    const float* row = values + (from - lo) * width + d0;
+    for (int64_t j = from; j < to; ++j, row += width) {
+      Part r[kParts];
+      for (int i = 0; i < kParts; ++i) r[i] = P::load(row + i * (kLanes / kParts));
+      for (int v = 0; v < NV; ++v)
+        for (int i = 0; i < kParts; ++i) a[v][i] = P::fma(weight[v][j], r[i], a[v][i]);
+    }
+    for (int v = 0; v < NV; ++v)
+      for (int i = 0; i < kParts; ++i) acc[v][i] = a[v][i];
+  }
+  for (int64_t j = to; j < hi; ++j) checked(j);
+  for (int v = 0; v < NV; ++v) {
+    float sums[kLanes];
+    for (int i = 0; i < kParts; ++i) P::store(sums + i * (kLanes / kParts), acc[v][i]);
+    for (int64_t l = 0; l < columns; ++l) out[v][d0 + l] = narrow<T>(sums[l] * inv[v]);
+  }
+}
+
+template <typename P, typename T, int NV = P::kGroup>
 void weigh_dispatch(int nv, int64_t lo, int64_t hi, const int64_t* first, const int64_t* end, const float* const* p,
                     const float* inv, const float* values, int64_t width, int64_t d0, int64_t columns, T* const* out) {
   if constexpr (NV > 1) {
-    if (nv < NV) return weigh_dispatch<T, NV - 1>(nv, lo, hi, first, end, p, inv, values, width, d0, columns, out);
+    if (nv < NV) return weigh_dispatch<P, T, NV - 1>(nv, lo, hi, first, end, p, inv, values, width, d0, columns, out);
   }
-  weigh_values<NV, T>(lo, hi, first, end, p, inv, values, width, d0, columns, out);
+  weigh_values<P, NV, T>(lo, hi, first, end, p, inv, values, width, d0, columns, out);
 }
 
-template <typename T>
+template <typename P, typename T>
 void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows,
                           const at::Tensor& context, const at::Tensor& tables, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, double scale, int64_t window, const int64_t* pos) {
@@ -261,32 +453,14 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
         const Ints position = static_cast<int32_t>((c0 + c) * kLanes) + kIota;
         for (int64_t v = 0; v < nv; ++v) {
           float* s = scores.data() + v * span + c * kLanes;
-          score_keys(qf.data() + v * width, keys.data() + c * kLanes * width, width, fscale, s);
+          P::score(qf.data() + v * width, keys.data() + c * kLanes * width, width, fscale, s);
           const Lanes masked = tile.seen(v, position) ? load_lanes(s) : (Lanes){} + unseen;
           std::memcpy(s, &masked, sizeof(masked));
         }
       }
       // Softmax: e^(s - max), zero where unseen; the sum lane by lane over the chunks, then the lanes.
-      for (int64_t v = 0; v < nv; ++v) {
-        float* s = scores.data() + v * span;
-        Lanes most = (Lanes){} + unseen;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Lanes sc = load_lanes(s + c * kLanes);
-          most = sc > most ? sc : most;
-        }
-        float top = unseen;
-        for (int64_t l = 0; l < kLanes; ++l) top = most[l] > top ? most[l] : top;
-        Lanes sums = {};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Ints position = static_cast<int32_t>((c0 + c) * kLanes) + kIota;
-          const Lanes e = tile.seen(v, position) ? exp_nonpositive(load_lanes(s + c * kLanes) - top) : (Lanes){};
-          std::memcpy(s + c * kLanes, &e, sizeof(e));
-          sums += e;
-        }
-        float lanes[kLanes];
-        std::memcpy(lanes, &sums, sizeof(sums));
-        inv[v] = 1.0f / lane_sum(lanes);
-      }
+      for (int64_t v = 0; v < nv; ++v)
+        inv[v] = 1.0f / P::softmax(scores.data() + v * span, chunks, c0 * kLanes, vfirst[v], vend[v]);
       // Output, 16 columns at a time; p indexed from key lo.
       pv.resize(nv);
       ov.resize(nv);
@@ -294,9 +468,9 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
         pv[v] = scores.data() + v * span + (tile.lo - c0 * kLanes);
         ov[v] = op + (tok[t0 + v / group] * heads + kvh * group + v % group) * dim;
       }
-      for (int64_t v = 0; v < nv; v += kGroup)
+      for (int64_t v = 0; v < nv; v += P::kGroup)
         for (int64_t d0 = 0; d0 < dim; d0 += kLanes)
-          weigh_dispatch<T>(static_cast<int>(std::min<int64_t>(kGroup, nv - v)), tile.lo, tile.hi, vfirst.data() + v,
+          weigh_dispatch<P, T>(static_cast<int>(std::min<int64_t>(P::kGroup, nv - v)), tile.lo, tile.hi, vfirst.data() + v,
                             vend.data() + v, pv.data() + v, inv.data() + v, values.data(), width, d0,
                             std::min<int64_t>(kLanes, dim - d0), ov.data() + v);
     }
@@ -307,7 +481,7 @@ void paged_attention_impl(const at::Tensor& q, at::Tensor& out, const at::Tensor
 
 void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor rows, at::Tensor context,
                      at::Tensor tables, at::Tensor k_cache, at::Tensor v_cache, double scale, int64_t window,
-                     const c10::optional<at::Tensor>& positions) {
+                     const c10::optional<at::Tensor>& positions, const std::string& isa) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
               "q and out must be contiguous [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -329,12 +503,24 @@ void paged_attention(at::Tensor q, at::Tensor out, at::Tensor tokens, at::Tensor
     for (int64_t i = 0; i < tokens.numel(); ++i)
       TORCH_CHECK(0 <= pos[i] && pos[i] < ctx[i], "a token sees its own position's key");
   }
-  if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
-    paged_attention_impl<c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
-  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_attention: float32 or bfloat16 only");
+  const bool portable = isa == "portable" || (isa == "auto" && runnable_isas().empty());
+  const Isa chosen = portable ? Isa::kAvx2 : float_isa(choose_isa(isa));
+  auto run = [&](auto policy) {
+    using P = decltype(policy);
+    if (q.scalar_type() == at::kFloat)
+      paged_attention_impl<P, float>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
+    else
+      paged_attention_impl<P, c10::BFloat16>(q, out, tokens, rows, context, tables, k_cache, v_cache, scale, window, pos);
+  };
+#if defined(STREAMQ_AVX512)
+  if (!portable && chosen == Isa::kAvx512) return run(Avx512Lanes{});
+#endif
+#if defined(STREAMQ_AVX2)
+  if (!portable && chosen == Isa::kAvx2) return run(Avx2Lanes{});
+#endif
+  run(Portable{});
 }
 
 }  // namespace streamq

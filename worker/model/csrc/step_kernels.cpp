@@ -278,7 +278,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache", &rope_cache, "rotary on q and k; k and v written to the cache");
   m.def("paged_attention", &paged_attention, "attention over the paged cache, read in place", py::arg("q"),
         py::arg("out"), py::arg("tokens"), py::arg("rows"), py::arg("context"), py::arg("tables"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("scale"), py::arg("window") = 0, py::arg("positions") = py::none());
+        py::arg("v_cache"), py::arg("scale"), py::arg("window") = 0, py::arg("positions") = py::none(),
+        py::arg("isa") = "auto");
   m.def("pack_panels", &pack_panels, "a weight [N, K] in 32-column panels, for panel_linear");
   m.def("panel_linear", &panel_linear, "x @ w.T (+ bias), w as pack_panels(w) and its row count (panel_dtypes)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias"), py::arg("isa") = "auto");
