@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace streamq {
 namespace {
@@ -272,15 +273,20 @@ inline float softmax_avx2(float* s, int64_t chunks, int64_t from, int64_t first,
   return lane_sum(lanes);
 }
 
+// 16 lanes in the vectors of simd.h's S (kParts of them): the output sums' operations.
+template <class S>
+struct LanesOf {
+  static constexpr int kParts = kLanes / S::kWidth;
+  using Part = typename S::F;
+  static Part zero() { return S::zero(); }
+  static Part load(const float* p) { return S::load(p); }
+  static Part fma(float a, Part b, Part c) { return S::fma(S::broadcast(a), b, c); }
+  static void store(float* p, Part v) { S::store(p, v); }
+};
+
 // 16 lanes as two AVX2 vectors.
-struct Avx2Lanes {
+struct Avx2Lanes : LanesOf<Avx2> {
   static constexpr int kGroup = 6;  // 12 accumulators of the 16 registers
-  static constexpr int kParts = 2;  // 8 lanes a vector
-  using Part = __m256;
-  static Part zero() { return _mm256_setzero_ps(); }
-  static Part load(const float* p) { return _mm256_loadu_ps(p); }
-  static Part fma(float a, Part b, Part c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
-  static void store(float* p, Part v) { _mm256_storeu_ps(p, v); }
   // Four keys (rows of k, `width` apart): q . key's 16 lane sums (lane l over d = l, l + 16, ...),
   // then lanes l + l + 8, into y[0..3]. Four keys share each load of q.
   static void halves4(const float* q, const float* k, int64_t width, __m256* y) {
@@ -306,14 +312,8 @@ struct Avx2Lanes {
 
 #if defined(STREAMQ_AVX512)
 // 16 lanes as one AVX-512 vector.
-struct Avx512Lanes {
+struct Avx512Lanes : LanesOf<Avx512> {
   static constexpr int kGroup = 12;
-  static constexpr int kParts = 1;
-  using Part = __m512;
-  static Part zero() { return _mm512_setzero_ps(); }
-  static Part load(const float* p) { return _mm512_loadu_ps(p); }
-  static Part fma(float a, Part b, Part c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
-  static void store(float* p, Part v) { _mm512_storeu_ps(p, v); }
   static void halves4(const float* q, const float* k, int64_t width, __m256* y) {
     __m512 acc[4];
     for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
