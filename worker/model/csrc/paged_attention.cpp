@@ -16,7 +16,7 @@
 //
 // Three forms of the same sums, chosen per call (`isa`): plain loops over 16 lanes ("portable",
 // vectorised by the compiler as it can), and AVX2 and AVX-512 intrinsics for the scores' dot
-// products and lane tree and for the output's sums. Each lane runs the same operations in the
+// products and lane tree, the softmax and the output's sums. Each lane runs the same operations in the
 // same order in all three, so every ISA gives the same bits (tested): a request replayed on
 // another machine continues with the same numbers.
 #include <torch/extension.h>
@@ -159,9 +159,6 @@ inline void score_keys(const float* q, const float* k, int64_t width, float scal
   std::memcpy(s, &out, sizeof(out));
 }
 
-// Columns d0 .. d0 + 15 of NV query vectors' outputs: the sum over keys lo .. hi - 1 in order of
-// p[v][j] * v_j (values: rows of width floats from key lo), each vector over its own keys
-// first[v] .. end[v] - 1 only, one fused multiply-add a term; then times its 1 / (sum of p).
 // A query vector's scores s (chunks of 16 keys from key `from`, -inf where unseen) -> e^(s - max)
 // where it sees the key (first .. end - 1), exact zeros elsewhere; returns their sum: lane by lane
 // over the chunks in order, then the lanes in lane_sum's tree.
@@ -334,6 +331,9 @@ struct Avx512Lanes : LanesOf<Avx512> {
 };
 #endif
 
+// Columns d0 .. d0 + 15 of NV query vectors' outputs: the sum over keys lo .. hi - 1 in order of
+// p[v][j] * v_j (values: rows of width floats from key lo), each vector over its own keys
+// first[v] .. end[v] - 1 only, one fused multiply-add a term; then times its 1 / (sum of p).
 template <typename P, int NV, typename T>
 void weigh_values(int64_t lo, int64_t hi, const int64_t* first, const int64_t* end, const float* const* p,
                   const float* inv, const float* values, int64_t width, int64_t d0, int64_t columns, T* const* out) {
