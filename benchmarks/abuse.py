@@ -331,20 +331,16 @@ def main() -> None:
             victim.tier = name.rsplit(" ", 1)[1] if name.startswith("flex flood") else None
             alone, beside, lost, probes, figures, each = [], [], 0, [], [], []
             for _ in range(args.rounds):
-                ttfts, bad = victim.run(args.seconds)
-                alone += ttfts
-                lost += bad
-                each.append(pct(ttfts, .99))
+                before, lost_before = victim.run(args.seconds)
                 with Prober(url) as probe, attacker_process() as pool:
                     result = pool.submit(attack, *attack_args)
                     if name.startswith("flex flood"):
                         time.sleep(5)  # the flood fills the batch first
-                    ttfts, bad = victim.run(args.seconds)
+                    during, lost_during = victim.run(args.seconds)
                     figures.append(result.result())  # a flood's threads end their requests in flight first
-                beside += ttfts
-                lost += bad
-                probes += probe.times
-                each[-1] = f"{each[-1] * 1000:.0f} / {pct(ttfts, .99) * 1000:.0f}"
+                alone, beside, probes = alone + before, beside + during, probes + probe.times
+                lost += lost_before + lost_during
+                each.append(f"{pct(before, .99) * 1000:.0f} / {pct(during, .99) * 1000:.0f}")
             if args.rounds > 1:
                 figures.append(f"p99 alone / beside in each round (ms): {', '.join(each)}")
             rows.append([name, f"{pct(beside, .5) * 1000:.0f}", f"{pct(beside, .99) * 1000:.0f}",
