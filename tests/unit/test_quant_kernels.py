@@ -256,3 +256,78 @@ def test_rows_read_back_from_every_packing_are_the_dequantized_rows(ops, isa, bi
     if quant.packed is not None:
         with pytest.raises(RuntimeError, match="out of range"):
             quant.rows(torch.tensor([96]))
+
+
+def stepped_weight(n: int, k: int, bits: int, group: int, per: int, offset: bool, gen: torch.Generator) -> QuantizedWeight:
+    """A k-quant's shape of weight: each group's scale (and offset) a small integer times an
+    fp16 step its `per` groups share (Q4_K: 4-bit, groups of 32, 8 a step, offsets; Q6_K: 8-bit,
+    groups of 16, 16 a step, signed integers)."""
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
+    supers = k // group // per
+
+    def stepped(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = (torch.rand((n, supers), generator=gen) * 0.01).half().float()
+        steps[0, 0] = 0  # a block of zeros: its integers are 0
+        whole = torch.randint(lo, hi, (n, k // group), generator=gen).float()
+        return steps, steps.repeat_interleave(per, dim=1) * whole
+    steps, scale = stepped(-128, 128) if bits == 8 else stepped(0, 64)
+    offset_steps, offsets = stepped(0, 64) if offset else (None, None)
+    return QuantizedWeight(q, scale, offsets, group, bits, steps, offset_steps)
+
+
+def plain(w: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(w.q, w.scale, w.offset, w.group, w.bits)
+
+
+K_QUANTS = [(4, 32, 8, True), (8, 16, 16, False), (8, 32, 8, True)]  # Q4_K, Q6_K, Q5_K (codes 8 bits wide)
+
+
+@pytest.mark.parametrize("bits,group,per,offset", K_QUANTS)
+def test_super_blocks_give_the_plain_packings_bits_in_fewer_bytes(ops, bits, group, per, offset):
+    """A k-quant's scales packed as a byte a group under a float step a super-block: the kernel
+    multiplies them back exactly, so every row count gives the plain packing's bits, with and
+    without bias; the rows read back are the dequantized rows; and the weight takes fewer bytes."""
+    if "avx512vnni" not in ops.isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no avx512vnni; its kernels run on: {', '.join(ops.isas)}")
+    gen = torch.Generator().manual_seed(bits + group + per)
+    n, k = 70, 512  # a partial last panel; two super-blocks of 256
+    w, b = stepped_weight(n, k, bits, group, per, offset, gen), torch.randn(n, generator=gen)
+    vnni = kernels.with_isa(ops, "avx512vnni")
+    stepped, flat = Weight(w, b, CPU, vnni), Weight(plain(w), b, CPU, vnni)
+    assert (stepped.quant.per, flat.quant.per) == (per, 0)
+    assert stepped.quant.nbytes() < flat.quant.nbytes()
+    for rows in ROWS:
+        x = torch.randn((rows, k), generator=gen)
+        assert torch.equal(stepped(x), flat(x)), rows
+    Reference(w, b).check(stepped(x), x, "512 rows", "avx512vnni")
+    index = torch.tensor([69, 0, 33, 33, 64, 5, 31, 32])
+    assert torch.equal(stepped.quant.rows(index), w.dequantize()[index])
+    layers = ops.Projection.quantized_int8(stepped.quant.packed, n, group, bits, b, per)
+    assert torch.equal(layers(x[:1]), flat(x[:1]))
+
+
+def test_a_scale_that_is_not_a_whole_multiple_of_its_step_is_refused(ops):
+    if "avx512vnni" not in ops.isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no avx512vnni; its kernels run on: {', '.join(ops.isas)}")
+    gen = torch.Generator().manual_seed(5)
+    w = stepped_weight(32, 256, 4, 32, 8, True, gen)
+    w.scale[3, 2] += w.steps[3, 0] / 2
+    with pytest.raises(RuntimeError, match="not a whole multiple"):
+        ops.pack_quantized_int8(w.q, w.scale, w.offset, 4, w.steps, w.offset_steps)
+
+
+def test_q4_k_beside_q6_k_keeps_its_steps_when_stacked(ops):
+    """A Q4_K_M layer's q and k (Q4_K) beside its v (Q6_K): one projection that keeps the steps
+    (both span 256 of k), dequantizes to the parts and, on VNNI, gives the plain packing's bits."""
+    gen = torch.Generator().manual_seed(17)
+    parts = [stepped_weight(32, 256, 4, 32, 8, True, gen), stepped_weight(16, 256, 8, 16, 16, False, gen)]
+    fused = concat_rows(parts)
+    assert (fused.bits, fused.group, fused.per) == (8, 16, 16)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert torch.equal(fused.offset_steps[32:], torch.zeros(16, 1))
+    assert concat_rows([parts[0], plain(parts[1])]).steps is None  # steps only where every part has them
+    if "avx512vnni" in ops.isas:
+        vnni = kernels.with_isa(ops, "avx512vnni")
+        x = torch.randn((3, 256), generator=gen)
+        assert torch.equal(Weight(fused, None, CPU, vnni)(x), Weight(plain(fused), None, CPU, vnni)(x))

@@ -23,8 +23,10 @@ from worker.model.quantized import QuantizedWeight
 T = GGMLQuantizationType
 _CHUNK_BLOCKS = 1 << 16  # blocks decoded at a time: bounds the temporaries of a large tensor
 
-# (codes int8 [n, block], scale fp32 [n, block // group], offset fp32 or None)
-Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+# (codes int8 [n, block], scale fp32 [n, block // group], offset fp32 or None), and for the
+# k-quants the block's steps (fp32 [n, 1]: scale = step * an int8 exactly) and offset step or None
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                    np.ndarray, np.ndarray | None]
 
 
 class UnsupportedTensorType(ValueError):
@@ -123,7 +125,8 @@ def _q5_1(b: np.ndarray) -> Decoded:  # w = d * code + m
 
 def _q4_k(b: np.ndarray) -> Decoded:  # d, dmin, 12 scale bytes, 128 bytes of nibbles in runs of 32
     sc, mn = _k_scales(b[:, 4:16])
-    return _nibbles(b[:, 16:], 32).view(np.int8), _f16(b, 0) * sc, _f16(b, 2) * mn
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return _nibbles(b[:, 16:], 32).view(np.int8), d * sc, dmin * mn, d, dmin
 
 
 def _q5_k(b: np.ndarray) -> Decoded:  # d, dmin, 12 scale bytes, 32 bytes of fifth bits, 128 of nibbles
@@ -132,7 +135,8 @@ def _q5_k(b: np.ndarray) -> Decoded:  # d, dmin, 12 scale bytes, 32 bytes of fif
     # Bit j of byte i is the fifth bit of code 32 * j + i: sub-block j takes bit j of all 32 bytes.
     high = _high_bits(b[:, 16:48].reshape(n * 32, 1), 8).reshape(n, 32, 8).transpose(0, 2, 1)
     codes = _nibbles(b[:, 48:], 32) | (high.reshape(n, 256) << 4)
-    return codes.view(np.int8), _f16(b, 0) * sc, _f16(b, 2) * mn
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return codes.view(np.int8), d * sc, dmin * mn, d, dmin
 
 
 def _q6_k(b: np.ndarray) -> Decoded:  # 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
@@ -141,8 +145,8 @@ def _q6_k(b: np.ndarray) -> Decoded:  # 128 bytes low nibbles, 64 bytes of 2-bit
     # Byte i of a half's 32 qh bytes holds, at bits 2j..2j+1, the high bits of code 32 * j + i.
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     codes = low | ((qh & 0x03).reshape(n, 256) << 4)
-    scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
-    return codes.view(np.int8) - np.int8(32), scale, None
+    d = _f16(b, 208)
+    return codes.view(np.int8) - np.int8(32), d * b[:, 192:208].view(np.int8).astype(np.float32), None, d, None
 
 
 # type -> (decoder, group, bits): how each block format maps onto QuantizedWeight.
@@ -168,18 +172,28 @@ def decode_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, size)
     if blocks.shape[0] * block != n * k:
         raise ValueError(f"{blocks.shape[0]} blocks of {qtype.name} do not hold a weight of shape {shape}")
-    codes = np.empty((blocks.shape[0], block), np.int8)
-    scale = np.empty((blocks.shape[0], block // group), np.float32)
-    offset = None
-    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        end = min(start + _CHUNK_BLOCKS, blocks.shape[0])
-        q, s, o = decoder(blocks[start:end])
+    count = blocks.shape[0]
+    codes = np.empty((count, block), np.int8)
+    scale = np.empty((count, block // group), np.float32)
+    offset = steps = offset_steps = None
+    for start in range(0, count, _CHUNK_BLOCKS):
+        end = min(start + _CHUNK_BLOCKS, count)
+        q, s, o, *stepped = decoder(blocks[start:end])
         codes[start:end], scale[start:end] = q, s
         if o is not None:
             offset = np.empty_like(scale) if offset is None else offset
             offset[start:end] = o
-    return QuantizedWeight(torch.from_numpy(codes).view(n, k), torch.from_numpy(scale).view(n, k // group),
-                           None if offset is None else torch.from_numpy(offset).view(n, k // group), group, bits)
+        if stepped:
+            steps = np.empty((count, 1), np.float32) if steps is None else steps
+            steps[start:end] = stepped[0]
+            if stepped[1] is not None:
+                offset_steps = np.empty((count, 1), np.float32) if offset_steps is None else offset_steps
+                offset_steps[start:end] = stepped[1]
+
+    def rows(a: np.ndarray | None, width: int) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(a).view(n, width)
+    return QuantizedWeight(rows(codes, k), rows(scale, k // group), rows(offset, k // group), group, bits,
+                           rows(steps, k // block), rows(offset_steps, k // block))
 
 
 def tensor_dims(tensor: ReaderTensor) -> tuple[int, ...]:

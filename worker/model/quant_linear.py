@@ -15,6 +15,7 @@ benchmarks/quant_kernels.py measures them beside these kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -53,7 +54,7 @@ class QuantLinear:
 
     def __init__(self, w: QuantizedWeight, bias: torch.Tensor | None, kernels: ModuleType | Any | None = None):
         self.n, self.k = w.shape
-        self.group, self.bits, self.bias = w.group, w.bits, bias
+        self.group, self.bits, self.bias, self.per = w.group, w.bits, bias, 0
         isa = getattr(kernels, "isa", "auto") if kernels is not None else "portable"
         self.isa = "portable" if kernels is None or not kernels.isas else isa
         # int8 activations on VNNI where "auto" picks it or it is asked for, and the groups are whole quads
@@ -62,9 +63,11 @@ class QuantLinear:
         if self.isa == "portable":
             self.packed, self.codes = None, _pack_codes(w.q, w.bits)
             self.scale, self.offset = w.scale, w.offset
-        elif self.int8:
-            self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, w.bits)
-            self.linear, self.read_rows = kernels.quant_linear_int8, kernels.quantized_int8_rows
+        elif self.int8:  # a k-quant's super-blocks packed as such: a byte a group's scale, not a float
+            self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, w.bits, w.steps, w.offset_steps)
+            self.per = w.per
+            self.linear = functools.partial(kernels.quant_linear_int8, per=self.per)
+            self.read_rows = functools.partial(kernels.quantized_int8_rows, per=self.per)
         else:
             self.packed = kernels.pack_quantized(w.q, w.scale, w.offset, w.bits)
             self.linear, self.read_rows = kernels.quant_linear, kernels.quantized_rows
@@ -103,7 +106,7 @@ class QuantLinear:
         if self.packed is None:
             return None
         if self.int8:
-            return ops.Projection.quantized_int8(self.packed, self.n, self.group, self.bits, self.bias)
+            return ops.Projection.quantized_int8(self.packed, self.n, self.group, self.bits, self.bias, self.per)
         return ops.Projection.quantized(self.packed, self.n, self.group, self.bits, self.bias, self.isa)
 
     def _portable(self, x: torch.Tensor) -> torch.Tensor:

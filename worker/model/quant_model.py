@@ -8,6 +8,10 @@ and dequantises only the step's rows, and no float copy of a quantized weight is
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+
 import torch
 from torch import nn
 
@@ -103,12 +107,27 @@ def install_embedding(model: nn.Module, dtype: torch.dtype, head=None) -> None:
 def release_projections(model: nn.Module) -> None:
     """Drop the modules' references to their quantized weights once a runner's fused Weights hold
     them packed (unpacked, a 4-bit code takes a byte); no other runner can be built on the model
-    after. A quantized embedding keeps its table. A model with nothing quantized is left as it is."""
+    after. A quantized embedding keeps its table. A model with nothing quantized is left as it is.
+    Then the freed heap goes back to the system (glibc keeps it resident otherwise: a 1.5B Q4_K_M
+    worker held 3.9 GB where 2.0 GB are in use)."""
     if not is_quantized(model):
         return
     for module in [*(m for layer in model.model.layers for m in projections(layer)), model.lm_head]:
         if quantized(module) is not None:
             del module.quantized
+    gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim); nothing where the C library
+    has no such call."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -28,6 +28,8 @@ class QuantizedWeight:
     offset: torch.Tensor | None  # float32 [N, K // group], or None for 0
     group: int
     bits: int  # 4 or 8
+    steps: torch.Tensor | None = None  # float32 [N, K // group // per]: scale = step * an int8, exactly
+    offset_steps: torch.Tensor | None = None  # the same for offset, where there are both
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -37,6 +39,20 @@ class QuantizedWeight:
         if self.scale.shape != (n, k // self.group) or (self.offset is not None and self.offset.shape != self.scale.shape):
             raise ValueError(f"scales {tuple(self.scale.shape)} do not fit q {tuple(self.q.shape)} in groups of "
                              f"{self.group}")
+        if self.steps is not None:
+            supers = self.steps.shape[1] if self.steps.dim() == 2 else 0
+            if self.steps.shape[0] != n or not supers or (k // self.group) % supers:
+                raise ValueError(f"steps {tuple(self.steps.shape)} do not fit scales {tuple(self.scale.shape)}")
+            if (self.offset_steps is None) != (self.offset is None) or (
+                    self.offset_steps is not None and self.offset_steps.shape != self.steps.shape):
+                raise ValueError("offset steps go with offsets, shaped as the steps")
+        elif self.offset_steps is not None:
+            raise ValueError("offset steps without steps")
+
+    @property
+    def per(self) -> int:
+        """Groups a step holds, or 0 where the weight has no steps."""
+        return 0 if self.steps is None else self.scale.shape[1] // self.steps.shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,8 +68,10 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows `index` (a permutation or a selection), still quantized."""
-        return QuantizedWeight(self.q[index], self.scale[index],
-                               None if self.offset is None else self.offset[index], self.group, self.bits)
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+        return QuantizedWeight(self.q[index], self.scale[index], pick(self.offset), self.group, self.bits,
+                               pick(self.steps), pick(self.offset_steps))
 
     def nbytes(self) -> int:
         """Bytes this weight holds in memory as packed (codes at `bits`, scales and offsets fp32)."""
@@ -81,17 +99,21 @@ def quantize(w: torch.Tensor, bits: int, group: int = 32) -> QuantizedWeight:
     raise ValueError(f"bits must be 4 or 8, not {bits}")
 
 
-def _widened(w: QuantizedWeight, bits: int, group: int, with_offset: bool) -> QuantizedWeight:
+def _widened(w: QuantizedWeight, bits: int, group: int, with_offset: bool, with_steps: bool) -> QuantizedWeight:
     """`w` in a format that holds it exactly: wider code storage (4-bit codes are 0..15, valid at 8
-    bits too), smaller groups (each scale repeated), or a zero offset where it had none."""
+    bits too), smaller groups (each scale repeated; a step then holds more of them), or a zero
+    offset (and offset step) where it had none; its steps kept where `with_steps`."""
     repeat = w.group // group
     scale = w.scale.repeat_interleave(repeat, dim=1) if repeat > 1 else w.scale
     offset = w.offset
     if offset is not None and repeat > 1:
         offset = offset.repeat_interleave(repeat, dim=1)
+    steps = w.steps if with_steps else None
+    offset_steps = w.offset_steps if with_steps else None
     if offset is None and with_offset:
         offset = torch.zeros_like(scale)
-    return QuantizedWeight(w.q, scale, offset, group, bits)
+        offset_steps = None if steps is None else torch.zeros_like(steps)
+    return QuantizedWeight(w.q, scale, offset, group, bits, steps, offset_steps)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -113,6 +135,12 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if any(w.group % group for w in weights):
         raise ValueError(f"groups {[w.group for w in weights]} do not divide into {group}")
     with_offset = any(w.offset is not None for w in weights)
-    parts = [_widened(w, bits, group, with_offset) for w in weights]
-    return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           torch.cat([p.offset for p in parts]) if with_offset else None, group, bits)
+    # steps kept where every part has them over the same span of k (so the same count a row)
+    with_steps = all(w.steps is not None for w in weights) and len({w.steps.shape[1] for w in weights}) == 1
+    parts = [_widened(w, bits, group, with_offset, with_steps) for w in weights]
+
+    def cat(name: str) -> torch.Tensor | None:
+        found = [getattr(p, name) for p in parts]
+        return None if found[0] is None else torch.cat(found)
+    return QuantizedWeight(torch.cat([p.q for p in parts]), cat("scale"), cat("offset"), group, bits, cat("steps"),
+                           cat("offset_steps"))

@@ -41,6 +41,8 @@ inline int64_t group_bytes(int64_t group, int64_t bits, bool offset) {
 }
 // Where a packing puts the `group` codes of panel column j (0..31) in its group's bytes.
 using PlaceCode = void (*)(uint8_t* block, int64_t j, const int8_t* codes, int64_t group, int64_t bits);
+// The checks of a pack_quantized*'s arguments: q [N, K] int8 (4-bit: 0..15), scale and offset [N, K / group].
+void check_pack(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& offset, int64_t bits);
 // The checked arguments of a pack_quantized*: codes q [N, K], scale and offset [N, K / group], each
 // group's codes placed by `place` and followed by its scales and offsets.
 at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits, PlaceCode place);
@@ -55,10 +57,13 @@ at::Tensor quantized_rows(at::Tensor packed, at::Tensor rows, int64_t group, int
 bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, int64_t bits,
                       const c10::optional<at::Tensor>& bias, const char* name, const char* packer);
 
-// quant_linear_int8.cpp: the same weights in VNNI's layout, x rounded to int8 ("avx512vnni").
-at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits);
+// quant_linear_int8.cpp: the same weights in VNNI's layout, x rounded to int8 ("avx512vnni"). With
+// `steps` (and `offset_steps`) [N, groups / per]: the super-block packing, each group's scale (and
+// offset) an int8 multiple of its column's step, `per` groups a step; its calls pass `per`.
+at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
+                               c10::optional<at::Tensor> steps, c10::optional<at::Tensor> offset_steps);
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
-                             c10::optional<at::Tensor> bias);
-at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits);
+                             c10::optional<at::Tensor> bias, int64_t per);
+at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits, int64_t per);
 
 }  // namespace streamq

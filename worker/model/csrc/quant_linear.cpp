@@ -159,8 +159,7 @@ void dispatch_bits(int64_t bits, const float* x, const float* xsum, const uint8_
 
 }  // namespace
 
-at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
-                       PlaceCode place) {
+void check_pack(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& offset, int64_t bits) {
   check_rows(q, "q");
   check_rows(scale, "scale");
   TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "q: int8, scale: float32");
@@ -172,6 +171,12 @@ at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor>
     TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat, "offset must match scale");
   }
   if (bits == 4) TORCH_CHECK(q.min().item<int>() >= 0 && q.max().item<int>() <= 15, "4-bit codes must be 0..15");
+}
+
+at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
+                       PlaceCode place) {
+  check_pack(q, scale, offset, bits);
+  const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
   const int64_t group = k / groups, stride = group_bytes(group, bits, offset.has_value()), panels = (n + 31) / 32;
   at::Tensor packed = at::zeros({panels, groups, stride}, q.options().dtype(at::kByte));
   const int8_t* qp = q.data_ptr<int8_t>();

@@ -16,6 +16,16 @@
 // 8-bit: 128 bytes a quad, columns 0-15 then 16-31, each code stored as c + 128 (VPDPBUSD takes
 // the weight's bytes unsigned), taken off again as 128 * sum xq. 4-bit: 64 bytes a quad, columns
 // 0-15 in the low nibbles, 16-31 in the high ones. Then 32 scales, then 32 offsets where there are.
+//
+// Super-blocks (`per` > 0): where each group's scale (and offset) is a small integer times a step
+// that `per` consecutive groups share, as llama.cpp's k-quants store them (Q4_K and Q5_K: 8 groups
+// of 32 under one fp16 d and dmin, 6-bit integers; Q6_K: 16 groups of 16 under one d, int8), the
+// packing keeps per column the shared steps in fp32 and per group its integers in one byte each,
+// and the kernel multiplies them back (exact in fp32: an fp16 times an integer below 2^8), so its
+// bits are the plain packing's. A Q4_K weight takes 4.75 bits instead of 6, a Q6_K one 8.6 instead
+// of 10: a decode step reads that many fewer bytes. Layout [ceil(N / 32), K / group / per,
+// super_bytes]: 32 steps (then 32 offset steps), then per group its codes (the quads above), 32
+// int8 scale integers, then 32 offset integers.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -29,6 +39,11 @@
 
 namespace streamq {
 namespace {
+
+// A super-block's bytes: its steps, then per group the codes and one byte a column per integer.
+inline int64_t super_bytes(int64_t group, int64_t bits, bool offset, int64_t per) {
+  return kPanel * 4 * (offset ? 2 : 1) + per * (group * kPanel * bits / 8 + kPanel * (offset ? 2 : 1));
+}
 
 #if defined(STREAMQ_VNNI)
 // The rows' activations as the kernel reads them: codes [m, k], and per row and group the step dx,
@@ -73,10 +88,18 @@ struct Block {
   const float* xsum;  // where the weight has offsets
   int64_t k;
   const uint8_t* panel;
-  int64_t panel_bytes, group, stride;
+  int64_t panel_bytes, group, stride;  // stride: a group's bytes, or a super-block's where per > 0
   bool offset;
+  int64_t per;  // groups a super-block, or 0
   float* total;  // [R][P * 32]
 };
+
+// The 16 scales from `v` * 16 of a group: the plain packing's floats, or step times integer.
+inline __m512 scales_at(const uint8_t* floats, const float* steps, int v) {
+  if (!steps) return _mm512_loadu_ps(reinterpret_cast<const float*>(floats) + 16 * v);
+  const __m512i whole = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(floats + 16 * v)));
+  return _mm512_mul_ps(_mm512_loadu_ps(steps + 16 * v), _mm512_cvtepi32_ps(whole));
+}
 
 // R rows over P adjacent panels: per group, R x P x 2 int32 accumulators of 16 columns, folded
 // into R x P x 2 float totals with the group's scales and offsets.
@@ -88,8 +111,12 @@ void int8_block(const Block& b) {
   __m512 total[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) total[r][j][0] = total[r][j][1] = _mm512_setzero_ps();
+  const int64_t code_bytes = b.group * kPanel * Bits / 8;
+  const int64_t head = b.per ? kPanel * 4 * (b.offset ? 2 : 1) : 0;
+  const int64_t group_stride = b.per ? code_bytes + kPanel * (b.offset ? 2 : 1) : b.stride;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* codes = b.panel + g * b.stride;
+    const uint8_t* super = b.per ? b.panel + (g / b.per) * b.stride : nullptr;
+    const uint8_t* codes = b.per ? super + head + (g % b.per) * group_stride : b.panel + g * b.stride;
     __m512i acc[R][P][2];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_si512();
@@ -117,10 +144,13 @@ void int8_block(const Block& b) {
       }
     }
     for (int j = 0; j < P; ++j) {
-      const float* scale = reinterpret_cast<const float*>(codes + j * b.panel_bytes + quads * quad_bytes);
+      const uint8_t* scale = codes + j * b.panel_bytes + code_bytes;
+      const float* steps = super ? reinterpret_cast<const float*>(super + j * b.panel_bytes) : nullptr;
+      const int64_t offsets = super ? kPanel : kPanel * 4;  // where a group's offsets follow its scales
       for (int v = 0; v < 2; ++v) {
-        const __m512 s = _mm512_loadu_ps(scale + 16 * v);
-        const __m512 o = b.offset ? _mm512_loadu_ps(scale + kPanel + 16 * v) : _mm512_setzero_ps();
+        const __m512 s = scales_at(scale, steps, v);
+        const __m512 o = b.offset ? scales_at(scale + offsets, steps ? steps + kPanel : nullptr, v)
+                                  : _mm512_setzero_ps();
         for (int r = 0; r < R; ++r) {
           __m512i sum = acc[r][j][v];
           if constexpr (Bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * b.xqsum[r * groups + g]));
@@ -140,10 +170,11 @@ void int8_block(const Block& b) {
 // four or two panels at once, so that enough independent sums are in flight.
 template <int Bits>
 void int8_impl(const Rounded& xr, const uint8_t* packed, const float* bias, float* out, int64_t m, int64_t k,
-               int64_t n, int64_t group, bool offset) {
+               int64_t n, int64_t group, bool offset, int64_t per) {
   constexpr int64_t max_rows = 6;
-  const int64_t stride = group_bytes(group, Bits, offset), panels = (n + kPanel - 1) / kPanel;
-  const int64_t groups = k / group, panel_bytes = groups * stride;
+  const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel;
+  const int64_t stride = per ? super_bytes(group, Bits, offset, per) : group_bytes(group, Bits, offset);
+  const int64_t panel_bytes = (per ? groups / per : groups) * stride;
   const int64_t wide = m == 1 ? 4 : m == 2 ? 2 : 1;
   // A task's work: VPDPBUSD does 64 products, the float kernels' FMA 16; the grain counts FMAs.
   at::parallel_for(0, panels, std::max<int64_t>(1, panel_grain(m, k) * 4), [&](int64_t begin, int64_t end) {
@@ -154,7 +185,7 @@ void int8_impl(const Rounded& xr, const uint8_t* packed, const float* bias, floa
         const int64_t rows = std::min(max_rows, m - r0);
         const Block b{xr.xq.data() + r0 * k, xr.dx.data() + r0 * groups, xr.xqsum.data() + r0 * groups,
                       offset ? xr.xsum.data() + r0 * groups : nullptr, k, packed + p * panel_bytes, panel_bytes,
-                      group, stride, offset, total};
+                      group, stride, offset, per, total};
         if (count == 4) {
           int8_block<Bits, 1, 4>(b);
         } else if (count == 2) {
@@ -190,42 +221,166 @@ void check_vnni(const char* name) {
               ": this CPU and build have no AVX-512 VNNI; their kernels run on: ", joined(isas));
 }
 
+
+// VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes.
+void place_vnni(uint8_t* block, int64_t j, const int8_t* codes, int64_t group, int64_t bits) {
+  for (int64_t i = 0; i < group; ++i) {
+    uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
+    const auto code = static_cast<uint8_t>(codes[i]);
+    if (bits == 8)
+      quad[4 * j + i % 4] = code ^ 0x80;  // c + 128
+    else
+      quad[4 * (j % 16) + i % 4] |= j < 16 ? code : uint8_t(code << 4);
+  }
+}
+
+int read_vnni(const uint8_t* block, int64_t j, int64_t i, int64_t bits) {
+  const uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
+  if (bits == 8) return static_cast<int>(quad[4 * j + i % 4]) - 128;
+  const uint8_t byte = quad[4 * (j % 16) + i % 4];
+  return j < 16 ? byte & 15 : byte >> 4;
+}
+
+// `value` as a whole multiple of `step` in int8, exactly (a k-quant's scale is its fp16 step times
+// a 6- or 8-bit integer), or an error naming what does not fit.
+int8_t whole(float value, float step, const char* what) {
+  if (step == 0.0f) {
+    TORCH_CHECK(value == 0.0f, "pack_quantized_int8: a ", what, " of ", value, " under a step of 0");
+    return 0;
+  }
+  const float i = std::nearbyint(value / step);
+  TORCH_CHECK(i >= -128.0f && i <= 127.0f && i * step == value, "pack_quantized_int8: the ", what, " ", value,
+              " is not a whole multiple (-128..127) of its step ", step);
+  return static_cast<int8_t>(i);
+}
+
+// The super-block packing (above): the groups' codes as pack_groups places them, their scales and
+// offsets as int8 multiples of the per-column steps.
+at::Tensor pack_super(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                      int64_t bits, const at::Tensor& steps, const c10::optional<at::Tensor>& offset_steps) {
+  check_rows(steps, "steps");
+  TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.size(0) == q.size(0) && steps.size(1) > 0 &&
+                  scale.size(1) % steps.size(1) == 0, "pack_quantized_int8: steps must be float32 [N, groups / per]");
+  TORCH_CHECK(offset.has_value() == offset_steps.has_value(), "pack_quantized_int8: offsets and their steps go together");
+  if (offset_steps) {
+    check_rows(*offset_steps, "offset_steps");
+    TORCH_CHECK(offset_steps->sizes() == steps.sizes() && offset_steps->scalar_type() == at::kFloat,
+                "pack_quantized_int8: offset_steps must match steps");
+  }
+  const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1), group = k / groups, supers = steps.size(1);
+  const int64_t per = groups / supers, panels = (n + kPanel - 1) / kPanel;
+  const bool has_offset = offset.has_value();
+  const int64_t head = kPanel * 4 * (has_offset ? 2 : 1), code_bytes = group * kPanel * bits / 8;
+  const int64_t group_stride = code_bytes + kPanel * (has_offset ? 2 : 1);
+  const int64_t stride = super_bytes(group, bits, has_offset, per);
+  at::Tensor packed = at::zeros({panels, supers, stride}, q.options().dtype(at::kByte));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float *sp = scale.data_ptr<float>(), *tp = steps.data_ptr<float>();
+  const float* op = has_offset ? offset->data_ptr<float>() : nullptr;
+  const float* up = has_offset ? offset_steps->data_ptr<float>() : nullptr;
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels * supers, 1, [&](int64_t begin, int64_t end) {  // throws the first error
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / supers, s = item % supers, columns = std::min<int64_t>(kPanel, n - p * kPanel);
+      uint8_t* block = dst + item * stride;
+      float* floats = reinterpret_cast<float*>(block);
+      for (int64_t j = 0; j < columns; ++j) {
+        const int64_t row = p * kPanel + j;
+        floats[j] = tp[row * supers + s];
+        if (has_offset) floats[kPanel + j] = up[row * supers + s];
+        for (int64_t i = 0; i < per; ++i) {
+          const int64_t g = s * per + i;
+          uint8_t* gb = block + head + i * group_stride;
+          place_vnni(gb, j, qp + row * k + g * group, group, bits);
+          gb[code_bytes + j] = static_cast<uint8_t>(whole(sp[row * groups + g], floats[j], "scale"));
+          if (has_offset)
+            gb[code_bytes + kPanel + j] =
+                static_cast<uint8_t>(whole(op[row * groups + g], floats[kPanel + j], "offset"));
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// Whether `packed` is the super-block packing of a weight [n, k] in groups of `group`, `per` a
+// super-block; whether it has offsets.
+bool check_super(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t per,
+                 const char* name) {
+  TORCH_CHECK((bits == 4 || bits == 8) && group > 0 && group % 4 == 0 && per > 0, name, ": bits 4 or 8, group a "
+              "multiple of 4, per > 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (n + kPanel - 1) / kPanel && packed.size(1) * per * group == k,
+              name, ": packed must be pack_quantized_int8's super-blocks of a weight [n, K] in groups of ", group);
+  const bool offset = packed.size(2) == super_bytes(group, bits, true, per);
+  TORCH_CHECK(offset || packed.size(2) == super_bytes(group, bits, false, per), name, ": packed is not ", bits,
+              "-bit in groups of ", group, ", ", per, " a super-block");
+  return offset;
+}
+
 }  // namespace
 
-at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits) {
+at::Tensor pack_quantized_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
+                               c10::optional<at::Tensor> steps, c10::optional<at::Tensor> offset_steps) {
   check_vnni("pack_quantized_int8");
   const int64_t group = q.dim() == 2 && scale.dim() == 2 && scale.size(1) > 0 ? q.size(1) / scale.size(1) : 0;
   TORCH_CHECK(group % 4 == 0, "pack_quantized_int8: a group of ", group, " is not whole quads of k");
-  // VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes.
-  return pack_groups(q, scale, offset, bits, [](uint8_t* block, int64_t j, const int8_t* codes, int64_t group,
-                                                int64_t bits) {
-    for (int64_t i = 0; i < group; ++i) {
-      uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
-      const auto code = static_cast<uint8_t>(codes[i]);
-      if (bits == 8)
-        quad[4 * j + i % 4] = code ^ 0x80;  // c + 128
-      else
-        quad[4 * (j % 16) + i % 4] |= j < 16 ? code : uint8_t(code << 4);
-    }
-  });
+  if (!steps) return pack_groups(q, scale, offset, bits, place_vnni);
+  check_pack(q, scale, offset, bits);
+  return pack_super(q, scale, offset, bits, *steps, offset_steps);
 }
 
-at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits) {
+at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group, int64_t bits, int64_t per) {
   // pack_quantized_int8's layout read back (no VNNI needed to read it).
-  return unpack_rows(packed, rows, group, bits, [](const uint8_t* block, int64_t j, int64_t i, int64_t bits) -> int {
-    const uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
-    if (bits == 8) return static_cast<int>(quad[4 * j + i % 4]) - 128;
-    const uint8_t byte = quad[4 * (j % 16) + i % 4];
-    return j < 16 ? byte & 15 : byte >> 4;
+  if (!per) return unpack_rows(packed, rows, group, bits, read_vnni);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [T]");
+  const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * per * group;
+  const bool offset = check_super(packed, n, k, group, bits, per, "quantized_int8_rows");
+  const int64_t supers = packed.size(1), stride = packed.size(2), code_bytes = group * kPanel * bits / 8;
+  const int64_t head = kPanel * 4 * (offset ? 2 : 1), group_stride = code_bytes + kPanel * (offset ? 2 : 1);
+  const at::Tensor index = rows.contiguous();
+  const int64_t* rp = index.data_ptr<int64_t>();
+  const int64_t t = index.numel();
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < n, "row ", rp[r], " is out of range");
+  at::Tensor out = at::empty({t, k}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t p = rp[r] / kPanel, j = rp[r] % kPanel;
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* block = src + (p * supers + s) * stride;
+        const float* floats = reinterpret_cast<const float*>(block);
+        for (int64_t i = 0; i < per; ++i) {
+          const uint8_t* gb = block + head + i * group_stride;
+          const float scale = floats[j] * static_cast<float>(static_cast<int8_t>(gb[code_bytes + j]));
+          const float shift = offset ? floats[kPanel + j] * static_cast<float>(static_cast<int8_t>(
+                                                                gb[code_bytes + kPanel + j]))
+                                     : 0.0f;
+          float* w = dst + r * k + (s * per + i) * group;
+          for (int64_t c = 0; c < group; ++c) w[c] = static_cast<float>(read_vnni(gb, j, c, bits)) * scale - shift;
+        }
+      }
+    }
   });
+  return out;
 }
 
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
-                             c10::optional<at::Tensor> bias) {
+                             c10::optional<at::Tensor> bias, int64_t per) {
   check_vnni("quant_linear_int8");
   x = x.contiguous();
   TORCH_CHECK(group % 4 == 0, "quant_linear_int8: a group of ", group, " is not whole quads of k");
-  const bool offset = check_quant_call(x, packed, n, group, bits, bias, "quant_linear_int8", "pack_quantized_int8");
+  bool offset;
+  if (per) {
+    check_rows(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear_int8: x float32 or "
+                "bfloat16");
+    offset = check_super(packed, n, x.size(1), group, bits, per, "quant_linear_int8");
+    if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bad bias");
+  } else {
+    offset = check_quant_call(x, packed, n, group, bits, bias, "quant_linear_int8", "pack_quantized_int8");
+  }
   const auto dtype = x.scalar_type();
   const int64_t m = x.size(0), k = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -236,9 +391,9 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t
   const Rounded xr = round_rows(xf.data_ptr<float>(), m, k, group, offset);
   const float* bp = bias ? bf.data_ptr<float>() : nullptr;
   if (bits == 8)
-    int8_impl<8>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset);
+    int8_impl<8>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset, per);
   else
-    int8_impl<4>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset);
+    int8_impl<4>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset, per);
 #endif
   return out.to(dtype);
 }

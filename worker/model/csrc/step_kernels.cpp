@@ -207,6 +207,7 @@ struct Projection {
   c10::optional<at::Tensor> packed, bias;  // oneDNN's prepacked weight, panels, or quantized codes
   int64_t n = 0, group = 0, bits = 0;     // bits > 0: quantized; else panels where isa is set
   std::string isa;
+  int64_t per = 0;                         // quantized_int8's groups a super-block, or 0
 
   static Projection matmul(at::Tensor w, c10::optional<at::Tensor> packed, c10::optional<at::Tensor> bias) {
     return Projection{w, packed, bias, w.size(0), 0, 0, ""};
@@ -219,12 +220,12 @@ struct Projection {
     return Projection{at::Tensor(), codes, bias, n, group, bits, isa};
   }
   static Projection quantized_int8(at::Tensor codes, int64_t n, int64_t group, int64_t bits,
-                                   c10::optional<at::Tensor> bias) {
-    return Projection{at::Tensor(), codes, bias, n, group, bits, "avx512vnni"};
+                                   c10::optional<at::Tensor> bias, int64_t per) {
+    return Projection{at::Tensor(), codes, bias, n, group, bits, "avx512vnni", per};
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (bits && isa == "avx512vnni") return quant_linear_int8(x, *packed, n, group, bits, bias);
+    if (bits && isa == "avx512vnni") return quant_linear_int8(x, *packed, n, group, bits, bias, per);
     if (bits) return quant_linear(x, *packed, n, group, bits, bias, isa);
     if (!isa.empty()) return panel_linear(x, *packed, n, bias, isa);
     return packed ? packed_linear(x, *packed, bias) : at::linear(x, w, bias);
@@ -286,15 +287,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_dtypes_of", &panel_dtypes, "the dtypes panel_linear computes on an isa", py::arg("isa"));
   m.def("pack_quantized", &pack_quantized, "codes q [N, K] int8, scale and offset [N, K / group] -> quant_linear's "
         "packed weight", py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("bits"));
-  m.def("pack_quantized_int8", &pack_quantized_int8, "pack_quantized's arguments -> quant_linear_int8's VNNI layout",
-        py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("bits"));
+  m.def("pack_quantized_int8", &pack_quantized_int8, "pack_quantized's arguments -> quant_linear_int8's VNNI layout; "
+        "with steps [N, groups / per] (and offset_steps), its super-blocks", py::arg("q"), py::arg("scale"),
+        py::arg("offset"), py::arg("bits"), py::arg("steps") = py::none(), py::arg("offset_steps") = py::none());
   m.def("quant_linear_int8", &quant_linear_int8, "x @ w.T (+ bias), x rounded to int8 per row and group, w as "
-        "pack_quantized_int8(...) and its row count", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"),
-        py::arg("bits"), py::arg("bias"));
+        "pack_quantized_int8(...) and its row count (per: its groups a super-block, 0 for none)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("group"), py::arg("bits"), py::arg("bias"), py::arg("per") = 0);
   m.def("quantized_rows", &quantized_rows, "rows (int64) of pack_quantized's weight, dequantized to float32 [T, K]",
         py::arg("packed"), py::arg("rows"), py::arg("group"), py::arg("bits"));
   m.def("quantized_int8_rows", &quantized_int8_rows, "rows (int64) of pack_quantized_int8's weight, dequantized to "
-        "float32 [T, K]", py::arg("packed"), py::arg("rows"), py::arg("group"), py::arg("bits"));
+        "float32 [T, K]", py::arg("packed"), py::arg("rows"), py::arg("group"), py::arg("bits"), py::arg("per") = 0);
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias), w as pack_quantized(...) and its row count",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("group"), py::arg("bits"), py::arg("bias"),
         py::arg("isa") = "auto");
