@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_PROCS ?= 2
 
-.PHONY: run test install clean vllm-env lmeval-env openvino-env gpu-wheels
+.PHONY: run test install clean vllm-env lmeval-env openvino-env gpu-wheels real-gguf
 
 # Re-install when pyproject.toml changes.
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -45,6 +45,11 @@ lmeval-env: $(STAMP)
 ## make openvino-env: a third venv, .venv-openvino, with OpenVINO GenAI, for benchmarks/engine.py --modes openvino (not used by make test)
 openvino-env:
 	scripts/openvino-env.sh .venv-openvino
+
+## make real-gguf SHAPE=qwen2.5-1.5b [TYPE=Q4_K_M]: a random-weight GGUF of a real model's shape (scripts/real_gguf.py; prints its path)
+real-gguf: $(STAMP)
+	@test -n "$(SHAPE)" || { echo "SHAPE= one of qwen2.5-1.5b qwen2.5-3b qwen2.5-7b llama-3.2-3b llama-3.1-8b" >&2; exit 2; }
+	@$(PY) scripts/real_gguf.py $(SHAPE) --type $(or $(TYPE),Q4_K_M)
 
 ## make gpu-wheels: on a machine with network, the wheels benchmarks/gpu_check.sh installs offline (pinned in benchmarks/gpu/wheels.txt) into benchmarks/gpu/wheels
 gpu-wheels:

@@ -1,6 +1,8 @@
 """The worker's own /metrics (its port is in its heartbeat): counts match what was sent."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,3 +72,15 @@ def test_the_worker_says_its_execution_plan_in_readyz_and_its_metrics(stack):
     assert plan["engine"] == "paged" and plan["dtype"] == "float32" and plan["device"] == "cpu"
     assert plan["forward"] in ("llama-kernels", "llama-fused")  # the kernels where they build here
     assert samples[("streamq:worker_plan_info", tuple(sorted(plan.items())))] == 1.0
+
+
+def test_the_worker_says_the_bytes_of_its_weights(stack, tiny_llama):
+    """model_weight_bytes: what a step reads, as held. The tiny model's fp32 weights: each counted
+    (no fewer bytes than its file's), the tied head twice (its table for the embedding, its panels
+    for the kernels), nothing else twice."""
+    files = sum(f.stat().st_size for f in Path(tiny_llama).glob("*.safetensors"))
+    with httpx.Client(timeout=60) as client:
+        [worker] = client.get(f"{stack.urls[0]}/readyz").json()["workers"]
+        samples = scrape(client, f"http://127.0.0.1:{worker['metrics_port']}/metrics")
+    weights = samples[("streamq:model_weight_bytes", ())]
+    assert files <= weights < 2 * files

@@ -103,6 +103,11 @@ class Backend(abc.ABC):
     def plan(self) -> ExecutionPlan:
         """The paths its engine takes (worker/engine/execution_plan.py)."""
 
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights a step reads, as held (quantized ones packed), where it knows them."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Let go of what it holds (its thread, its engine process)."""

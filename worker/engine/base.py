@@ -76,6 +76,11 @@ class BaseEngine(abc.ABC):
         return False
 
     @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights a step reads, as held (quantized ones packed); None where not counted."""
+        return None
+
+    @property
     def adapters(self) -> Adapters | None:
         """The LoRA adapters it serves (None: none; only the paged engine can)."""
         return None

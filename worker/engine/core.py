@@ -114,6 +114,10 @@ class Engine(BaseEngine):
         return self.runner.batch_invariant
 
     @property
+    def weight_bytes(self) -> int | None:
+        return self.runner.weight_bytes()
+
+    @property
     def adapters(self) -> Adapters | None:
         return self.runner.adapters
 

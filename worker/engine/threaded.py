@@ -107,6 +107,10 @@ class Threaded(Backend):
     def plan(self) -> ExecutionPlan:
         return self.engine.plan
 
+    @property
+    def weight_bytes(self) -> int | None:
+        return self.engine.weight_bytes
+
     def counts(self) -> Counts:
         return self.engine.counts()
 

@@ -68,6 +68,8 @@ class WorkerMetrics:
         self.kv_free = Gauge("streamq:kv_cache_blocks_free", "KV-cache blocks free.", registry=r)
         self.plan = Gauge("streamq:worker_plan_info", "1, labelled with the paths this worker's engine takes "
                           "(worker/engine/execution_plan.py).", list(ExecutionPlan.__dataclass_fields__), registry=r)
+        self.weight_bytes = Gauge("streamq:model_weight_bytes", "Bytes of weights a step reads, as held (quantized "
+                                  "ones packed): absent where the engine does not count them.", registry=r)
         self.kv_usage = Gauge("streamq:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                               registry=r)
         self.prefix_queries = Counter("streamq:prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",

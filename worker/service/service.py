@@ -76,6 +76,8 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         self._plan = backend.plan  # decided when the engine was built: read once
         self.metrics.plan.labels(**self._plan.labels()).set(1)
+        if (weights := backend.weight_bytes) is not None:
+            self.metrics.weight_bytes.set(weights)
         self.spans = RequestSpans(self.name)  # where tracing is on (worker/service/tracing.py)
         self.claims = Claims(redis, self.store, backend, self.publisher, self.metrics, self.spans, self.name,
                              self._held, configured=frozenset(settings.lora.paths))
