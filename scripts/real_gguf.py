@@ -13,7 +13,11 @@ cache) and reused when asked again.
 
 Scales: every matrix has the std of transformers' initializer (0.02), the projections that write
 into the residual stream (attn_output, ffn_down) 0.02 / sqrt(2 x layers) as GPT-2's init does, so
-that activations stay in range through every layer and greedy text is not a repeated token. Norms
+that activations stay in range through every layer and greedy text is not a repeated token. The
+final norm's weight is 4 / (0.02 x sqrt(hidden)), so that the logits spread with a std of about 4
+as a trained model's do (with ones they were nearly flat: the two best apart by 0.01 to 0.1 at
+most steps, and any rounding picked another); scaling the head or a tied embedding instead made
+the embedding outweigh every layer, and a tied head then repeated the last token. The other norms
 are ones, biases small.
 
 Tokenizer: the default model's (SmolLM2's byte-level BPE, 49,152 tokens, its ChatML template),
@@ -62,6 +66,7 @@ SHAPES = {
 }
 TYPES = ("Q8_0", "Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K")
 STD = 0.02
+LOGIT_STD = 4.0  # the logits' spread the final norm's weight aims at
 UNIFORM_STD = 127 / 3 ** 0.5  # the std of codes drawn uniformly from -127..127
 
 
@@ -70,7 +75,8 @@ def default_dir() -> Path:
 
 
 def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], float]]:
-    """(name, (rows, k) or (n,), std) of every tensor, in llama.cpp's order; std 0 marks a norm (ones)."""
+    """(name, (rows, k) or (n,), std) of every tensor, in llama.cpp's order; a norm's std is 0 (ones),
+    or minus the constant it holds."""
     head_dim = shape.hidden // shape.heads
     q, kv, out_std = shape.heads * head_dim, shape.kv_heads * head_dim, STD / (2 * shape.layers) ** 0.5
     found = [("token_embd.weight", (shape.vocab, shape.hidden), STD)]
@@ -84,7 +90,7 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], float]]:
                   (b + "ffn_gate.weight", (shape.ffn, shape.hidden), STD),
                   (b + "ffn_up.weight", (shape.ffn, shape.hidden), STD),
                   (b + "ffn_down.weight", (shape.hidden, shape.ffn), out_std)]
-    found.append(("output_norm.weight", (shape.hidden,), 0))
+    found.append(("output_norm.weight", (shape.hidden,), -LOGIT_STD / (STD * shape.hidden ** 0.5)))
     if not shape.tied:
         found.append(("output.weight", (shape.vocab, shape.hidden), STD))
     return found
@@ -179,7 +185,8 @@ def write_q8_0(name: str, shape: Shape, path: Path, seed: int = 0) -> None:
     writer.write_ti_data_to_file()
     for _, dims, std in planned:
         if len(dims) == 1:
-            data = np.ones(dims, np.float32) if std == 0 else rng.normal(0, std, dims).astype(np.float32)
+            data = (np.full(dims, -std if std < 0 else 1, np.float32) if std <= 0
+                    else rng.normal(0, std, dims).astype(np.float32))
         else:
             data = q8_0(dims[0], dims[1], std, rng)
         writer.write_tensor_data(data)

@@ -331,3 +331,34 @@ def test_q4_k_beside_q6_k_keeps_its_steps_when_stacked(ops):
         vnni = kernels.with_isa(ops, "avx512vnni")
         x = torch.randn((3, 256), generator=gen)
         assert torch.equal(Weight(fused, None, CPU, vnni)(x), Weight(plain(fused), None, CPU, vnni)(x))
+
+
+@pytest.mark.parametrize("group,per,offset", [(16, 16, False), (32, 8, True), (32, 0, True)])
+def test_codes_of_six_bits_are_packed_six_bits_wide_with_the_bits_of_eight(ops, group, per, offset):
+    """Q6_K's codes (-32..31; Q5_*'s, and 4-bit ones stacked beside them) stored 6 bits wide, with
+    and without super-blocks: the same bits as the 8-bit packing at every row count, the rows read
+    back, and three quarters of the codes' bytes."""
+    if "avx512vnni" not in ops.isas:
+        pytest.skip(f"this CPU ({kernels.cpu_model()}) has no avx512vnni; its kernels run on: {', '.join(ops.isas)}")
+    gen = torch.Generator().manual_seed(group + per)
+    n, k = 70, 512
+    w = stepped_weight(n, k, 8, group, per or 1, offset, gen)
+    w.q = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    if not per:
+        w = plain(w)
+    b = torch.randn(n, generator=gen)
+    weight = Weight(w, b, CPU, kernels.with_isa(ops, "avx512vnni"))
+    assert weight.quant.bits == 6
+    steps = (w.steps, w.offset_steps) if per else (None, None)
+    eight = ops.pack_quantized_int8(w.q, w.scale, w.offset, 8, *steps)
+    panels = (n + 31) // 32
+    assert eight.numel() - weight.quant.packed.numel() == panels * 32 * k // 4  # a quarter of each code's byte
+    for rows in ROWS:
+        x = torch.randn((rows, k), generator=gen)
+        want = ops.quant_linear_int8(x, eight, n, group, 8, b, per=per)
+        assert torch.equal(weight(x), want), rows
+    Reference(w, b).check(weight(x), x, "512 rows", "avx512vnni")
+    index = torch.tensor([69, 0, 33, 33, 64, 5, 31, 32])
+    assert torch.equal(weight.quant.rows(index), w.dequantize()[index])
+    with pytest.raises(RuntimeError, match="6-bit codes must be -32..31"):
+        ops.pack_quantized_int8(w.q * 2, w.scale, w.offset, 6, *steps)

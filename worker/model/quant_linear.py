@@ -64,7 +64,9 @@ class QuantLinear:
             self.packed, self.codes = None, _pack_codes(w.q, w.bits)
             self.scale, self.offset = w.scale, w.offset
         elif self.int8:  # a k-quant's super-blocks packed as such: a byte a group's scale, not a float
-            self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, w.bits, w.steps, w.offset_steps)
+            if w.bits == 8 and int(w.q.min()) >= -32 and int(w.q.max()) <= 31:
+                self.bits = 6  # Q6_K's, Q5_*'s (and 4-bit codes widened beside them) held 6 bits wide
+            self.packed = kernels.pack_quantized_int8(w.q, w.scale, w.offset, self.bits, w.steps, w.offset_steps)
             self.per = w.per
             self.linear = functools.partial(kernels.quant_linear_int8, per=self.per)
             self.read_rows = functools.partial(kernels.quantized_int8_rows, per=self.per)

@@ -163,7 +163,7 @@ void check_pack(const at::Tensor& q, const at::Tensor& scale, const c10::optiona
   check_rows(q, "q");
   check_rows(scale, "scale");
   TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "q: int8, scale: float32");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits: 4, 6 or 8, not ", bits);
   const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1);
   TORCH_CHECK(scale.size(0) == n && groups > 0 && k % groups == 0, "scale must be [N, K / group]");
   if (offset) {
@@ -171,6 +171,7 @@ void check_pack(const at::Tensor& q, const at::Tensor& scale, const c10::optiona
     TORCH_CHECK(offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat, "offset must match scale");
   }
   if (bits == 4) TORCH_CHECK(q.min().item<int>() >= 0 && q.max().item<int>() <= 15, "4-bit codes must be 0..15");
+  if (bits == 6) TORCH_CHECK(q.min().item<int>() >= -32 && q.max().item<int>() <= 31, "6-bit codes must be -32..31");
 }
 
 at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits,
@@ -202,6 +203,7 @@ at::Tensor pack_groups(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor>
 // This kernel's layout (above): a group's k-th row of 32 codes, 8-bit a byte each, 4-bit column j in
 // byte j % 16 (the low nibble for j < 16).
 at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t bits) {
+  TORCH_CHECK(bits != 6, "pack_quantized: 6-bit codes are pack_quantized_int8's (VNNI) only");
   return pack_groups(q, scale, offset, bits, [](uint8_t* block, int64_t j, const int8_t* codes, int64_t group,
                                                 int64_t bits) {
     for (int64_t i = 0; i < group; ++i) {
@@ -217,7 +219,7 @@ at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tens
 at::Tensor unpack_rows(const at::Tensor& packed, const at::Tensor& rows, int64_t group, int64_t bits, ReadCode read) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
               "a packed weight [panels, groups, bytes] of uint8");
-  TORCH_CHECK((bits == 4 || bits == 8) && group > 0, "bits 4 or 8 (not ", bits, "), group > 0");
+  TORCH_CHECK((bits == 4 || bits == 6 || bits == 8) && group > 0, "bits 4, 6 or 8 (not ", bits, "), group > 0");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [T]");
   const int64_t panels = packed.size(0), groups = packed.size(1), stride = packed.size(2), k = groups * group;
   const bool offset = stride == group_bytes(group, bits, true);
@@ -258,7 +260,8 @@ bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
                       const c10::optional<at::Tensor>& bias, const char* name, const char* packer) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x float32 or bfloat16");
-  TORCH_CHECK((bits == 4 || bits == 8) && group > 0, name, ": bits 4 or 8 (not ", bits, "), group > 0");
+  TORCH_CHECK((bits == 4 || bits == 6 || bits == 8) && group > 0, name, ": bits 4, 6 or 8 (not ", bits,
+              "), group > 0");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (n + 31) / 32 && packed.size(1) * group == x.size(1),
               name, ": packed must be ", packer, " of a weight [n, K] in groups of ", group);
@@ -272,6 +275,7 @@ bool check_quant_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor packed, int64_t n, int64_t group, int64_t bits,
                         c10::optional<at::Tensor> bias, const std::string& isa) {
+  TORCH_CHECK(bits != 6, "quant_linear: 6-bit codes are quant_linear_int8's (VNNI) only");
   const Isa chosen = float_isa(choose_isa(isa));
   x = x.contiguous();
   const bool offset = check_quant_call(x, packed, n, group, bits, bias, "quant_linear", "pack_quantized");

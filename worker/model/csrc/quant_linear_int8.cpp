@@ -1,4 +1,4 @@
-// quant_linear_int8: x @ w.T (+ bias) for a weight of 4- or 8-bit codes (worker/model/quantized.py), with
+// quant_linear_int8: x @ w.T (+ bias) for a weight of 4-, 6- or 8-bit codes (worker/model/quantized.py), with
 // x rounded to int8 per row and group of k, and the products summed in int32 by AVX-512 VNNI's
 // VPDPBUSD (four byte products a lane, 64 a vector, in one instruction): llama.cpp's way on CPUs.
 // Where quant_linear widens every code to a float and spends an FMA on it for each row, here four
@@ -15,7 +15,10 @@
 // quads of k: per quad, lane j (of 32 columns) holds its column's 4 codes in 4 adjacent bytes.
 // 8-bit: 128 bytes a quad, columns 0-15 then 16-31, each code stored as c + 128 (VPDPBUSD takes
 // the weight's bytes unsigned), taken off again as 128 * sum xq. 4-bit: 64 bytes a quad, columns
-// 0-15 in the low nibbles, 16-31 in the high ones. Then 32 scales, then 32 offsets where there are.
+// 0-15 in the low nibbles, 16-31 in the high ones. 6-bit (codes -32..31: Q6_K's, Q5_*'s): 96 bytes
+// a quad, the codes + 32 as 4-bit's in 64 bytes of low nibbles, then their top two bits in 32 bytes
+// (place_vnni), taken off again as 32 * sum xq; a Q6_K weight then takes 6.6 bits, not 8.6. Then
+// 32 scales, then 32 offsets where there are.
 //
 // Super-blocks (`per` > 0): where each group's scale (and offset) is a small integer times a step
 // that `per` consecutive groups share, as llama.cpp's k-quants store them (Q4_K and Q5_K: 8 groups
@@ -94,6 +97,10 @@ struct Block {
   float* total;  // [R][P * 32]
 };
 
+// What the stored codes carry above the signed ones (VPDPBUSD reads the weight's bytes unsigned).
+template <int Bits>
+constexpr int32_t kBias = Bits == 8 ? 128 : Bits == 6 ? 32 : 0;
+
 // The 16 scales from `v` * 16 of a group: the plain packing's floats, or step times integer.
 inline __m512 scales_at(const uint8_t* floats, const float* steps, int v) {
   if (!steps) return _mm512_loadu_ps(reinterpret_cast<const float*>(floats) + 16 * v);
@@ -107,7 +114,10 @@ template <int Bits, int R, int P>
 void int8_block(const Block& b) {
   constexpr int64_t quad_bytes = kPanel * 4 * Bits / 8;
   const int64_t groups = b.k / b.group, quads = b.group / 4;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+  // 6-bit: byte b's top bits at 2 * (b / 32) of top byte b % 32 (low nibbles), 4 more for the high ones
+  const __m512i top_low = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i top_high = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
   __m512 total[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) total[r][j][0] = total[r][j][1] = _mm512_setzero_ps();
@@ -127,6 +137,13 @@ void int8_block(const Block& b) {
         if constexpr (Bits == 8) {
           w[j][0] = _mm512_loadu_si512(quad);
           w[j][1] = _mm512_loadu_si512(quad + 64);
+        } else if constexpr (Bits == 6) {  // 64 bytes of low nibbles as 4-bit's, then 32 of top bits
+          const __m512i both = _mm512_loadu_si512(quad);
+          const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 64)));
+          w[j][0] = _mm512_or_si512(_mm512_and_si512(both, low),
+                                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_low), 4), top_bits));
+          w[j][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(both, 4), low),
+                                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_high), 4), top_bits));
         } else {
           const __m512i both = _mm512_loadu_si512(quad);
           w[j][0] = _mm512_and_si512(both, low);
@@ -153,7 +170,7 @@ void int8_block(const Block& b) {
                                   : _mm512_setzero_ps();
         for (int r = 0; r < R; ++r) {
           __m512i sum = acc[r][j][v];
-          if constexpr (Bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * b.xqsum[r * groups + g]));
+          if constexpr (Bits != 4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kBias<Bits> * b.xqsum[r * groups + g]));
           const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(b.dx[r * groups + g]));
           total[r][j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, total[r][j][v]);
           if (b.offset) total[r][j][v] = _mm512_fnmadd_ps(o, _mm512_set1_ps(b.xsum[r * groups + g]), total[r][j][v]);
@@ -222,23 +239,35 @@ void check_vnni(const char* name) {
 }
 
 
-// VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes.
+// VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes. 6-bit codes (c + 32)
+// as 4-bit ones (their low nibbles: byte b = 4 (j % 16) + i % 4, column j >= 16 in its high nibble),
+// then 32 bytes of their top two bits: byte b's in top byte b % 32, at bit 2 (b / 32), plus 4 for
+// the high nibble's column.
 void place_vnni(uint8_t* block, int64_t j, const int8_t* codes, int64_t group, int64_t bits) {
   for (int64_t i = 0; i < group; ++i) {
     uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
     const auto code = static_cast<uint8_t>(codes[i]);
-    if (bits == 8)
+    const int64_t b = 4 * (j % 16) + i % 4;
+    if (bits == 8) {
       quad[4 * j + i % 4] = code ^ 0x80;  // c + 128
-    else
-      quad[4 * (j % 16) + i % 4] |= j < 16 ? code : uint8_t(code << 4);
+    } else if (bits == 6) {
+      const auto stored = static_cast<uint8_t>(codes[i] + 32);
+      quad[b] |= j < 16 ? stored & 15 : uint8_t((stored & 15) << 4);
+      quad[64 + b % 32] |= uint8_t((stored >> 4) << (2 * (b / 32) + (j < 16 ? 0 : 4)));
+    } else {
+      quad[b] |= j < 16 ? code : uint8_t(code << 4);
+    }
   }
 }
 
 int read_vnni(const uint8_t* block, int64_t j, int64_t i, int64_t bits) {
   const uint8_t* quad = block + (i / 4) * (kPanel * 4 * bits / 8);
   if (bits == 8) return static_cast<int>(quad[4 * j + i % 4]) - 128;
-  const uint8_t byte = quad[4 * (j % 16) + i % 4];
-  return j < 16 ? byte & 15 : byte >> 4;
+  const int64_t b = 4 * (j % 16) + i % 4;
+  const int nibble = j < 16 ? quad[b] & 15 : quad[b] >> 4;
+  if (bits == 4) return nibble;
+  const int top = (quad[64 + b % 32] >> (2 * (b / 32) + (j < 16 ? 0 : 4))) & 3;
+  return nibble + 16 * top - 32;
 }
 
 // `value` as a whole multiple of `step` in int8, exactly (a k-quant's scale is its fp16 step times
@@ -307,8 +336,8 @@ at::Tensor pack_super(const at::Tensor& q, const at::Tensor& scale, const c10::o
 // super-block; whether it has offsets.
 bool check_super(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t per,
                  const char* name) {
-  TORCH_CHECK((bits == 4 || bits == 8) && group > 0 && group % 4 == 0 && per > 0, name, ": bits 4 or 8, group a "
-              "multiple of 4, per > 0");
+  TORCH_CHECK((bits == 4 || bits == 6 || bits == 8) && group > 0 && group % 4 == 0 && per > 0, name,
+              ": bits 4, 6 or 8, group a multiple of 4, per > 0");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (n + kPanel - 1) / kPanel && packed.size(1) * per * group == k,
               name, ": packed must be pack_quantized_int8's super-blocks of a weight [n, K] in groups of ", group);
@@ -392,6 +421,8 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t
   const float* bp = bias ? bf.data_ptr<float>() : nullptr;
   if (bits == 8)
     int8_impl<8>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset, per);
+  else if (bits == 6)
+    int8_impl<6>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset, per);
   else
     int8_impl<4>(xr, packed.data_ptr<uint8_t>(), bp, out.data_ptr<float>(), m, k, n, group, offset, per);
 #endif
