@@ -74,6 +74,18 @@ def test_each_type_reads_back_as_gguf_dequantizes_it(tmp_path, qtype):
         assert exactly_equal(loaded.dequantize(), expected)
         if loaded.bits == 4:
             assert 0 <= loaded.q.min() and loaded.q.max() <= 15
+        # a k-quant keeps its block's steps: every scale (and offset) an int8 multiple of its block's
+        assert (loaded.steps is not None) == (qtype in (T.Q4_K, T.Q5_K, T.Q6_K))
+        if loaded.steps is not None:
+            assert loaded.steps.shape == (24, 2) and loaded.per == 256 // loaded.group
+            for value, step in [(loaded.scale, loaded.steps), (loaded.offset, loaded.offset_steps)]:
+                if value is None:
+                    assert step is None
+                    continue
+                step = step.repeat_interleave(loaded.per, dim=1)
+                whole = torch.where(step == 0, torch.zeros_like(value), value / step)
+                assert torch.equal(whole, whole.round()) and -128 <= whole.min() and whole.max() <= 127
+                assert torch.equal(whole * step, value)
 
 
 def test_rows_reordered_before_decoding_are_the_same_rows(tmp_path):
