@@ -20,7 +20,9 @@ Before any server starts, the memory bandwidth (benchmarks/bandwidth.py: STREAM'
 core). Each one-stream figure gets its share of it: bytes a decode step reads (the weights as the
 server holds them, streamq's `streamq:model_weight_bytes`, llama.cpp's the file's tensors; plus
 the KV cache at the load's mean context) over the decode's time per token (TPOT), divided by the
-triad's bandwidth. Prints a table per file and load (each round's figures, the median ratio), then
+triad's bandwidth. With `--agree`, each file's greedy text on 3 of W's prompts, 32 tokens, from
+both servers: how many tokens are equal, and where they part each one's two best tokens and
+logprobs. Prints a table per file and load (each round's figures, the median ratio), then
 one table of every file: one stream, W, TTFT at 2,000 tokens, RSS of the model process over the
 file's bytes, share of the bandwidth; with lscpu's model and flags, cores and the bandwidth.
 """
@@ -131,6 +133,37 @@ def one_round(system: str, url: str, model: str, pid: int, long: Path | None) ->
     return out
 
 
+AGREE_PROMPTS, AGREE_TOKENS = 3, 32
+
+
+def greedy(url: str, model: str) -> list[list[tuple[str, float, list[tuple[str, float]]]]]:
+    """AGREE_TOKENS greedy tokens of each of W's first AGREE_PROMPTS prompts: (token, logprob, the
+    two best with theirs) each."""
+    prompts = json.loads(W.read_text())["messages"][:AGREE_PROMPTS]
+    found = []
+    for messages in prompts:
+        body = {"model": model, "messages": messages, "max_tokens": AGREE_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=900).json()
+        found.append([(t["token"], t["logprob"], [(a["token"], round(a["logprob"], 3)) for a in t["top_logprobs"]])
+                      for t in reply["choices"][0]["logprobs"]["content"]])
+    return found
+
+
+def agreement(ours: list, theirs: list) -> list[str]:
+    """Per prompt: the tokens equal from the start, and where the two part, each one's two best."""
+    lines = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        same = 0
+        while same < min(len(a), len(b)) and a[same][0] == b[same][0]:
+            same += 1
+        line = f"prompt {i}: {same} of {len(a)} tokens equal"
+        if same < min(len(a), len(b)):
+            line += f"; at token {same}: streamq's two best {a[same][2]}, llama.cpp's {b[same][2]}"
+        lines.append(line)
+    return lines
+
+
 def worker_weight_bytes(url: str) -> float | None:
     """The worker's streamq:model_weight_bytes, from its /metrics (its port in /readyz)."""
     workers = httpx.get(f"{url}/readyz", timeout=30).json()["workers"]
@@ -167,7 +200,7 @@ def median(values: list[float]) -> float:
 
 def run_file(gguf: Path, args, settings: dict[str, str], bandwidth_gbs: float) -> dict:
     rounds: dict[str, list[dict]] = {"streamq": [], "llama.cpp": []}
-    weights = None
+    weights, texts = None, {}
     for r in range(args.rounds):
         long = long_prompts(r) if args.ttft else None
         pids: dict[str, int] = {}
@@ -176,11 +209,18 @@ def run_file(gguf: Path, args, settings: dict[str, str], bandwidth_gbs: float) -
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             weights = worker_weight_bytes(url)
             rounds["streamq"].append(one_round("streamq", url, model, pids["worker"], long))
+            if args.agree and r == 0:
+                texts["streamq"] = greedy(url, model)
         with llama_server(gguf, args.slots, args.context) as (url, pid):
             rounds["llama.cpp"].append(one_round("llama.cpp", url, "model", pid, long))
+            if args.agree and r == 0:
+                texts["llama.cpp"] = greedy(url, "model")
     size = gguf.stat().st_size
     shape = shape_of(gguf)
     print(f"\n{gguf.name} ({size / 2**20:.0f} MiB), {args.rounds} rounds interleaved\n")
+    agreed = agreement(texts["streamq"], texts["llama.cpp"]) if texts else []
+    if agreed:
+        print("Greedy text, streamq against llama.cpp:\n\n" + "\n".join(f"- {line}" for line in agreed) + "\n")
     medians: dict[str, dict[str, float]] = {s: {} for s in rounds}
     for name in [*LOADS, *([LONG] if args.ttft else [])]:
         rows = []
@@ -199,7 +239,7 @@ def run_file(gguf: Path, args, settings: dict[str, str], bandwidth_gbs: float) -
     # one stream's context: W's first prompts (about 30 tokens with the template) and half of 128 new
     held = {"streamq": weights if weights is not None else float("nan"), "llama.cpp": shape["tensor_bytes"]}
     kv = {"streamq": 4 * shape["kv_values_a_token"], "llama.cpp": 2 * shape["kv_values_a_token"]}  # fp32 / f16
-    summary = {"file": gguf.name, "file_mib": size / 2**20}
+    summary = {"file": gguf.name, "file_mib": size / 2**20, "agreement": agreed}
     for system in rounds:
         summary[system] = {**medians[system], "rss_over_file": median([r["rss_mb"] for r in rounds[system]]) * 2**20
                            / size, "weights_mib": held[system] / 2**20,
@@ -217,6 +257,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--context", type=int, default=512, help="llama-server's KV cache: this many tokens a slot")
     parser.add_argument("--ttft", action="store_true", help="also the long prompt's TTFT")
+    parser.add_argument("--agree", action="store_true", help="also compare both servers' greedy text")
     parser.add_argument("--streamq-env", nargs="*", default=[], help="extra STREAMQ_* settings, K=V")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
