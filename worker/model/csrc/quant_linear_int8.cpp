@@ -27,7 +27,7 @@
 // and the kernel multiplies them back (exact in fp32: an fp16 times an integer below 2^8), so its
 // bits are the plain packing's. A Q4_K weight takes 4.75 bits instead of 6, a Q6_K one 8.6 instead
 // of 10: a decode step reads that many fewer bytes. Layout [ceil(N / 32), K / group / per,
-// super_bytes]: 32 steps (then 32 offset steps), then per group its codes (the quads above), 32
+// SuperLayout's bytes]: 32 steps (then 32 offset steps), then per group its codes (the quads above), 32
 // int8 scale integers, then 32 offset integers.
 #include "kernels.h"
 
@@ -43,10 +43,14 @@
 namespace streamq {
 namespace {
 
-// A super-block's bytes: its steps, then per group the codes and one byte a column per integer.
-inline int64_t super_bytes(int64_t group, int64_t bits, bool offset, int64_t per) {
-  return kPanel * 4 * (offset ? 2 : 1) + per * (group * kPanel * bits / 8 + kPanel * (offset ? 2 : 1));
-}
+// Where a super-block's bytes lie: its steps (`head` bytes), then per group its codes (`codes`
+// bytes) and one byte a column per integer (`group` bytes in all a group), `bytes` in all.
+struct SuperLayout {
+  int64_t head, codes, group, bytes;
+  SuperLayout(int64_t group_size, int64_t bits, bool offset, int64_t per)
+      : head(kPanel * 4 * (offset ? 2 : 1)), codes(group_size * kPanel * bits / 8),
+        group(codes + kPanel * (offset ? 2 : 1)), bytes(head + per * group) {}
+};
 
 #if defined(STREAMQ_VNNI)
 // The rows' activations as the kernel reads them: codes [m, k], and per row and group the step dx,
@@ -121,12 +125,10 @@ void int8_block(const Block& b) {
   __m512 total[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) total[r][j][0] = total[r][j][1] = _mm512_setzero_ps();
-  const int64_t code_bytes = b.group * kPanel * Bits / 8;
-  const int64_t head = b.per ? kPanel * 4 * (b.offset ? 2 : 1) : 0;
-  const int64_t group_stride = b.per ? code_bytes + kPanel * (b.offset ? 2 : 1) : b.stride;
+  const SuperLayout layout(b.group, Bits, b.offset, b.per);  // its codes' bytes a group serve both layouts
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* super = b.per ? b.panel + (g / b.per) * b.stride : nullptr;
-    const uint8_t* codes = b.per ? super + head + (g % b.per) * group_stride : b.panel + g * b.stride;
+    const uint8_t* codes = b.per ? super + layout.head + (g % b.per) * layout.group : b.panel + g * b.stride;
     __m512i acc[R][P][2];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_si512();
@@ -161,7 +163,7 @@ void int8_block(const Block& b) {
       }
     }
     for (int j = 0; j < P; ++j) {
-      const uint8_t* scale = codes + j * b.panel_bytes + code_bytes;
+      const uint8_t* scale = codes + j * b.panel_bytes + layout.codes;
       const float* steps = super ? reinterpret_cast<const float*>(super + j * b.panel_bytes) : nullptr;
       const int64_t offsets = super ? kPanel : kPanel * 4;  // where a group's offsets follow its scales
       for (int v = 0; v < 2; ++v) {
@@ -170,7 +172,8 @@ void int8_block(const Block& b) {
                                   : _mm512_setzero_ps();
         for (int r = 0; r < R; ++r) {
           __m512i sum = acc[r][j][v];
-          if constexpr (Bits != 4) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kBias<Bits> * b.xqsum[r * groups + g]));
+          if constexpr (Bits != 4)
+            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kBias<Bits> * b.xqsum[r * groups + g]));
           const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(b.dx[r * groups + g]));
           total[r][j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, total[r][j][v]);
           if (b.offset) total[r][j][v] = _mm512_fnmadd_ps(o, _mm512_set1_ps(b.xsum[r * groups + g]), total[r][j][v]);
@@ -190,7 +193,7 @@ void int8_impl(const Rounded& xr, const uint8_t* packed, const float* bias, floa
                int64_t n, int64_t group, bool offset, int64_t per) {
   constexpr int64_t max_rows = 6;
   const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel;
-  const int64_t stride = per ? super_bytes(group, Bits, offset, per) : group_bytes(group, Bits, offset);
+  const int64_t stride = per ? SuperLayout(group, Bits, offset, per).bytes : group_bytes(group, Bits, offset);
   const int64_t panel_bytes = (per ? groups / per : groups) * stride;
   const int64_t wide = m == 1 ? 4 : m == 2 ? 2 : 1;
   // A task's work: VPDPBUSD does 64 products, the float kernels' FMA 16; the grain counts FMAs.
@@ -237,7 +240,6 @@ void check_vnni(const char* name) {
   TORCH_CHECK(std::find(isas.begin(), isas.end(), "avx512vnni") != isas.end(), name,
               ": this CPU and build have no AVX-512 VNNI; their kernels run on: ", joined(isas));
 }
-
 
 // VNNI's layout (above): per quad of k, column j's 4 codes in 4 adjacent bytes. 6-bit codes (c + 32)
 // as 4-bit ones (their low nibbles: byte b = 4 (j % 16) + i % 4, column j >= 16 in its high nibble),
@@ -290,7 +292,8 @@ at::Tensor pack_super(const at::Tensor& q, const at::Tensor& scale, const c10::o
   check_rows(steps, "steps");
   TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.size(0) == q.size(0) && steps.size(1) > 0 &&
                   scale.size(1) % steps.size(1) == 0, "pack_quantized_int8: steps must be float32 [N, groups / per]");
-  TORCH_CHECK(offset.has_value() == offset_steps.has_value(), "pack_quantized_int8: offsets and their steps go together");
+  TORCH_CHECK(offset.has_value() == offset_steps.has_value(),
+              "pack_quantized_int8: offsets and their steps go together");
   if (offset_steps) {
     check_rows(*offset_steps, "offset_steps");
     TORCH_CHECK(offset_steps->sizes() == steps.sizes() && offset_steps->scalar_type() == at::kFloat,
@@ -299,9 +302,8 @@ at::Tensor pack_super(const at::Tensor& q, const at::Tensor& scale, const c10::o
   const int64_t n = q.size(0), k = q.size(1), groups = scale.size(1), group = k / groups, supers = steps.size(1);
   const int64_t per = groups / supers, panels = (n + kPanel - 1) / kPanel;
   const bool has_offset = offset.has_value();
-  const int64_t head = kPanel * 4 * (has_offset ? 2 : 1), code_bytes = group * kPanel * bits / 8;
-  const int64_t group_stride = code_bytes + kPanel * (has_offset ? 2 : 1);
-  const int64_t stride = super_bytes(group, bits, has_offset, per);
+  const SuperLayout layout(group, bits, has_offset, per);
+  const int64_t stride = layout.bytes;
   at::Tensor packed = at::zeros({panels, supers, stride}, q.options().dtype(at::kByte));
   const int8_t* qp = q.data_ptr<int8_t>();
   const float *sp = scale.data_ptr<float>(), *tp = steps.data_ptr<float>();
@@ -319,11 +321,11 @@ at::Tensor pack_super(const at::Tensor& q, const at::Tensor& scale, const c10::o
         if (has_offset) floats[kPanel + j] = up[row * supers + s];
         for (int64_t i = 0; i < per; ++i) {
           const int64_t g = s * per + i;
-          uint8_t* gb = block + head + i * group_stride;
+          uint8_t* gb = block + layout.head + i * layout.group;
           place_vnni(gb, j, qp + row * k + g * group, group, bits);
-          gb[code_bytes + j] = static_cast<uint8_t>(whole(sp[row * groups + g], floats[j], "scale"));
+          gb[layout.codes + j] = static_cast<uint8_t>(whole(sp[row * groups + g], floats[j], "scale"));
           if (has_offset)
-            gb[code_bytes + kPanel + j] =
+            gb[layout.codes + kPanel + j] =
                 static_cast<uint8_t>(whole(op[row * groups + g], floats[kPanel + j], "offset"));
         }
       }
@@ -341,8 +343,8 @@ bool check_super(const at::Tensor& packed, int64_t n, int64_t k, int64_t group, 
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (n + kPanel - 1) / kPanel && packed.size(1) * per * group == k,
               name, ": packed must be pack_quantized_int8's super-blocks of a weight [n, K] in groups of ", group);
-  const bool offset = packed.size(2) == super_bytes(group, bits, true, per);
-  TORCH_CHECK(offset || packed.size(2) == super_bytes(group, bits, false, per), name, ": packed is not ", bits,
+  const bool offset = packed.size(2) == SuperLayout(group, bits, true, per).bytes;
+  TORCH_CHECK(offset || packed.size(2) == SuperLayout(group, bits, false, per).bytes, name, ": packed is not ", bits,
               "-bit in groups of ", group, ", ", per, " a super-block");
   return offset;
 }
@@ -365,8 +367,8 @@ at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [T]");
   const int64_t n = packed.size(0) * kPanel, k = packed.size(1) * per * group;
   const bool offset = check_super(packed, n, k, group, bits, per, "quantized_int8_rows");
-  const int64_t supers = packed.size(1), stride = packed.size(2), code_bytes = group * kPanel * bits / 8;
-  const int64_t head = kPanel * 4 * (offset ? 2 : 1), group_stride = code_bytes + kPanel * (offset ? 2 : 1);
+  const int64_t supers = packed.size(1), stride = packed.size(2);
+  const SuperLayout layout(group, bits, offset, per);
   const at::Tensor index = rows.contiguous();
   const int64_t* rp = index.data_ptr<int64_t>();
   const int64_t t = index.numel();
@@ -381,10 +383,10 @@ at::Tensor quantized_int8_rows(at::Tensor packed, at::Tensor rows, int64_t group
         const uint8_t* block = src + (p * supers + s) * stride;
         const float* floats = reinterpret_cast<const float*>(block);
         for (int64_t i = 0; i < per; ++i) {
-          const uint8_t* gb = block + head + i * group_stride;
-          const float scale = floats[j] * static_cast<float>(static_cast<int8_t>(gb[code_bytes + j]));
+          const uint8_t* gb = block + layout.head + i * layout.group;
+          const float scale = floats[j] * static_cast<float>(static_cast<int8_t>(gb[layout.codes + j]));
           const float shift = offset ? floats[kPanel + j] * static_cast<float>(static_cast<int8_t>(
-                                                                gb[code_bytes + kPanel + j]))
+                                                                gb[layout.codes + kPanel + j]))
                                      : 0.0f;
           float* w = dst + r * k + (s * per + i) * group;
           for (int64_t c = 0; c < group; ++c) w[c] = static_cast<float>(read_vnni(gb, j, c, bits)) * scale - shift;
