@@ -3,8 +3,12 @@ worker that took a request over goes on after the last index delivered, and the 
 it writes nothing more of it, its final event included."""
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
 from types import SimpleNamespace
+
+from redis.asyncio import Redis
 
 from shared import redis_keys
 from shared.messages import FinalEvent, FinishReason, RequestPayload, RequestStatus, TokenEvent, decode_event
@@ -14,6 +18,7 @@ from shared.sampling import SamplingParams
 from shared.store import RequestStore, delivered_tokens
 from worker.engine.sequence import RequestEnd, StepOutput
 from worker.service.claims import Claims
+from worker.service.lease import Lease
 from worker.service.metrics import WorkerMetrics
 from worker.service.publisher import Publisher
 from worker.service.tracing import RequestSpans
@@ -24,11 +29,11 @@ MODEL = "m"
 class Worker:
     """One worker's claims and publisher, over a backend that only records what it is given."""
 
-    def __init__(self, redis, prefix: str, name: str):
+    def __init__(self, redis, prefix: str, name: str, lease: Lease | None = None):
         self.redis, self.name, self.added = redis, name, []
         self.queue = RequestQueue(redis, prefix, MODEL)
         self.store = RequestStore(redis, prefix)
-        self.publisher = Publisher(redis, self.queue, name)
+        self.publisher = Publisher(redis, self.queue, name, lease)
         backend = SimpleNamespace(add=lambda payload, resumed: self.added.append(list(resumed)), pools=False,
                                   adapters=None, name="stub")
         self.claims = Claims(redis, self.store, backend, self.publisher, WorkerMetrics(), RequestSpans(name), name,
@@ -119,6 +124,66 @@ async def test_a_publish_after_redis_lost_the_script_loads_it_again(redis, prefi
     await redis.script_flush()
     assert await worker.publish(payload, _token(0, 10), end="done") == []
     assert [type(e) for e in await _log(redis, prefix, payload)] == [TokenEvent, FinalEvent]
+
+
+class PausingClock:
+    """The lease's clock: once armed, the process stops right after its k-th read (time jumps by a
+    minute, and `pause` runs meanwhile: another worker's takeover)."""
+
+    def __init__(self, pause):
+        self.now, self.pause, self.after, self.reads, self.paused = 0.0, pause, None, 0, False
+
+    def __call__(self) -> float:
+        now = self.now
+        if self.after is not None and not self.paused:
+            if self.reads == self.after:
+                self.now, self.paused = self.now + 60.0, True
+                self.pause()
+            self.reads += 1
+        return now
+
+
+def _meanwhile(redis_url: str, prefix: str, payload: RequestPayload) -> None:
+    """w1 found dead and its request taken over by w2, in another thread (w1's loop is stopped)."""
+    async def takeover() -> None:
+        client = Redis.from_url(redis_url, decode_responses=True)
+        assert await reclaim_dead_workers(client, prefix, MODEL, 0, 3) == {"requeued": 1}
+        assert await Worker(client, prefix, "w2").take(payload) == [0]
+        await client.aclose()
+    thread = threading.Thread(target=asyncio.run, args=(takeover(),))
+    thread.start()
+    thread.join()
+
+
+async def _script_calls(redis) -> int:
+    return int((await redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_a_worker_paused_after_any_read_of_its_lease_clock_writes_nothing_once_taken_over(redis, redis_url):
+    """The lease held when asked; the worker stops after that answer (after each read of its clock in
+    turn) and another worker takes the request over before the write reaches Redis: nothing of it
+    is written. Unpaused, the same publish goes out as plain commands (no script call)."""
+    for after in range(20):
+        prefix = f"p{uuid.uuid4().hex[:8]}"
+        payload = await _submitted(redis, prefix)
+        clock = PausingClock(lambda p=prefix, q=payload: _meanwhile(redis_url, p, q))
+        lease = Lease(6.0, clock)
+        lease.beaten(0.0, 0.0)
+        first = Worker(redis, prefix, "w1", lease)
+        clock.now = 1.0
+        await first.take(payload)
+        assert await first.publish(payload, _token(0, 10)) == []
+        scripts = await _script_calls(redis)
+        clock.after = after
+        refused = await first.publish(payload, _token(1, 11))
+        logged = [(e.index, e.token_id) for e in await _log(redis, prefix, payload)]
+        if not clock.paused:  # the publish read the clock `after` times or fewer: it ran unpaused
+            assert refused == [] and logged == [(0, 10), (1, 11)]
+            assert await _script_calls(redis) == scripts
+            assert after > 0
+            return
+        assert refused == [payload.id] and logged == [(0, 10)], after
+    raise AssertionError("the publish read the clock 20 times")
 
 
 def test_the_tokens_delivered_run_by_index_to_the_first_missing_one():

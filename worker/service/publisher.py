@@ -1,14 +1,15 @@
 """Publish one step's results: every event of the step in ONE Redis pipeline. A request this
 worker surely still holds (worker/service/lease.py: its heartbeats unbroken since it claimed it)
-is written by plain commands; any other by a script (shared/lua/publisher_publish.lua) that
-writes only while the record says the request is still this worker's, so a worker that lost a
-request to a takeover adds nothing to its token log. Both write the same keys and fields."""
+is written by plain commands in one MULTI/EXEC, its record WATCHed before the lease is asked; any
+other by a script (shared/lua/publisher_publish.lua) that writes only while the record says the
+request is still this worker's, so a worker that lost a request to a takeover adds nothing to its
+token log. Both write the same keys and fields."""
 from __future__ import annotations
 
 import asyncio
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, WatchError
 
 from shared import redis_keys, scripts
 from shared.messages import STATUS_OF_FINISH, FinalEvent, Usage, encode_event, now
@@ -44,13 +45,8 @@ class Publisher:
             return []
         stamp = now()
         calls = {rid: self._args(rid, outs, stamp) for rid, outs in _by_request(outputs).items()}
-        held = {rid for rid in calls if self._held(rid)}
-        if held:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for rid in held:
-                    _write(pipe, calls[rid])
-                await pipe.execute()
-        written = {rid: True for rid in held} | await self._run({r: a for r, a in calls.items() if r not in held})
+        held = await self._write_held(calls)
+        written = dict.fromkeys(held, True) | await self._run({r: a for r, a in calls.items() if r not in held})
         ended = [out for out in outputs if out.finished and out.request_id in self.entries]
         if ended:
             # Outside the script (the lane lies in another slot); an entry already taken back is acked: a no-op.
@@ -62,6 +58,29 @@ class Publisher:
             self.entries.pop(out.request_id, None)
             self.claimed_at.pop(out.request_id, None)
         return [rid for rid in calls if not written[rid]]
+
+    async def _write_held(self, calls: dict[str, list]) -> list[str]:
+        """Write by plain commands the requests the lease holds; the ones written. Their records are
+        WATCHed first and the lease asked once the WATCH has reached Redis: a takeover before then the
+        lease rules out, and one after it (this process paused between the answer and the write) changes
+        a record, so Redis refuses the whole MULTI/EXEC and they all go through the script. On a Redis
+        Cluster (whose client runs no WATCH over many slots) every request goes through the script."""
+        watched = [rid for rid in calls if self._held(rid)]
+        if not watched or is_cluster(self.redis):
+            return []
+        async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(*(calls[rid][0] for rid in watched))
+            held = [rid for rid in watched if self._held(rid)]  # asked again: the WATCH is in place
+            if not held:
+                return []
+            pipe.multi()
+            for rid in held:
+                _write(pipe, calls[rid])
+            try:
+                await pipe.execute()
+            except WatchError:  # a watched record changed: a takeover, or any other write to it
+                return []
+        return held
 
     def _held(self, rid: str) -> bool:
         claimed = self.claimed_at.get(rid)

@@ -294,7 +294,7 @@ class WorkerService:
             await self.redis.set(redis_keys.worker_heartbeat(self.settings.prefix, self.name),
                                  self.heartbeat(adapters).encode(), px=int(self.settings.heartbeat_ttl_s * 1000))
             self._beat_at = time.monotonic()
-            self.lease.beaten(sent)
+            self.lease.beaten(sent, self._beat_at)
         except REDIS_DOWN as exc:
             log.warning("heartbeat not written (%s)", exc)
             return
