@@ -301,6 +301,8 @@ def test_super_blocks_give_the_plain_packings_bits_in_fewer_bytes(ops, bits, gro
         x = torch.randn((rows, k), generator=gen)
         assert torch.equal(stepped(x), flat(x)), rows
     Reference(w, b).check(stepped(x), x, "512 rows", "avx512vnni")
+    for i in (0, 5, 6, 47, 48, 511):  # a row alone (a block's kernel) as in 512 (widened once for 48)
+        assert torch.equal(stepped(x[i:i + 1]), stepped(x)[i:i + 1]), i
     index = torch.tensor([69, 0, 33, 33, 64, 5, 31, 32])
     assert torch.equal(stepped.quant.rows(index), w.dequantize()[index])
     layers = ops.Projection.quantized_int8(stepped.quant.packed, n, group, bits, b, per)
@@ -358,6 +360,8 @@ def test_codes_of_six_bits_are_packed_six_bits_wide_with_the_bits_of_eight(ops, 
         want = ops.quant_linear_int8(x, eight, n, group, 8, b, per=per)
         assert torch.equal(weight(x), want), rows
     Reference(w, b).check(weight(x), x, "512 rows", "avx512vnni")
+    for i in (0, 5, 6, 47, 48, 511):  # a row alone (a block's kernel) as in 512 (widened once for 48)
+        assert torch.equal(weight(x[i:i + 1]), weight(x)[i:i + 1]), i
     index = torch.tensor([69, 0, 33, 33, 64, 5, 31, 32])
     assert torch.equal(weight.quant.rows(index), w.dequantize()[index])
     with pytest.raises(RuntimeError, match="6-bit codes must be -32..31"):

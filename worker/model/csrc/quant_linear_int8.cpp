@@ -29,6 +29,12 @@
 // of 10: a decode step reads that many fewer bytes. Layout [ceil(N / 32), K / group / per,
 // SuperLayout's bytes]: 32 steps (then 32 offset steps), then per group its codes (the quads above), 32
 // int8 scale integers, then 32 offset integers.
+//
+// Up to 6 rows a panel's codes are widened in registers as they are read (int8_block). More rows
+// (a batch of streams, a prefill) go 48 at a time: a span of 256 of k of a panel is widened to
+// bytes once into a buffer that every block of 6 rows then reads (int8_many), so the widening and
+// the scales cost once per 48 rows, not per 6. Both run a row's products and folds in one order:
+// a row's bits do not depend on how many rows came with it.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -112,46 +118,83 @@ inline __m512 scales_at(const uint8_t* floats, const float* steps, int v) {
   return _mm512_mul_ps(_mm512_loadu_ps(steps + 16 * v), _mm512_cvtepi32_ps(whole));
 }
 
+// One quad of a group's codes, 32 columns, as the unsigned bytes VPDPBUSD reads: columns 0-15 in
+// `lo`, 16-31 in `hi`, each code + kBias.
+template <int Bits>
+inline void load_quad(const uint8_t* quad, __m512i& lo, __m512i& hi) {
+  if constexpr (Bits == 8) {
+    lo = _mm512_loadu_si512(quad);
+    hi = _mm512_loadu_si512(quad + 64);
+  } else if constexpr (Bits == 6) {  // 64 bytes of low nibbles as 4-bit's, then 32 of top bits
+    const __m512i low = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+    // byte b's top bits at 2 * (b / 32) of top byte b % 32 (low nibbles), 4 more for the high ones
+    const __m512i top_low = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i top_high = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i both = _mm512_loadu_si512(quad);
+    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 64)));
+    lo = _mm512_or_si512(_mm512_and_si512(both, low),
+                         _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_low), 4), top_bits));
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(both, 4), low),
+                         _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_high), 4), top_bits));
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i both = _mm512_loadu_si512(quad);
+    lo = _mm512_and_si512(both, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
+  }
+}
+
+// Where group g's codes start in a panel, and its super-block (null in the plain packing).
+struct GroupAt {
+  const uint8_t* super;
+  const uint8_t* codes;
+};
+
+inline GroupAt group_at(const Block& b, const SuperLayout& layout, const uint8_t* panel, int64_t g) {
+  if (!b.per) return {nullptr, panel + g * b.stride};
+  const uint8_t* super = panel + (g / b.per) * b.stride;
+  return {super, super + layout.head + (g % b.per) * layout.group};
+}
+
+// A group's 16 scales and offsets of columns 16 v .. 16 v + 15 of one panel (offsets zero where none).
+inline void group_scales(const Block& b, const SuperLayout& layout, GroupAt at, int v, __m512& s, __m512& o) {
+  const uint8_t* scale = at.codes + layout.codes;
+  const float* steps = at.super ? reinterpret_cast<const float*>(at.super) : nullptr;
+  const int64_t offsets = at.super ? kPanel : kPanel * 4;  // where a group's offsets follow its scales
+  s = scales_at(scale, steps, v);
+  o = b.offset ? scales_at(scale + offsets, steps ? steps + kPanel : nullptr, v) : _mm512_setzero_ps();
+}
+
+// Row r's group g folded into its float total: the integer sum less the codes' bias, times the
+// scale and the row's step, less the offsets times the row's unrounded sum.
+inline __m512 fold(const Block& b, int64_t groups, int64_t r, int64_t g, int32_t bias, __m512i sum, __m512 s,
+                   __m512 o, __m512 total) {
+  if (bias) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias * b.xqsum[r * groups + g]));
+  const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(b.dx[r * groups + g]));
+  total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, total);
+  if (b.offset) total = _mm512_fnmadd_ps(o, _mm512_set1_ps(b.xsum[r * groups + g]), total);
+  return total;
+}
+
 // R rows over P adjacent panels: per group, R x P x 2 int32 accumulators of 16 columns, folded
 // into R x P x 2 float totals with the group's scales and offsets.
 template <int Bits, int R, int P>
 void int8_block(const Block& b) {
   constexpr int64_t quad_bytes = kPanel * 4 * Bits / 8;
   const int64_t groups = b.k / b.group, quads = b.group / 4;
-  const __m512i low = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
-  // 6-bit: byte b's top bits at 2 * (b / 32) of top byte b % 32 (low nibbles), 4 more for the high ones
-  const __m512i top_low = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  const __m512i top_high = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
   __m512 total[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) total[r][j][0] = total[r][j][1] = _mm512_setzero_ps();
   const SuperLayout layout(b.group, Bits, b.offset, b.per);  // its codes' bytes a group serve both layouts
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* super = b.per ? b.panel + (g / b.per) * b.stride : nullptr;
-    const uint8_t* codes = b.per ? super + layout.head + (g % b.per) * layout.group : b.panel + g * b.stride;
+    GroupAt at[P];
+    for (int j = 0; j < P; ++j) at[j] = group_at(b, layout, b.panel + j * b.panel_bytes, g);
     __m512i acc[R][P][2];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < P; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_si512();
     for (int64_t q = 0; q < quads; ++q) {
       __m512i w[P][2];
-      for (int j = 0; j < P; ++j) {
-        const uint8_t* quad = codes + j * b.panel_bytes + q * quad_bytes;
-        if constexpr (Bits == 8) {
-          w[j][0] = _mm512_loadu_si512(quad);
-          w[j][1] = _mm512_loadu_si512(quad + 64);
-        } else if constexpr (Bits == 6) {  // 64 bytes of low nibbles as 4-bit's, then 32 of top bits
-          const __m512i both = _mm512_loadu_si512(quad);
-          const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 64)));
-          w[j][0] = _mm512_or_si512(_mm512_and_si512(both, low),
-                                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_low), 4), top_bits));
-          w[j][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(both, 4), low),
-                                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(top, top_high), 4), top_bits));
-        } else {
-          const __m512i both = _mm512_loadu_si512(quad);
-          w[j][0] = _mm512_and_si512(both, low);
-          w[j][1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
-        }
-      }
+      for (int j = 0; j < P; ++j) load_quad<Bits>(at[j].codes + q * quad_bytes, w[j][0], w[j][1]);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, b.xq + r * b.k + g * b.group + 4 * q, 4);
@@ -162,51 +205,115 @@ void int8_block(const Block& b) {
         }
       }
     }
-    for (int j = 0; j < P; ++j) {
-      const uint8_t* scale = codes + j * b.panel_bytes + layout.codes;
-      const float* steps = super ? reinterpret_cast<const float*>(super + j * b.panel_bytes) : nullptr;
-      const int64_t offsets = super ? kPanel : kPanel * 4;  // where a group's offsets follow its scales
+    for (int j = 0; j < P; ++j)
       for (int v = 0; v < 2; ++v) {
-        const __m512 s = scales_at(scale, steps, v);
-        const __m512 o = b.offset ? scales_at(scale + offsets, steps ? steps + kPanel : nullptr, v)
-                                  : _mm512_setzero_ps();
-        for (int r = 0; r < R; ++r) {
-          __m512i sum = acc[r][j][v];
-          if constexpr (Bits != 4)
-            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kBias<Bits> * b.xqsum[r * groups + g]));
-          const __m512 step = _mm512_mul_ps(s, _mm512_set1_ps(b.dx[r * groups + g]));
-          total[r][j][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, total[r][j][v]);
-          if (b.offset) total[r][j][v] = _mm512_fnmadd_ps(o, _mm512_set1_ps(b.xsum[r * groups + g]), total[r][j][v]);
-        }
+        __m512 s, o;
+        group_scales(b, layout, at[j], v, s, o);
+        for (int r = 0; r < R; ++r) total[r][j][v] = fold(b, groups, r, g, kBias<Bits>, acc[r][j][v], s, o, total[r][j][v]);
       }
-    }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j)
       for (int v = 0; v < 2; ++v) _mm512_storeu_ps(b.total + r * P * kPanel + j * kPanel + 16 * v, total[r][j][v]);
 }
 
+// Many rows on one panel, a span of groups at a time (kSpan of k, a super-block's 256): the span's
+// codes widened to bytes once (`wide`, two vectors a quad) and its scales computed once, then read
+// by every block of R rows at r0, whose totals (b.total, kPanel a row) stay in registers over the
+// span. The same operations a row and column as int8_block's, in the same order.
+constexpr int64_t kSpan = 256;
+
+template <int Bits, int R>
+void int8_rows(const Block& b, const uint8_t* wide, const __m512* so, int64_t g0, int64_t span, int64_t r0) {
+  const int64_t groups = b.k / b.group, quads = b.group / 4;
+  __m512 total[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) total[r][v] = _mm512_load_ps(b.total + (r0 + r) * kPanel + 16 * v);
+  for (int64_t i = 0; i < span; ++i) {
+    const int64_t g = g0 + i;
+    __m512i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < quads; ++q) {
+      const uint8_t* quad = wide + (i * quads + q) * 128;
+      const __m512i lo = _mm512_load_si512(quad), hi = _mm512_load_si512(quad + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, b.xq + (r0 + r) * b.k + g * b.group + 4 * q, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, a);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi, a);
+      }
+    }
+    for (int v = 0; v < 2; ++v)  // so: per group its scales then its offsets, two vectors each
+      for (int r = 0; r < R; ++r)
+        total[r][v] = fold(b, groups, r0 + r, g, kBias<Bits>, acc[r][v], so[i * 4 + v], so[i * 4 + 2 + v], total[r][v]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) _mm512_store_ps(b.total + (r0 + r) * kPanel + 16 * v, total[r][v]);
+}
+
+// `rows` rows (at most kManyRows) on one panel, their totals in b.total (64-byte aligned).
+constexpr int64_t kManyRows = 48;
+
+template <int Bits>
+void int8_many(const Block& b, int64_t rows) {
+  constexpr int64_t quad_bytes = kPanel * 4 * Bits / 8;
+  const int64_t groups = b.k / b.group, quads = b.group / 4, span = std::max<int64_t>(1, kSpan / b.group);
+  const SuperLayout layout(b.group, Bits, b.offset, b.per);
+  alignas(64) uint8_t wide[kSpan / 4 * 128];  // a span's quads, two vectors each (a group of 128: two groups)
+  __m512 so[kSpan / 16 * 4];  // the span's groups' scales and offsets (groups of 16: 16 of them)
+  std::fill(b.total, b.total + rows * kPanel, 0.0f);
+  for (int64_t g0 = 0; g0 < groups; g0 += span) {
+    const int64_t count = std::min(span, groups - g0);
+    for (int64_t i = 0; i < count; ++i) {
+      const GroupAt at = group_at(b, layout, b.panel, g0 + i);
+      for (int64_t q = 0; q < quads; ++q) {
+        __m512i lo, hi;
+        load_quad<Bits>(at.codes + q * quad_bytes, lo, hi);
+        _mm512_store_si512(wide + (i * quads + q) * 128, lo);
+        _mm512_store_si512(wide + (i * quads + q) * 128 + 64, hi);
+      }
+      for (int v = 0; v < 2; ++v) group_scales(b, layout, at, v, so[i * 4 + v], so[i * 4 + 2 + v]);
+    }
+    int64_t r0 = 0;
+    for (; r0 + 6 <= rows; r0 += 6) int8_rows<Bits, 6>(b, wide, so, g0, count, r0);
+    switch (rows - r0) {
+      case 1: int8_rows<Bits, 1>(b, wide, so, g0, count, r0); break;
+      case 2: int8_rows<Bits, 2>(b, wide, so, g0, count, r0); break;
+      case 3: int8_rows<Bits, 3>(b, wide, so, g0, count, r0); break;
+      case 4: int8_rows<Bits, 4>(b, wide, so, g0, count, r0); break;
+      case 5: int8_rows<Bits, 5>(b, wide, so, g0, count, r0); break;
+      default: break;
+    }
+  }
+}
+
 // Up to 6 rows a block (24 accumulators and totals of the 32 registers); one or two rows take
-// four or two panels at once, so that enough independent sums are in flight.
+// four or two panels at once, so that enough independent sums are in flight. More rows than a
+// block go by int8_many, kManyRows at a time: a group's codes widened once for all of them.
 template <int Bits>
 void int8_impl(const Rounded& xr, const uint8_t* packed, const float* bias, float* out, int64_t m, int64_t k,
                int64_t n, int64_t group, bool offset, int64_t per) {
   constexpr int64_t max_rows = 6;
+  TORCH_CHECK(group % 4 == 0 && group <= 128, "quant_linear_int8: groups of 4 to 128 columns of k");
   const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel;
   const int64_t stride = per ? SuperLayout(group, Bits, offset, per).bytes : group_bytes(group, Bits, offset);
   const int64_t panel_bytes = (per ? groups / per : groups) * stride;
   const int64_t wide = m == 1 ? 4 : m == 2 ? 2 : 1;
+  const int64_t chunk = m > max_rows ? kManyRows : max_rows;
   // A task's work: VPDPBUSD does 64 products, the float kernels' FMA 16; the grain counts FMAs.
   at::parallel_for(0, panels, std::max<int64_t>(1, panel_grain(m, k) * 4), [&](int64_t begin, int64_t end) {
-    alignas(64) float total[max_rows * kPanel * 4];
+    alignas(64) float total[kManyRows * kPanel];
     for (int64_t p = begin; p < end;) {
       const int64_t count = end - p >= wide ? wide : 1;
-      for (int64_t r0 = 0; r0 < m; r0 += max_rows) {
-        const int64_t rows = std::min(max_rows, m - r0);
+      for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+        const int64_t rows = std::min(chunk, m - r0);
         const Block b{xr.xq.data() + r0 * k, xr.dx.data() + r0 * groups, xr.xqsum.data() + r0 * groups,
                       offset ? xr.xsum.data() + r0 * groups : nullptr, k, packed + p * panel_bytes, panel_bytes,
                       group, stride, offset, per, total};
-        if (count == 4) {
+        if (m > max_rows) {
+          int8_many<Bits>(b, rows);
+        } else if (count == 4) {
           int8_block<Bits, 1, 4>(b);
         } else if (count == 2) {
           rows == 1 ? int8_block<Bits, 1, 2>(b) : int8_block<Bits, 2, 2>(b);
