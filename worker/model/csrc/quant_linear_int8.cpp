@@ -295,7 +295,6 @@ template <int Bits>
 void int8_impl(const Rounded& xr, const uint8_t* packed, const float* bias, float* out, int64_t m, int64_t k,
                int64_t n, int64_t group, bool offset, int64_t per) {
   constexpr int64_t max_rows = 6;
-  TORCH_CHECK(group % 4 == 0 && group <= 128, "quant_linear_int8: groups of 4 to 128 columns of k");
   const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel;
   const int64_t stride = per ? SuperLayout(group, Bits, offset, per).bytes : group_bytes(group, Bits, offset);
   const int64_t panel_bytes = (per ? groups / per : groups) * stride;
@@ -508,7 +507,8 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor packed, int64_t n, int64_t
                              c10::optional<at::Tensor> bias, int64_t per) {
   check_vnni("quant_linear_int8");
   x = x.contiguous();
-  TORCH_CHECK(group % 4 == 0, "quant_linear_int8: a group of ", group, " is not whole quads of k");
+  TORCH_CHECK(group % 4 == 0 && group <= 128, "quant_linear_int8: a group of ", group,
+              " is not whole quads of k, at most 128");
   bool offset;
   if (per) {
     check_rows(x, "x");
