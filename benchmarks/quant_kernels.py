@@ -1,6 +1,6 @@
 """The CPU projection kernels against oneDNN and torch's own quantized matmuls, per call.
 
-    .venv/bin/python benchmarks/quant_kernels.py [--rows 1,4,8,16,32,64,256] [--threads N]
+    .venv/bin/python benchmarks/quant_kernels.py [--rows 1,4,8,16,32,64,256] [--threads N] [--k-quants]
 
 For each weight shape (N x K, as x @ w.T) and row count: ms per call (the best of a few rounds
 of calls, so a busy machine shows its quiet moments) and GB/s of weight streamed (the bytes the
@@ -10,6 +10,10 @@ quant_linear int8 (group 32) and int4 (group 32, with offsets) on each ISA this 
 avx512vnni: quant_linear_int8, activations rounded to int8), and
 torch's `_weight_int8pack_mm` (one scale per row: not a format of ours, shown for its speed) and
 `_weight_int4pack_mm_for_cpu` (fp32, (q - 8) * scale + zero in groups of 32).
+
+With --k-quants (avx512vnni only): quant_linear_int8 on the super-block packings of a Q4_K_M
+file's two kinds of weight at Qwen2.5-1.5B's shapes: gate and up stacked in Q4_K (4-bit codes,
+groups of 32, 8 a step, offsets) and down in Q6_K (6-bit codes, groups of 16, 16 a step).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from worker.model import kernels
 from worker.model.quantized import quantize
 
 SHAPES = [(576, 1536), (1536, 576), (896, 4864), (4864, 896)]
+# name, n, k, code bits, group, groups a step, offsets
+K_QUANTS = [("gate+up Q4_K", 2 * 8960, 1536, 4, 32, 8, True), ("down Q6_K", 1536, 8960, 6, 16, 16, False)]
 
 
 def cpu_header() -> str:
@@ -85,11 +91,42 @@ def paths(ops, w: torch.Tensor) -> dict[str, tuple[int, object]]:
     return out
 
 
+def k_quant(ops, n: int, k: int, bits: int, group: int, per: int, offset: bool, gen) -> torch.Tensor:
+    """Random codes whose scales (and offsets) are small integers times an fp16 step that `per`
+    groups share, as a k-quant stores them, packed for quant_linear_int8."""
+    q = torch.randint(*((-32, 32) if bits == 6 else (0, 16)), (n, k), generator=gen, dtype=torch.int8)
+
+    def stepped(low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = (torch.rand((n, k // group // per), generator=gen) * 0.01).half().float()
+        whole = torch.randint(low, high, (n, k // group), generator=gen).float()
+        return steps, steps.repeat_interleave(per, 1) * whole
+    steps, scale = stepped(-128, 128) if bits == 6 else stepped(0, 64)
+    offset_steps, offsets = stepped(0, 64) if offset else (None, None)
+    return ops.pack_quantized_int8(q, scale, offsets, bits, steps, offset_steps)
+
+
+def k_quants(ops, rows: list[int], budget: float, gen) -> None:
+    if "avx512vnni" not in ops.isas:
+        sys.exit(f"--k-quants: this CPU has no avx512vnni (kernels on: {', '.join(ops.isas)})")
+    print(f"\n{'k-quant weight':28}" + "".join(f"{r:>16}" for r in rows) + "   (ms per call / GB/s of weight)")
+    for name, n, k, bits, group, per, offset in K_QUANTS:
+        packed = k_quant(ops, n, k, bits, group, per, offset, gen)
+        def call(x, packed=packed, n=n, group=group, bits=bits, per=per):
+            return ops.quant_linear_int8(x, packed, n, group, bits, None, per=per)
+        cells = []
+        for r in rows:
+            x = torch.randn((r, k), generator=gen)
+            seconds = per_call(lambda x=x, call=call: call(x), budget)
+            cells.append(f"{seconds * 1e3:8.3f} /{packed.numel() / seconds / 1e9:5.1f}")
+        print(f"{f'{name} {n}x{k}':28}" + "".join(f"{c:>16}" for c in cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,16,32,64,256")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--budget", type=float, default=0.4, help="seconds measured per cell")
+    parser.add_argument("--k-quants", action="store_true", help="only the k-quant packings at 1.5B shapes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,6 +137,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels on: {', '.join(ops.isas) or 'none'}")
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
+    if args.k_quants:
+        k_quants(ops, rows, args.budget, gen)
+        return
     for n, k in SHAPES:
         w = torch.randn((n, k), generator=gen) * 0.02
         table = paths(ops, w)
