@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from streamq.testing.k_quants import stepped_weight
 from worker.model import kernels
 from worker.model.quantized import quantize
 
@@ -92,17 +93,12 @@ def paths(ops, w: torch.Tensor) -> dict[str, tuple[int, object]]:
 
 
 def k_quant(ops, n: int, k: int, bits: int, group: int, per: int, offset: bool, gen) -> torch.Tensor:
-    """Random codes whose scales (and offsets) are small integers times an fp16 step that `per`
-    groups share, as a k-quant stores them, packed for quant_linear_int8."""
-    q = torch.randint(*((-32, 32) if bits == 6 else (0, 16)), (n, k), generator=gen, dtype=torch.int8)
-
-    def stepped(low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
-        steps = (torch.rand((n, k // group // per), generator=gen) * 0.01).half().float()
-        whole = torch.randint(low, high, (n, k // group), generator=gen).float()
-        return steps, steps.repeat_interleave(per, 1) * whole
-    steps, scale = stepped(-128, 128) if bits == 6 else stepped(0, 64)
-    offset_steps, offsets = stepped(0, 64) if offset else (None, None)
-    return ops.pack_quantized_int8(q, scale, offsets, bits, steps, offset_steps)
+    """A k-quant's shape of weight (streamq/testing/k_quants.py), 6-bit codes in -32..31, packed
+    for quant_linear_int8."""
+    w = stepped_weight(n, k, 8 if bits == 6 else bits, group, per, offset, gen)
+    if bits == 6:
+        w.q = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    return ops.pack_quantized_int8(w.q, w.scale, w.offset, bits, w.steps, w.offset_steps)
 
 
 def k_quants(ops, rows: list[int], budget: float, gen) -> None:

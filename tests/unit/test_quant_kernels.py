@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from shared.settings import WorkerSettings
 from worker.model import kernels
 from worker.model.fused_layers import Weight
+from streamq.testing.k_quants import stepped_weight
 from worker.model.quantized import QuantizedWeight, concat_rows
 
 CPU = torch.device("cpu")
@@ -256,24 +257,6 @@ def test_rows_read_back_from_every_packing_are_the_dequantized_rows(ops, isa, bi
     if quant.packed is not None:
         with pytest.raises(RuntimeError, match="out of range"):
             quant.rows(torch.tensor([96]))
-
-
-def stepped_weight(n: int, k: int, bits: int, group: int, per: int, offset: bool, gen: torch.Generator) -> QuantizedWeight:
-    """A k-quant's shape of weight: each group's scale (and offset) a small integer times an
-    fp16 step its `per` groups share (Q4_K: 4-bit, groups of 32, 8 a step, offsets; Q6_K: 8-bit,
-    groups of 16, 16 a step, signed integers)."""
-    low, high = (-128, 128) if bits == 8 else (0, 16)
-    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int8)
-    supers = k // group // per
-
-    def stepped(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        steps = (torch.rand((n, supers), generator=gen) * 0.01).half().float()
-        steps[0, 0] = 0  # a block of zeros: its integers are 0
-        whole = torch.randint(lo, hi, (n, k // group), generator=gen).float()
-        return steps, steps.repeat_interleave(per, dim=1) * whole
-    steps, scale = stepped(-128, 128) if bits == 8 else stepped(0, 64)
-    offset_steps, offsets = stepped(0, 64) if offset else (None, None)
-    return QuantizedWeight(q, scale, offsets, group, bits, steps, offset_steps)
 
 
 def plain(w: QuantizedWeight) -> QuantizedWeight:
